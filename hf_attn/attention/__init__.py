@@ -1,0 +1,1 @@
+"""Attention functions following the transformers attention contract (see `grouped.py`)."""

@@ -1,0 +1,65 @@
+"""File helpers shared by the asset fetcher, the converters and the evaluation: hashing and atomic output."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def checkpoint_hash(path: str | os.PathLike) -> str:
+    """sha256 over the weight files of a checkpoint directory (names and contents, sorted by name)."""
+    directory = Path(path)
+    files = sorted(p for p in directory.iterdir() if p.suffix in WEIGHT_SUFFIXES)
+    if not files:
+        raise FileNotFoundError(f"No weight files ({', '.join(WEIGHT_SUFFIXES)}) in {directory}")
+    h = hashlib.sha256()
+    for p in files:
+        h.update(p.name.encode())
+        h.update(sha256_file(p).encode())
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def atomic_directory(final: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary directory beside `final`; rename it to `final` only if the block completes.
+
+    A failure or interruption leaves `final` untouched (no half-written output). An existing `final` is
+    an error unless `overwrite=True`, in which case it is replaced only once the new one is complete.
+    """
+    final = Path(final).resolve()
+    if final.exists() and not overwrite:
+        raise FileExistsError(f"Output {final} already exists; pass --overwrite (overwrite=True) to replace it.")
+    final.parent.mkdir(parents=True, exist_ok=True)
+    if not os.access(final.parent, os.W_OK):
+        raise PermissionError(f"Output directory {final.parent} is not writable; choose another --output.")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    try:
+        yield tmp
+        tmp.chmod(0o755)
+        if final.exists():
+            if not overwrite:  # somebody else finished first
+                raise FileExistsError(f"Output {final} appeared while writing; pass --overwrite to replace it.")
+            old = final.with_name(f".{final.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,24 @@
+"""The one place that registers hf-attn with transformers. Idempotent: safe to call any number of times."""
+
+from __future__ import annotations
+
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.masking_utils import sdpa_mask
+
+from hf_attn.attention.grouped import grouped_attention_forward
+
+# name -> (attention function, mask function). The mask function decides which masks reach the attention
+# function: `sdpa_mask` gives a boolean (B, 1, T, S) mask, or None for a plain causal batch without padding.
+IMPLEMENTATIONS = {
+    "hf_attn_grouped": (grouped_attention_forward, sdpa_mask),
+}
+
+_FORBIDDEN = ("flash", "sdpa", "flex_attention", "/")
+
+
+def register() -> None:
+    """Register every hf-attn attention implementation (and model type) with transformers."""
+    for name, (fn, mask_fn) in IMPLEMENTATIONS.items():
+        assert name.startswith("hf_attn_") and not any(s in name for s in _FORBIDDEN), name
+        AttentionInterface.register(name, fn)
+        AttentionMaskInterface.register(name, mask_fn)

@@ -1,0 +1,33 @@
+"""Shared fixtures. Tests run offline; the embedded default is fetched once by `hf_attn.assets`."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import hf_attn  # noqa: E402,F401  (registers the attention implementations)
+from hf_attn import assets  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """Directory of the real SmolLM2-135M-Instruct checkpoint (fp32 safetensors)."""
+    return assets.smollm2_dir()
+
+
+@pytest.fixture(scope="session")
+def persuasion_path():
+    return assets.austen_file(assets.EVAL_NOVEL)
+
+
+@pytest.fixture(scope="session")
+def train_paths():
+    return assets.train_text_files()
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
