@@ -1,0 +1,427 @@
+"""Converter plumbing shared by every converter (GQA pooling, GQA expansion, MLA, healing).
+
+- `resolve_model_path`: a local directory, a hub id (via `huggingface_hub.snapshot_download`, works offline
+  from the HF cache) or None for the embedded default (`hf_attn.assets.smollm2_dir()`).
+- `read_config` / `check_supported` / `AttentionGeometry`: what a converter may rely on.
+- `tensor_index` / `iter_tensors` / `read_tensor`: safetensors read with plain file reads (no mmap), one
+  tensor in memory at a time, over a single `model.safetensors` or a sharded `model.safetensors.index.json`.
+- `ShardedWriter`: streams converted tensors to safetensors shards (at most `max_shard_bytes` each) plus the
+  index; each tensor is written to disk as soon as it arrives, so memory stays at one tensor.
+- `copy_side_files`, `add_record`, `write_config`: everything that is not weights, and the conversion record
+  kept in `config.json["hf_attn"]` (`history`: every step so far, `last`: the newest one).
+
+Writers are meant to be used inside `hf_attn.files.atomic_directory`, so a failure leaves no output.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import struct
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+CONFIG_NAME = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
+# Files a converter rewrites itself (weights and config); everything else in a checkpoint is a side file.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".npz")
+_NOT_SIDE_FILES = (CONFIG_NAME, INDEX_FILE, "pytorch_model.bin.index.json")
+# Config flags whose presence breaks the pooling / factorisation math (a norm or a quantizer after k_proj).
+_UNSUPPORTED_FLAGS = ("qk_norm", "use_qk_norm", "qk_layernorm", "quantization_config")
+
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+# --------------------------------------------------------------------------------------------- model
+
+
+def resolve_model_path(model: str | os.PathLike | None) -> Path:
+    """None -> the embedded default; an existing local directory as is; anything else -> a hub id."""
+    if model is None:
+        from hf_attn import assets
+
+        return assets.smollm2_dir()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    text = str(model)
+    if path.exists() or text.startswith((".", "/", "~")) or text.count("/") > 1:
+        raise FileNotFoundError(
+            f"Model {text!r} is not a checkpoint directory (expected config.json + weights)."
+        )
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(
+            snapshot_download(text, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"])
+        )
+    except Exception as err:  # network, auth, offline without a cached copy
+        raise FileNotFoundError(
+            f"Could not fetch {text!r} from the Hugging Face hub ({type(err).__name__}: {err}); "
+            "pass a local checkpoint directory or check the id / network (HF_HUB_OFFLINE)."
+        ) from err
+
+
+def read_config(model_dir: str | os.PathLike) -> dict:
+    path = Path(model_dir) / CONFIG_NAME
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: {model_dir} is not a Hugging Face checkpoint directory.")
+    return json.loads(path.read_text())
+
+
+def write_config(directory: str | os.PathLike, config: dict) -> Path:
+    path = Path(directory) / CONFIG_NAME
+    path.write_text(json.dumps(config, indent=2) + "\n")
+    return path
+
+
+def check_supported(config: dict) -> None:
+    """Raise ValueError unless this is a Llama-family checkpoint whose K/V rows can be pooled linearly."""
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"Unsupported model_type {model_type!r}; "
+            f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}."
+        )
+    flags = [k for k in _UNSUPPORTED_FLAGS if config.get(k)]
+    if flags:
+        raise ValueError(
+            f"Unsupported {model_type} checkpoint: {', '.join(flags)} set in config.json (a normalisation or "
+            "quantization after the key projection breaks linear pooling); use an unquantized checkpoint."
+        )
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    partial = config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(
+            f"Unsupported partial_rotary_factor={partial}: converters assume RoPE on every pair."
+        )
+    AttentionGeometry.from_config(config)  # validates the head arithmetic
+
+
+@dataclass(frozen=True)
+class AttentionGeometry:
+    """Attention shape of a Llama-family config; everything else derives from these five numbers."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def from_config(cls, config: dict) -> AttentionGeometry:
+        num_heads = config["num_attention_heads"]
+        num_kv_heads = config.get("num_key_value_heads") or num_heads
+        head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}."
+            )
+        return cls(config["num_hidden_layers"], config["hidden_size"], num_heads, num_kv_heads, head_dim)
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def attn_key(layer: int, proj: str, kind: str = "weight") -> str:
+    """Name of an attention tensor: attn_key(3, "k_proj") -> "model.layers.3.self_attn.k_proj.weight"."""
+    assert proj in ("q_proj", "k_proj", "v_proj", "o_proj") and kind in ("weight", "bias"), (proj, kind)
+    return f"model.layers.{layer}.self_attn.{proj}.{kind}"
+
+
+def parse_attn_key(name: str) -> tuple[int, str, str] | None:
+    """Inverse of `attn_key`: (layer, proj, kind), or None for any other tensor."""
+    parts = name.split(".")
+    if (
+        len(parts) == 6
+        and parts[:2] == ["model", "layers"]
+        and parts[3] == "self_attn"
+        and parts[2].isdigit()
+    ):
+        return int(parts[2]), parts[4], parts[5]
+    return None
+
+
+# --------------------------------------------------------------------------------------------- reading
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives: file, dtype, shape and byte range (absolute offsets in the file)."""
+
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def _read_header(path: Path) -> tuple[dict, int]:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return header, 8 + n
+
+
+def weight_files(model_dir: str | os.PathLike) -> list[Path]:
+    """The safetensors files of a checkpoint, from the sharded index if there is one."""
+    directory = Path(model_dir)
+    index = directory / INDEX_FILE
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [directory / f for f in dict.fromkeys(weight_map.values())]
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise FileNotFoundError(f"{INDEX_FILE} in {directory} lists missing shards: {missing}")
+        return files
+    if (directory / SINGLE_FILE).exists():
+        return [directory / SINGLE_FILE]
+    others = sorted(p.name for p in directory.iterdir() if p.suffix in _WEIGHT_SUFFIXES)
+    raise FileNotFoundError(
+        f"No {SINGLE_FILE} or {INDEX_FILE} in {directory} (found: {others or 'no weight files'}); "
+        "converters read safetensors only (re-save with `save_pretrained(safe_serialization=True)`)."
+    )
+
+
+def tensor_index(model_dir: str | os.PathLike) -> dict[str, TensorInfo]:
+    """Name -> TensorInfo for every tensor of the checkpoint, from the headers only (nothing is loaded)."""
+    out = {}
+    for path in weight_files(model_dir):
+        header, data_start = _read_header(path)
+        header.pop("__metadata__", None)
+        for name, h in header.items():
+            if h["dtype"] not in _DTYPES:
+                raise ValueError(f"{path.name}: tensor {name} has unsupported dtype {h['dtype']}")
+            begin, end = h["data_offsets"]
+            out[name] = TensorInfo(
+                path, _DTYPES[h["dtype"]], tuple(h["shape"]), data_start + begin, data_start + end
+            )
+    return out
+
+
+def read_tensor(info: TensorInfo) -> torch.Tensor:
+    """Read one tensor with a plain file read (no mmap, so memory is exactly this tensor)."""
+    raw = torch.empty(info.end - info.begin, dtype=torch.uint8)
+    with open(info.file, "rb") as f:
+        f.seek(info.begin)
+        got = f.readinto(memoryview(raw.numpy()))
+    if got != info.end - info.begin:
+        raise OSError(f"{info.file}: truncated tensor data (read {got} of {info.end - info.begin} bytes)")
+    return raw.view(info.dtype).reshape(info.shape)
+
+
+def iter_tensors(
+    model_dir: str | os.PathLike, names: Iterable[str] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) one at a time in file order (or in the order of `names`)."""
+    index = tensor_index(model_dir)
+    if names is None:
+        names = sorted(index, key=lambda n: (str(index[n].file), index[n].begin))
+    for name in names:
+        if name not in index:
+            raise KeyError(f"Tensor {name!r} is missing from the checkpoint {model_dir}.")
+        yield name, read_tensor(index[name])
+
+
+# --------------------------------------------------------------------------------------------- writing
+
+
+class ShardedWriter:
+    """Stream tensors into safetensors shards of at most `max_shard_bytes` (one tensor may exceed it).
+
+    Each tensor's bytes go to a scratch data file immediately; when a shard is full its header is written
+    and the data copied behind it in chunks, so memory never holds more than the tensor being added.
+    Tensors whose byte size is not a multiple of 8 are held back to the end of their shard so every other
+    tensor stays 8-byte aligned. `close()` names the shards `model-0000k-of-0000n.safetensors` and writes
+    `model.safetensors.index.json`, or a single `model.safetensors` when everything fits in one shard.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES):
+        if max_shard_bytes <= 0:
+            raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+        self.directory = Path(directory)
+        self.max_shard_bytes = max_shard_bytes
+        self.shards: list[tuple[Path, list[str]]] = []  # finished shard files and their tensor names
+        self.total_size = 0
+        self._names: set[str] = set()
+        self._data = None  # open scratch file of the current shard
+        self._entries: list[tuple[str, str, tuple[int, ...], int, int]] = []
+        self._held: list[tuple[str, torch.Tensor]] = []
+        self._size = 0
+
+    def __enter__(self) -> ShardedWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        elif self._data is not None:
+            self._data.close()
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self._names:
+            raise ValueError(f"Tensor {name!r} written twice")
+        if tensor.dtype not in _DTYPE_NAMES:
+            raise ValueError(f"Tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot store")
+        self._names.add(name)
+        tensor = tensor.detach().to("cpu").contiguous()
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._size and self._size + nbytes > self.max_shard_bytes:
+            self._finish_shard()
+        self._size += nbytes
+        self.total_size += nbytes
+        if nbytes % 8:
+            self._held.append((name, tensor))
+        else:
+            self._write(name, tensor)
+
+    def _write(self, name: str, tensor: torch.Tensor) -> None:
+        if self._data is None:
+            self._data = open(self.directory / f".shard-{len(self.shards)}.data", "w+b")
+        begin = self._data.tell()
+        if tensor.numel():
+            self._data.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+        self._entries.append(
+            (name, _DTYPE_NAMES[tensor.dtype], tuple(tensor.shape), begin, self._data.tell())
+        )
+
+    def _finish_shard(self) -> None:
+        for name, tensor in self._held:
+            self._write(name, tensor)
+        self._held = []
+        if self._data is None:
+            return
+        header = {"__metadata__": {"format": "pt"}}
+        for name, dtype, shape, begin, end in self._entries:
+            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [begin, end]}
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)  # pad so the data section starts 8-byte aligned
+        path = self.directory / f".shard-{len(self.shards)}.safetensors"
+        with open(path, "wb") as out:
+            out.write(struct.pack("<Q", len(blob)))
+            out.write(blob)
+            self._data.seek(0)
+            shutil.copyfileobj(self._data, out, 16 * 1024 * 1024)
+        self._data.close()
+        os.unlink(self._data.name)
+        self.shards.append((path, [e[0] for e in self._entries]))
+        self._data, self._entries, self._size = None, [], 0
+
+    def close(self) -> list[Path]:
+        """Finish the last shard, give the shards their final names, write the index; returns the files."""
+        self._finish_shard()
+        if not self.shards:
+            raise ValueError("ShardedWriter closed without any tensor")
+        if len(self.shards) == 1:
+            final = self.directory / SINGLE_FILE
+            self.shards[0][0].rename(final)
+            return [final]
+        n = len(self.shards)
+        weight_map, files = {}, []
+        for k, (path, names) in enumerate(self.shards):
+            final = self.directory / f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+            path.rename(final)
+            files.append(final)
+            weight_map.update(dict.fromkeys(names, final.name))
+        index = {"metadata": {"total_size": self.total_size}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        return files
+
+
+# --------------------------------------------------------------------------------------------- side files
+
+
+def copy_side_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
+    """Copy everything that is not weights or config.json (tokenizer, generation config, chat template...)."""
+    src, dst = Path(src), Path(dst)
+    copied = []
+    for path in sorted(src.iterdir()):
+        if not path.is_file() or path.name.startswith("."):
+            continue
+        if path.name in _NOT_SIDE_FILES or path.suffix in _WEIGHT_SUFFIXES:
+            continue
+        shutil.copy2(path, dst / path.name)
+        copied.append(path.name)
+    return copied
+
+
+def add_record(config: dict, record: dict) -> dict:
+    """Copy of `config` with `record` appended to `config["hf_attn"]["history"]` and set as its `last`."""
+    out = copy.deepcopy(config)
+    section = dict(out.get("hf_attn") or {})
+    section["history"] = [*section.get("history", []), copy.deepcopy(record)]
+    section["last"] = copy.deepcopy(record)
+    out["hf_attn"] = section
+    return out
+
+
+def torch_dtype(name: str | None) -> torch.dtype | None:
+    """CLI --dtype value ("float32", "bf16", ...) -> torch dtype; None keeps the source dtype."""
+    if name is None:
+        return None
+    aliases = {
+        "fp32": "float32",
+        "fp16": "float16",
+        "bf16": "bfloat16",
+        "half": "float16",
+        "float": "float32",
+    }
+    dtype = getattr(torch, aliases.get(name, name), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"Unknown --dtype {name!r}; use float32, bfloat16 or float16.")
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16" (the spelling config.json uses)."""
+    return str(dtype).removeprefix("torch.")
+
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "AttentionGeometry",
+    "ShardedWriter",
+    "TensorInfo",
+    "add_record",
+    "attn_key",
+    "check_supported",
+    "copy_side_files",
+    "dtype_name",
+    "iter_tensors",
+    "parse_attn_key",
+    "read_config",
+    "read_tensor",
+    "resolve_model_path",
+    "tensor_index",
+    "torch_dtype",
+    "weight_files",
+    "write_config",
+]
