@@ -1,0 +1,167 @@
+"""Shared pieces of the evaluation tools: model loading with clear errors, dtype parsing, attention
+implementation names, checkpoint hashing and library versions.
+
+Every function here raises `ValueError` (one line, saying what would fix it) for a user mistake, so that the
+thin CLI layers can print it and exit non-zero without a traceback.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+import hf_attn  # noqa: F401  (registers the hf-attn attention implementations and model types)
+from hf_attn import assets
+from hf_attn.files import checkpoint_hash
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_VERSIONED = ("torch", "transformers", "accelerate", "datasets", "tokenizers", "safetensors", "hf-attn")
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """`"float32" | "bfloat16" | "float16"` (or a torch.dtype) -> torch.dtype."""
+    if isinstance(name, torch.dtype):
+        if name not in DTYPES.values():
+            raise ValueError(f"Unsupported dtype {name}; choose one of {list(DTYPES)}")
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"Unknown dtype {name!r}; choose one of {list(DTYPES)}")
+    return DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def attention_implementations() -> list[str]:
+    """Attention implementation names usable here: eager, sdpa, flex_attention, every registered `hf_attn_*`
+    one, and the flash-attention ones whose package is installed."""
+    from transformers import AttentionInterface
+    from transformers.utils import import_utils
+
+    names = ["eager", "sdpa", "flex_attention"]
+    names += sorted(k for k in AttentionInterface._global_mapping if k.startswith("hf_attn_"))
+    for version in (2, 3, 4):
+        check = getattr(import_utils, f"is_flash_attn_{version}_available", None)
+        if check is not None and check():
+            names.append(f"flash_attention_{version}")
+    return names
+
+
+def check_attn_implementation(name: str | None) -> None:
+    """ValueError listing the available names for an unknown one (None = transformers' default; a hub kernel
+    id containing '/' is passed on to transformers unchecked)."""
+    if name is None or "/" in name:
+        return
+    available = attention_implementations()
+    if name not in available:
+        raise ValueError(f"Unknown attention implementation {name!r}; registered: {', '.join(available)}")
+
+
+def resolve_model(model: str | Path | None) -> str:
+    """None -> the embedded SmolLM2 directory; a local path or a hub id otherwise (as a string)."""
+    return str(assets.smollm2_dir() if model is None else model)
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
+def load_config(model: str | Path):
+    """AutoConfig of a causal LM, or ValueError if the path/id is not one."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        config = AutoConfig.from_pretrained(str(model))
+    except (OSError, ValueError, KeyError) as err:
+        raise ValueError(
+            f"{model} is not a causal LM checkpoint (no usable config.json: {_one_line(err)})"
+        ) from err
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(
+            f"{model} is not a causal LM: model type {config.model_type!r} has no AutoModelForCausalLM class"
+        )
+    return config
+
+
+def load_causal_lm(
+    model: str | Path,
+    *,
+    attn_implementation: str | None = None,
+    dtype: str | torch.dtype = torch.float32,
+    device_map: str | dict | None = None,
+):
+    """`AutoModelForCausalLM.from_pretrained` in eval mode, with one-line ValueErrors for user mistakes."""
+    from transformers import AutoModelForCausalLM
+
+    check_attn_implementation(attn_implementation)
+    dtype = parse_dtype(dtype)
+    load_config(model)
+    kwargs = {"dtype": dtype}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    try:
+        lm = AutoModelForCausalLM.from_pretrained(str(model), **kwargs)
+    except (OSError, ValueError, KeyError) as err:
+        raise ValueError(f"Could not load {model} as a causal LM: {_one_line(err)}") from err
+    return lm.eval()
+
+
+def load_tokenizer(model: str | Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model))
+    except (OSError, ValueError, KeyError) as err:
+        raise ValueError(f"No usable tokenizer in {model}: {_one_line(err)}") from err
+
+
+def max_positions(config) -> int | None:
+    return getattr(config.get_text_config(), "max_position_embeddings", None)
+
+
+def model_hash(model: str | Path) -> str | None:
+    """sha256 of the weight files (`hf_attn.files.checkpoint_hash`) of a local directory, or of the cached
+    snapshot of a hub id; None if neither can be found."""
+    path = Path(model)
+    if not path.is_dir():
+        try:
+            from huggingface_hub import snapshot_download
+
+            path = Path(snapshot_download(str(model), local_files_only=True))
+        except Exception:  # not a hub id, or not cached: nothing to hash
+            return None
+    try:
+        return checkpoint_hash(path)
+    except FileNotFoundError:
+        return None
+
+
+def library_versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for name in _VERSIONED:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    out["torch_threads"] = str(torch.get_num_threads())
+    return out
+
+
+def model_device(model) -> torch.device:
+    """Device of the input embeddings (where input ids must go, also under device_map="auto")."""
+    return model.get_input_embeddings().weight.device
+
+
+def fail(prog: str, err: BaseException) -> None:
+    """Print a one-line error for a user mistake and exit with status 2 (no traceback)."""
+    print(f"{prog}: error: {_one_line(err)}", file=sys.stderr)
+    raise SystemExit(2)

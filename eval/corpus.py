@@ -1,0 +1,89 @@
+"""Evaluation text: read through `datasets`, identified by name and sha256, tokenized once.
+
+- files: each file is read whole and unchanged (`load_dataset("text", data_files=f, sample_by="document")`);
+  several files are joined with blank lines ("\\n\\n") in the order given.
+- a dataset (hub id, cached or online, e.g. `wikitext` / `wikitext-2-raw-v1`): the rows of `text_column` of
+  one split joined with blank lines (the GPTQ / SparseGPT WikiText-2 convention).
+- neither: the embedded evaluation text, Jane Austen's *Persuasion* (`hf_attn.assets.eval_text_files()`).
+
+Tokenization adds no special tokens (no BOS/EOS): the corpus is one continuous token stream that the
+perplexity windows cut anywhere. (SmolLM2's tokenizer adds none by default either.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hf_attn import assets
+
+SEPARATOR = "\n\n"
+
+
+@dataclass(frozen=True)
+class Corpus:
+    text: str
+    name: str
+    sha256: str  # of the UTF-8 encoded text
+
+    @classmethod
+    def from_text(cls, text: str, name: str) -> Corpus:
+        if not text.strip():
+            raise ValueError(f"The text of {name} is empty; give a file or dataset that contains text")
+        return cls(text=text, name=name, sha256=hashlib.sha256(text.encode("utf-8")).hexdigest())
+
+
+def _read_file(path: Path) -> str:
+    from datasets import load_dataset
+
+    if not path.is_file():
+        raise ValueError(f"Text file {path} does not exist (or is not a file); check the --text path")
+    if path.stat().st_size == 0:
+        raise ValueError(f"Text file {path} is empty; give a file that contains text")
+    ds = load_dataset("text", data_files=str(path), sample_by="document", split="train")
+    return "".join(ds["text"])  # one row: the whole document
+
+
+def _read_dataset(name: str, config: str | None, split: str, text_column: str) -> str:
+    from datasets import load_dataset
+
+    try:
+        ds = load_dataset(name, config, split=split)
+    except Exception as err:  # hub / offline / missing split errors come in many types
+        msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(
+            f"Could not load dataset {name!r} (config {config!r}, split {split!r}): {msg}"
+        ) from err
+    if text_column not in ds.column_names:
+        raise ValueError(f"Dataset {name!r} has no column {text_column!r}; its columns are {ds.column_names}")
+    return SEPARATOR.join(ds[text_column])
+
+
+def load_corpus(
+    files: list[str | Path] | None = None,
+    *,
+    dataset: str | None = None,
+    dataset_config: str | None = None,
+    split: str = "test",
+    text_column: str = "text",
+) -> Corpus:
+    """Text files, a dataset's split, or (neither) the embedded *Persuasion*. ValueError if no text."""
+    if files and dataset:
+        raise ValueError("Give either text files or a dataset, not both")
+    if dataset:
+        text = _read_dataset(dataset, dataset_config, split, text_column)
+        label = f"{dataset}" + (f"/{dataset_config}" if dataset_config else "") + f":{split}"
+        return Corpus.from_text(text, label)
+    paths = [Path(f) for f in files] if files else assets.eval_text_files()
+    text = SEPARATOR.join(_read_file(p) for p in paths)
+    return Corpus.from_text(text, "+".join(p.name for p in paths))
+
+
+def tokenize(tokenizer, corpus_or_text: Corpus | str) -> torch.Tensor:
+    """The whole text as one LongTensor (N,) of token ids, without special tokens."""
+    text = corpus_or_text.text if isinstance(corpus_or_text, Corpus) else corpus_or_text
+    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
+    return torch.tensor(ids, dtype=torch.long)
