@@ -1,0 +1,143 @@
+"""Configuration of `llama_mla`: a Llama / Mistral / Qwen2 decoder with multi-head latent attention (MLA).
+
+Self-contained on purpose (imports transformers only): checkpoints carry this file so that
+`AutoConfig.from_pretrained(path, trust_remote_code=True)` works where hf_attn is not installed.
+
+Notation: E hidden size, Hq query heads, Hkv KV heads, d head_dim, G = Hq / Hkv, r RoPE pairs kept per KV
+head, d_c = kv_lora_rank (width of the cached latent).
+"""
+
+from __future__ import annotations
+
+from transformers.models.llama.configuration_llama import LlamaConfig
+
+MLA_ATTENTION_PATHS = ("auto", "expanded", "absorbed")
+SOURCE_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+class LlamaMLAConfig(LlamaConfig):
+    r"""The source's config (rope_parameters, head_dim, sliding_window, ...) plus the MLA fields:
+
+    kv_lora_rank (`int`, *optional*): d_c, width of the shared latent `c = W_down x`. Default: full rank,
+        `Hkv * (d - 2r) + Hkv * d` (the converter's exact construction).
+    rope_pairs (`int`, *optional*): r, RoPE frequency pairs kept per KV head, `0 <= r <= d / 2`.
+        Default: d / 2.
+    rope_pair_indices (`list[list[list[int]]]`, *optional*): `[num_layers][Hkv][r]` kept pair indices in
+        `[0, d / 2)`, each list strictly ascending. None: `list(range(r))` everywhere (highest frequencies).
+    qkv_bias (`bool`, *optional*): bias on q_proj, k_rope_proj, k_up_proj, v_up_proj.
+        Default: `attention_bias`.
+    o_bias (`bool`, *optional*): bias on o_proj. Default: `attention_bias`.
+    source_model_type (`str`): "llama" | "mistral" | "qwen2", the architecture the checkpoint came from.
+    mla_attention_path (`str`): "auto" | "expanded" | "absorbed". "auto" runs the absorbed path when a KV
+        cache is in use and the query length is at most `absorb_max_query_length`, else the expanded path.
+    absorb_max_query_length (`int`): the "auto" threshold (default 16).
+    layer_types (`list[str]`, *optional*): "full_attention" | "sliding_attention" per layer (Qwen2 style).
+        Default: all "sliding_attention" when `sliding_window` is set (Mistral), else all "full_attention".
+    """
+
+    model_type = "llama_mla"
+
+    kv_lora_rank: int | None = None
+    rope_pairs: int | None = None
+    rope_pair_indices: list | None = None
+    qkv_bias: bool | None = None
+    o_bias: bool | None = None
+    source_model_type: str = "llama"
+    sliding_window: int | None = None
+    layer_types: list | None = None
+    mla_attention_path: str = "auto"
+    absorb_max_query_length: int = 16
+
+    def __post_init__(self, **kwargs):
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.rope_pairs is None:
+            self.rope_pairs = self.head_dim // 2
+        if self.kv_lora_rank is None:
+            self.kv_lora_rank = self.num_key_value_heads * (2 * self.head_dim - 2 * self.rope_pairs)
+        if self.qkv_bias is None:
+            self.qkv_bias = self.attention_bias
+        if self.o_bias is None:
+            self.o_bias = self.attention_bias
+        if self.layer_types is None:
+            kind = "full_attention" if self.sliding_window is None else "sliding_attention"
+            self.layer_types = [kind] * self.num_hidden_layers
+        self._check_mla_fields()
+        super().__post_init__(**kwargs)
+
+    def _check_mla_fields(self) -> None:
+        d, hkv, r = self.head_dim, self.num_key_value_heads, self.rope_pairs
+        if d % 2:
+            raise ValueError(f"head_dim must be even for RoPE pairs, got {d}.")
+        if self.num_attention_heads % hkv:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({hkv})."
+            )
+        if not 0 <= r <= d // 2:
+            raise ValueError(f"rope_pairs must be in [0, head_dim / 2 = {d // 2}], got {r}.")
+        if self.kv_lora_rank < 1:
+            raise ValueError(f"kv_lora_rank must be >= 1, got {self.kv_lora_rank}.")
+        if self.mla_attention_path not in MLA_ATTENTION_PATHS:
+            raise ValueError(
+                f"mla_attention_path must be one of {MLA_ATTENTION_PATHS}, got {self.mla_attention_path!r}."
+            )
+        if self.absorb_max_query_length < 0:
+            raise ValueError(f"absorb_max_query_length must be >= 0, got {self.absorb_max_query_length}.")
+        if self.source_model_type not in SOURCE_MODEL_TYPES:
+            raise ValueError(
+                f"source_model_type must be one of {SOURCE_MODEL_TYPES}, got {self.source_model_type!r}."
+            )
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers; "
+                "give one per layer."
+            )
+        bad = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
+        if bad:
+            raise ValueError(f"layer_types may only hold 'full_attention' / 'sliding_attention', got {bad}.")
+        if "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise ValueError(
+                "layer_types has 'sliding_attention' layers but sliding_window is None; set sliding_window."
+            )
+        if self.rope_pair_indices is not None:
+            self._check_rope_pair_indices()
+
+    def _check_rope_pair_indices(self) -> None:
+        idx, layers, hkv, r, half = (
+            self.rope_pair_indices,
+            self.num_hidden_layers,
+            self.num_key_value_heads,
+            self.rope_pairs,
+            self.head_dim // 2,
+        )
+        if len(idx) != layers or any(len(heads) != hkv for heads in idx):
+            raise ValueError(
+                f"rope_pair_indices must be [num_layers={layers}][num_key_value_heads={hkv}]"
+                f"[rope_pairs={r}]; got {len(idx)} layers with {sorted({len(h) for h in idx})} heads."
+            )
+        for i, heads in enumerate(idx):
+            for g, pairs in enumerate(heads):
+                ok = len(pairs) == r and all(isinstance(p, int) and 0 <= p < half for p in pairs)
+                if not ok or any(a >= b for a, b in zip(pairs, pairs[1:])):
+                    raise ValueError(
+                        f"rope_pair_indices[{i}][{g}] = {pairs} must hold {r} strictly ascending ints "
+                        f"in [0, {half})."
+                    )
+
+    def pair_indices(self, layer_idx: int) -> list[list[int]]:
+        """Kept RoPE pairs of layer `layer_idx`: `[Hkv][r]`, sorted ascending."""
+        if self.rope_pair_indices is None:
+            return [list(range(self.rope_pairs)) for _ in range(self.num_key_value_heads)]
+        return [list(p) for p in self.rope_pair_indices[layer_idx]]
+
+    def kv_cache_numbers_per_token(self) -> int:
+        """Numbers cached per token and layer: the latent (d_c) plus the post-RoPE keys (Hkv * 2r)."""
+        return self.kv_lora_rank + self.num_key_value_heads * 2 * self.rope_pairs
+
+
+LlamaMLAConfig.register_for_auto_class()
+
+__all__ = ["LlamaMLAConfig"]
