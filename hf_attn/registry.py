@@ -22,3 +22,20 @@ def register() -> None:
         assert name.startswith("hf_attn_") and not any(s in name for s in _FORBIDDEN), name
         AttentionInterface.register(name, fn)
         AttentionMaskInterface.register(name, mask_fn)
+    _register_model_types()
+
+
+def _register_model_types() -> None:
+    """Register `llama_mla` with AutoConfig / AutoModelForCausalLM (skipped where already registered)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from hf_attn.models.llama_mla import LlamaMLAConfig, LlamaMLAForCausalLM
+
+    model_type = LlamaMLAConfig.model_type
+    if model_type not in CONFIG_MAPPING or CONFIG_MAPPING[model_type] is not LlamaMLAConfig:
+        AutoConfig.register(model_type, LlamaMLAConfig)  # raises if transformers itself defines the name
+    mapping = MODEL_FOR_CAUSAL_LM_MAPPING
+    if LlamaMLAConfig not in mapping or mapping[LlamaMLAConfig] is not LlamaMLAForCausalLM:
+        AutoModelForCausalLM.register(LlamaMLAConfig, LlamaMLAForCausalLM)
