@@ -1,0 +1,160 @@
+"""The study's outputs: `results.json` (everything), `report.md` (table + plain-language reading) and
+`pareto.png` (KV bytes per token vs perplexity, before/after healing)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+COLUMNS = (
+    ("variant", "Variant"),
+    ("healed", "Healed"),
+    ("kv", "KV bytes/token"),
+    ("kv_fraction", "KV vs source"),
+    ("perplexity", "Perplexity"),
+    ("decode", "Decode tok/s"),
+    ("convert", "Convert s"),
+    ("heal", "Heal s"),
+)
+
+
+def _fmt(x, spec: str) -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def _cells(row: dict) -> list[str]:
+    if "error" in row:
+        return [row["label"], "yes" if row["healed"] else "no", f"FAILED: {row['error']}"] + [""] * 5
+    return [
+        row["label"],
+        "yes" if row["healed"] else "no",
+        _fmt(row.get("kv_bytes_per_token"), ",.0f"),
+        _fmt(row.get("kv_fraction") and 100 * row["kv_fraction"], ".1f") + "%",
+        _fmt(row.get("perplexity"), ",.2f"),
+        _fmt(row.get("decode_tokens_per_second"), ".1f"),
+        _fmt(row.get("convert_seconds"), ".0f"),
+        _fmt(row.get("heal_seconds"), ".0f") if row["healed"] else "",
+    ]
+
+
+def format_table(record: dict) -> str:
+    lines = [
+        "| " + " | ".join(title for _, title in COLUMNS) + " |",
+        "|" + "|".join("---" if i < 2 else "---:" for i in range(len(COLUMNS))) + "|",
+    ]
+    lines += ["| " + " | ".join(_cells(r)) + " |" for r in record["rows"]]
+    return "\n".join(lines)
+
+
+def reading(record: dict) -> list[str]:
+    """A few plain-language sentences drawn from the numbers (nothing here is hand-written per run)."""
+    ok = [r for r in record["rows"] if "error" not in r]
+    by_name = {r["name"]: r for r in ok}
+    out = []
+    src = by_name.get("source")
+    if src:
+        out.append(
+            f"The source model caches {src['kv_bytes_per_token']:,.0f} bytes per token (fp32, all layers) "
+            f"and scores perplexity {src['perplexity']:.2f}."
+        )
+    mha = by_name.get("mha")
+    if src and mha:
+        same = abs(mha["perplexity"] - src["perplexity"]) <= 1e-3 * src["perplexity"]
+        out.append(
+            f"The exact MHA expansion caches {mha['kv_fraction']:.0f}x as much and scores "
+            f"{mha['perplexity']:.2f} ({'the same, as it must' if same else 'NOT the same: a bug'})."
+        )
+    control = by_name.get("source+healed")
+    if src and control:
+        out.append(
+            f"Healing the unconverted model with the same recipe moves it from {src['perplexity']:.2f} to "
+            f"{control['perplexity']:.2f}: that much of any healed variant's gain is adaptation to Austen's "
+            "prose, not repair, so compare healed rows with this control."
+        )
+    for r in ok:
+        if r["kind"] in ("gqa", "mla") and not r["healed"]:
+            healed = by_name.get(r["name"] + "+healed")
+            text = (
+                f"{r['label']}: {100 * r['kv_fraction']:.1f}% of the source's KV bytes, perplexity "
+                f"{r['perplexity']:,.2f} before healing"
+            )
+            if healed:
+                text += f", {healed['perplexity']:,.2f} after"
+                if control:
+                    text += f" ({healed['perplexity'] / control['perplexity']:.2f}x the healed control)"
+            out.append(text + ".")
+    failed = [r["name"] for r in record["rows"] if "error" in r]
+    if failed:
+        out.append(f"Failed rows (see the table for the error): {', '.join(failed)}.")
+    return out
+
+
+def plot_pareto(record: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = {r["name"]: r for r in record["rows"] if "error" not in r and r.get("perplexity")}
+    fig, ax = plt.subplots(figsize=(8, 5.5), dpi=120)
+    for r in ok.values():
+        marker, color = ("^", "tab:green") if r["healed"] else ("o", "tab:blue")
+        ax.scatter(
+            r["kv_bytes_per_token"] / 1024, r["perplexity"], marker=marker, color=color, s=50, zorder=3
+        )
+        ax.annotate(
+            r["name"],
+            (r["kv_bytes_per_token"] / 1024, r["perplexity"]),
+            fontsize=8,
+            xytext=(5, 3),
+            textcoords="offset points",
+        )
+        healed = ok.get(r["name"] + "+healed")
+        if not r["healed"] and healed:
+            ax.annotate(
+                "",
+                xy=(healed["kv_bytes_per_token"] / 1024, healed["perplexity"]),
+                xytext=(r["kv_bytes_per_token"] / 1024, r["perplexity"]),
+                arrowprops={"arrowstyle": "->", "color": "0.6"},
+            )
+    ax.scatter([], [], marker="o", color="tab:blue", label="converted (training-free)")
+    ax.scatter([], [], marker="^", color="tab:green", label="after healing")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("KV cache, KiB per token (fp32, all layers, measured)")
+    ax.set_ylabel("perplexity (lower is better)")
+    ax.set_title("SmolLM2-135M: KV cache vs perplexity", fontsize=11)
+    ax.text(0.01, 0.01, record["protocol"], transform=ax.transAxes, fontsize=6.5, color="0.4")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write_report(record: dict, results: Path) -> None:
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "results.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+    plot_pareto(record, results / "pareto.png")
+    s = record["settings"]
+    text = [
+        f"# hf-attn study ({record['profile']} profile, {record['date']})",
+        "",
+        f"Protocol: {record['protocol']}. Healing: {s['heal_minutes']} min per variant, sequences of "
+        f"{s['heal_seq_len']} tokens, batch {s['heal_batch_size']}, lr {s['heal_lr']}, trainable "
+        f"{s['heal_trainable']}, on the five other novels. Calibration: "
+        f"{s['calibration_tokens']} tokens of the "
+        f"five other novels. KV bytes per token are measured from a real cache (fp32, all 30 layers). "
+        f"Wall time {record['wall_seconds'] / 60:.1f} min.",
+        "",
+        format_table(record),
+        "",
+        "## Reading",
+        "",
+        *[f"- {line}" for line in reading(record)],
+        "",
+        "![KV bytes per token vs perplexity](pareto.png)",
+        "",
+    ]
+    (results / "report.md").write_text("\n".join(text))

@@ -1,0 +1,398 @@
+"""The main job: one command runs the whole study on the embedded default and writes a readable report.
+
+    python -m eval.study [--profile default|quick] [--config FILE] [--results DIR] [--only NAME ...] [--fresh]
+
+For every variant in the config (`eval/study.toml`): convert the source (GQA/MQA pooling, MLA factorization,
+exact MHA expansion), evaluate it, heal it for a fixed wall-clock budget and evaluate it again. Every row
+reports the measured KV-cache bytes per token, perplexity on *Persuasion* (protocol stated in the report),
+greedy decode tokens/s after a long prompt, and conversion / healing wall time.
+
+Re-runs are cheap and safe:
+- converted and healed checkpoints are cached under `$HF_ATTN_CACHE/study/` by a hash of their inputs and
+  settings (source weights hash, converter options, calibration tokens, healing recipe), so a second run does
+  not convert or heal again (`--fresh` rebuilds);
+- each finished row is stored in `RESULTS/rows/` keyed by its settings, so an interrupted study resumes where
+  it stopped;
+- a variant that raises is reported in the table with its error and does not stop the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import sys
+import time
+import tomllib
+import traceback
+from pathlib import Path
+
+from hf_attn import assets
+from hf_attn.files import checkpoint_hash
+
+DEFAULT_CONFIG = Path(__file__).with_name("study.toml")
+PROFILES = ("default", "quick")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """One profile of `study.toml`: the budgets every row is measured with."""
+
+    eval_tokens: int
+    context_length: int
+    decode_prompt_tokens: int
+    decode_new_tokens: int
+    calibration_tokens: int
+    heal_minutes: float
+    heal_seq_len: int
+    heal_batch_size: int
+    heal_lr: float
+    heal_trainable: str
+
+    @property
+    def protocol(self) -> str:
+        return (
+            f"Persuasion, first {self.eval_tokens} tokens, disjoint {self.context_length}-token windows, "
+            f"fp32; decode: batch 1, {self.decode_prompt_tokens}-token prompt, "
+            f"{self.decode_new_tokens} new tokens"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    label: str
+    kind: str  # source | expand | gqa | mla
+    heal: bool
+    options: dict  # converter keyword options
+
+
+KINDS = ("source", "expand", "gqa", "mla")
+
+
+def load_config(path: str | Path, profile: str) -> tuple[Settings, list[Variant]]:
+    raw = tomllib.loads(Path(path).read_text())
+    if profile not in raw:
+        raise ValueError(f"profile {profile!r} not in {path}; it has {[k for k in raw if k != 'variants']}")
+    fields = {f.name for f in dataclasses.fields(Settings)}
+    unknown = set(raw[profile]) - fields
+    if unknown:
+        raise ValueError(
+            f"unknown settings {sorted(unknown)} in [{profile}] of {path}; known: {sorted(fields)}"
+        )
+    settings = Settings(**raw[profile])
+    variants = []
+    for entry in raw.get("variants", []):
+        entry = dict(entry)
+        name, kind = entry.pop("name"), entry.pop("kind")
+        if kind not in KINDS:
+            raise ValueError(f"variant {name!r}: unknown kind {kind!r}; choose one of {KINDS}")
+        variants.append(Variant(name, entry.pop("label", name), kind, bool(entry.pop("heal", False)), entry))
+    if len({v.name for v in variants}) != len(variants):
+        raise ValueError(f"variant names in {path} must be unique")
+    return settings, variants
+
+
+def _key(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class Progress:
+    """One line per step: which step, how far, elapsed."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.start = total, 0, time.perf_counter()
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        elapsed = time.perf_counter() - self.start
+        print(f"[{self.done}/{self.total} | {elapsed / 60:5.1f} min] {what}", flush=True)
+
+
+# ----------------------------------------------------------------------------------------- the steps
+
+
+def convert(variant: Variant, *, source: Path, dst: Path, settings: Settings) -> None:
+    """Write the converted checkpoint of `variant` to `dst` (atomically, by the converter)."""
+    opts = dict(variant.options)
+    if variant.kind == "expand":
+        from conversion.expand import expand_checkpoint
+
+        expand_checkpoint(src=source, dst=dst, **opts)
+    elif variant.kind == "gqa":
+        from conversion.gqa import convert_gqa
+
+        if opts.get("method") == "calibrated":
+            opts.setdefault("calibration_tokens", settings.calibration_tokens)
+        convert_gqa(src=source, dst=dst, **opts)
+    elif variant.kind == "mla":
+        from conversion.mla import convert_to_mla
+
+        if opts.get("factorization", "activation") == "activation" or opts.get("rope_selection") == "2norm":
+            opts.setdefault("calibration_tokens", settings.calibration_tokens)
+        convert_to_mla(src=source, dst=dst, **opts)
+    else:  # pragma: no cover - load_config validates kinds
+        raise AssertionError(variant.kind)
+
+
+def heal(src: Path, dst: Path, settings: Settings) -> dict:
+    from conversion.heal import heal as heal_checkpoint
+
+    return heal_checkpoint(
+        model=src,
+        output=dst,
+        max_minutes=settings.heal_minutes,
+        seq_len=settings.heal_seq_len,
+        batch_size=settings.heal_batch_size,
+        lr=settings.heal_lr,
+        trainable=settings.heal_trainable,
+        eval_tokens=settings.eval_tokens,
+        progress=False,
+    )
+
+
+def measure(path: Path, settings: Settings) -> dict:
+    """Perplexity (with measured KV bytes per token) and decode speed of one checkpoint."""
+    from eval.bench_decode import bench_decode
+    from eval.perplexity import run as perplexity
+
+    ppl = perplexity(
+        model=path,
+        context_length=settings.context_length,
+        max_tokens=settings.eval_tokens,
+        progress=False,
+    )
+    decode = bench_decode(
+        path,
+        attn_implementation=None,
+        prompt_tokens=settings.decode_prompt_tokens,
+        batch_size=1,
+        new_tokens=settings.decode_new_tokens,
+    )
+    return {
+        "perplexity": ppl["perplexity"],
+        "tokens_scored": ppl["tokens_scored"],
+        "corpus_sha256": ppl["corpus_sha256"],
+        "kv_bytes_per_token": ppl["kv_bytes_per_token_measured"]["total"],
+        "kv_bytes_per_token_config": (ppl["kv_bytes_per_token"] or {}).get("total"),
+        "kv_numbers_per_token_per_layer": ppl["kv_bytes_per_token_measured"]["numbers_per_token_per_layer"],
+        "decode_tokens_per_second": decode["tokens_per_second"],
+        "eval_seconds": ppl["seconds"],
+    }
+
+
+# ----------------------------------------------------------------------------------------- the pipeline
+
+
+class Study:
+    def __init__(
+        self, settings: Settings, variants: list[Variant], results: Path, *, fresh=False, store=None
+    ):
+        self.settings, self.variants, self.results, self.fresh = settings, variants, Path(results), fresh
+        self.rows_dir = self.results / "rows"
+        self.rows_dir.mkdir(parents=True, exist_ok=True)
+        self.store = Path(store) if store is not None else assets.cache_dir() / "study"
+        self.source = assets.smollm2_dir()
+        self.source_hash = checkpoint_hash(self.source)
+        self.counts = {"converted": 0, "healed": 0, "reused": 0}
+
+    # -- cached artefacts
+    def _checkpoint(self, name: str, key: str, build) -> tuple[Path, float, bool]:
+        """Return (path, seconds it took to build, whether it was cached) of a cached checkpoint."""
+        path = self.store / f"{name}-{key}"
+        meta = path / "hf_attn_study.json"
+        if path.exists() and meta.exists() and not self.fresh:
+            self.counts["reused"] += 1
+            return path, json.loads(meta.read_text())["seconds"], True
+        start = time.perf_counter()
+        build(path)
+        seconds = time.perf_counter() - start
+        meta.write_text(json.dumps({"seconds": seconds}))
+        return path, seconds, False
+
+    def _row(self, key: str, name: str, compute) -> dict:
+        path = self.rows_dir / f"{name}.json"
+        if path.exists() and not self.fresh:
+            row = json.loads(path.read_text())
+            if row.get("key") == key and "error" not in row:
+                row["resumed"] = True
+                return row
+        row = {"key": key, **compute()}
+        path.write_text(json.dumps(row, indent=2))
+        return row
+
+    def run(self) -> list[dict]:
+        s = self.settings
+        steps = sum(2 + 2 * v.heal for v in self.variants)
+        progress = Progress(steps)
+        rows = []
+        for v in self.variants:
+            conv_key = _key(
+                self.source_hash, v.kind, v.options, s.calibration_tokens if v.kind != "source" else 0
+            )
+            try:
+                progress.step(f"{v.name}: {'convert' if v.kind != 'source' else 'source checkpoint'}")
+                if v.kind == "source":
+                    path, conv_s, cached = self.source, 0.0, True
+                else:
+                    overwrite = self.fresh
+
+                    def build(dst, v=v, overwrite=overwrite):
+                        if overwrite and dst.exists():
+                            import shutil
+
+                            shutil.rmtree(dst)
+                        convert(v, source=self.source, dst=dst, settings=s)
+
+                    path, conv_s, cached = self._checkpoint(v.name, conv_key, build)
+                    self.counts["converted"] += not cached
+                progress.step(f"{v.name}: evaluate")
+                row_key = _key(conv_key, dataclasses.asdict(s), "before")
+                row = self._row(row_key, v.name, lambda path=path: measure(path, s))
+                row.update(self._describe(v, healed=False, path=path, conv_s=conv_s, cached=cached))
+                rows.append(row)
+            except Exception as err:  # a failing variant is reported, never fatal
+                rows.append(self._failed(v, err, healed=False))
+                if v.heal:
+                    rows.append(self._failed(v, "not healed: conversion or evaluation failed", healed=True))
+                    progress.done += 2
+                continue
+            if not v.heal:
+                continue
+            try:
+                heal_key = _key(
+                    conv_key,
+                    s.heal_minutes,
+                    s.heal_seq_len,
+                    s.heal_batch_size,
+                    s.heal_lr,
+                    s.heal_trainable,
+                    s.eval_tokens,
+                )
+                progress.step(f"{v.name}: heal for {s.heal_minutes} min")
+                healed, heal_s, heal_cached = self._checkpoint(
+                    f"{v.name}-healed", heal_key, lambda dst, src=path: heal(src, dst, s)
+                )
+                self.counts["healed"] += not heal_cached
+                progress.step(f"{v.name}: evaluate healed")
+                row_key = _key(heal_key, dataclasses.asdict(s), "after")
+                row = self._row(row_key, f"{v.name}+healed", lambda p=healed: measure(p, s))
+                row.update(self._describe(v, healed=True, path=healed, conv_s=conv_s, cached=heal_cached))
+                row["heal_seconds"] = heal_s
+                rows.append(row)
+            except Exception as err:
+                rows.append(self._failed(v, err, healed=True))
+        source_kv = next(
+            (r["kv_bytes_per_token"] for r in rows if r["kind"] == "source" and "error" not in r), None
+        )
+        for r in rows:
+            if source_kv and r.get("kv_bytes_per_token") is not None:
+                r["kv_fraction"] = r["kv_bytes_per_token"] / source_kv
+        return rows
+
+    @staticmethod
+    def _describe(v: Variant, *, healed: bool, path: Path, conv_s: float, cached: bool) -> dict:
+        return {
+            "name": v.name + ("+healed" if healed else ""),
+            "variant": v.name,
+            "label": v.label,
+            "kind": v.kind,
+            "options": v.options,
+            "healed": healed,
+            "checkpoint": str(path),
+            "convert_seconds": conv_s,
+            "cached": cached,
+        }
+
+    @staticmethod
+    def _failed(v: Variant, err, *, healed: bool) -> dict:
+        if isinstance(err, BaseException):
+            traceback.print_exception(err, file=sys.stderr)
+            err = f"{type(err).__name__}: {err}"
+        print(f"  {v.name}{'+healed' if healed else ''} FAILED: {err}", flush=True)
+        return {
+            "name": v.name + ("+healed" if healed else ""),
+            "variant": v.name,
+            "label": v.label,
+            "kind": v.kind,
+            "options": v.options,
+            "healed": healed,
+            "error": str(err).splitlines()[0][:300],
+        }
+
+
+def run_study(
+    *,
+    profile: str = "default",
+    config: str | Path = DEFAULT_CONFIG,
+    results: str | Path = "results",
+    only: list[str] | None = None,
+    fresh: bool = False,
+    overrides: dict | None = None,
+    store: str | Path | None = None,
+) -> dict:
+    """Run the study; write `results.json`, `report.md` and `pareto.png` into `results`; return the record."""
+    from eval.common import library_versions
+    from eval.report import write_report
+
+    settings, variants = load_config(config, profile)
+    if overrides:
+        settings = dataclasses.replace(settings, **overrides)
+    if only:
+        unknown = set(only) - {v.name for v in variants}
+        if unknown:
+            raise ValueError(
+                f"--only {sorted(unknown)}: no such variants; choose from {[v.name for v in variants]}"
+            )
+        variants = [v for v in variants if v.name in only]
+    start = time.perf_counter()
+    study = Study(settings, variants, Path(results), fresh=fresh, store=store)
+    rows = study.run()
+    record = {
+        "profile": profile,
+        "settings": dataclasses.asdict(settings),
+        "protocol": settings.protocol,
+        "source": str(study.source),
+        "source_checkpoint_hash": study.source_hash,
+        "rows": rows,
+        "counts": study.counts,
+        "wall_seconds": time.perf_counter() - start,
+        "date": time.strftime("%Y-%m-%d"),
+        "versions": library_versions(),
+    }
+    write_report(record, Path(results))
+    return record
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    parser = argparse.ArgumentParser(prog="python -m eval.study", description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", choices=PROFILES, default="default")
+    parser.add_argument(
+        "--quick", action="store_const", const="quick", dest="profile", help="= --profile quick"
+    )
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="study TOML (default: eval/study.toml)")
+    parser.add_argument("--results", default="results", help="output directory (default: ./results)")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these variants")
+    parser.add_argument("--fresh", action="store_true", help="rebuild cached checkpoints and rows")
+    args = parser.parse_args(argv)
+    try:
+        record = run_study(
+            profile=args.profile, config=args.config, results=args.results, only=args.only, fresh=args.fresh
+        )
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    from eval.report import format_table
+
+    print()
+    print(format_table(record))
+    print(
+        f"\nwrote {Path(args.results) / 'report.md'}, results.json, pareto.png "
+        f"({record['wall_seconds'] / 60:.1f} min)"
+    )
+    return record
+
+
+if __name__ == "__main__":
+    main()

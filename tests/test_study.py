@@ -1,0 +1,79 @@
+"""The main job end to end on the real embedded default, with tiny budgets (the `quick` rows, fewer tokens)."""
+
+import json
+
+import pytest
+
+from eval.study import DEFAULT_CONFIG, load_config, run_study
+
+TINY = {
+    "eval_tokens": 256,
+    "context_length": 128,
+    "decode_prompt_tokens": 64,
+    "decode_new_tokens": 4,
+    "calibration_tokens": 512,
+    "heal_minutes": 0.05,
+    "heal_seq_len": 64,
+    "heal_batch_size": 1,
+}
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("study")
+    record = run_study(profile="quick", results=root / "results", store=root / "store", overrides=TINY)
+    return root, record
+
+
+def test_every_row_is_reported(first_run):
+    root, record = first_run
+    _, variants = load_config(DEFAULT_CONFIG, "quick")
+    expected = [v.name for v in variants] + [v.name + "+healed" for v in variants if v.heal]
+    names = [r["name"] for r in record["rows"]]
+    assert sorted(names) == sorted(expected)
+    failed = {r["name"]: r["error"] for r in record["rows"] if "error" in r}
+    assert not failed, failed
+    report = (root / "results" / "report.md").read_text()
+    for r in record["rows"]:
+        assert r["label"] in report
+    assert (root / "results" / "pareto.png").stat().st_size > 10_000
+    saved = json.loads((root / "results" / "results.json").read_text())
+    assert [r["name"] for r in saved["rows"]] == names
+
+
+def test_rows_are_consistent(first_run):
+    _, record = first_run
+    rows = {r["name"]: r for r in record["rows"]}
+    src, mha, mqa = rows["source"], rows["mha"], rows["mqa-mean"]
+    # Independent facts: the MHA expansion is exact and caches 3x; MQA caches a third (9 -> 3 -> 1 KV heads).
+    assert mha["perplexity"] == pytest.approx(src["perplexity"], rel=1e-4)
+    assert mha["kv_bytes_per_token"] == 3 * src["kv_bytes_per_token"]
+    assert mqa["kv_bytes_per_token"] * 3 == src["kv_bytes_per_token"]
+    assert src["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * 4  # layers * (K, V) * KV heads * head_dim * fp32
+    for name in ("mla-50", "mla-25", "mla-12"):
+        assert rows[name]["kv_fraction"] <= {"mla-50": 0.5, "mla-25": 0.25, "mla-12": 0.125}[name] + 1e-9
+
+
+def test_second_run_reuses_the_cache(first_run):
+    root, _ = first_run
+    record = run_study(profile="quick", results=root / "results2", store=root / "store", overrides=TINY)
+    assert record["counts"]["converted"] == 0
+    assert record["counts"]["healed"] == 0
+    assert record["counts"]["reused"] > 0
+
+
+def test_a_failing_variant_is_reported_not_fatal(tmp_path):
+    config = tmp_path / "study.toml"
+    config.write_text(
+        DEFAULT_CONFIG.read_text().split("[[variants]]")[0]
+        + '[[variants]]\nname = "source"\nkind = "source"\n'
+        + '[[variants]]\nname = "bad"\nkind = "gqa"\nnum_kv_heads = 2\nmethod = "mean"\nheal = true\n'
+    )
+    record = run_study(
+        profile="quick", config=config, results=tmp_path / "r", store=tmp_path / "s", overrides=TINY
+    )
+    rows = {r["name"]: r for r in record["rows"]}
+    assert "error" not in rows["source"] and rows["source"]["perplexity"] > 1
+    assert "2" in rows["bad"]["error"] and "3" in rows["bad"]["error"]  # names the offending head counts
+    assert "error" in rows["bad+healed"]
+    assert "FAILED" in (tmp_path / "r" / "report.md").read_text()
