@@ -1,4 +1,4 @@
-"""The main job end to end on the real embedded default, with tiny budgets (the `quick` rows, fewer tokens)."""
+"""The main job end to end on the real embedded default, with tiny budgets (every row, few tokens)."""
 
 import json
 
