@@ -1,0 +1,194 @@
+"""Calibration text and attention-layer inputs, shared by the calibrated converters (GQA pooling, MLA).
+
+- `calibration_ids(tokenizer, files=None, tokens=N)`: N token ids taken in equal shares from the start of each
+  file (default: the five embedded Austen novels other than *Persuasion*, which is kept for evaluation).
+- `corpus_record(files, tokens)`: what a conversion record says about the calibration text.
+- `for_each_attention_input(model, ids, fn, window=...)`: runs the model over disjoint windows and calls
+  `fn(layer, hidden_states, position_embeddings)` with the input of every `self_attn` (the post-norm hidden
+  states, (B, T, C), and RoPE's (cos, sin), each (B, T, D)). Nothing is kept: the caller accumulates what it
+  needs, so memory is the model plus one window's activations.
+- `attention_input_moments(model, ids, window=...)`: the usual such statistic, per layer the float64 second
+  moment of the augmented input [x; 1]: M = sum_t [x_t; 1][x_t; 1]^T, (C + 1, C). Every second moment of q, k
+  and v (with biases) follows from it: E[k k^T] = [W_k | b_k] M [W_k | b_k]^T / N. Memory: layers * (C + 1)^2
+  float64 (30 * 577^2 * 8 B = 80 MB for SmolLM2).
+- `capture_attention_inputs(model, ids, layers=...)`: the raw inputs of the chosen layers, concatenated
+  (layers * tokens * C floats: pass few layers at a time for a big model or corpus).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from hf_attn.files import sha256_file
+
+DEFAULT_CALIBRATION_TOKENS = 32768
+DEFAULT_WINDOW = 1024
+_CHARS_PER_TOKEN_GUESS = 8  # tokenize this many characters per wanted token first (then all, if too few)
+
+AttentionInputFn = Callable[[int, torch.Tensor, "tuple[torch.Tensor, torch.Tensor] | None"], None]
+
+
+def default_calibration_files() -> list[Path]:
+    from hf_attn import assets
+
+    files = assets.train_text_files()
+    evaluation = {p.resolve() for p in assets.eval_text_files()}
+    assert not evaluation & {p.resolve() for p in files}, "calibration text must never include Persuasion"
+    return files
+
+
+def calibration_ids(
+    tokenizer, files: Iterable[str | os.PathLike] | None = None, tokens: int = DEFAULT_CALIBRATION_TOKENS
+) -> torch.LongTensor:
+    """`tokens` ids, (tokens,), in equal shares from the start of each file (no special tokens added)."""
+    files = default_calibration_files() if files is None else [Path(f) for f in files]
+    if not files:
+        raise ValueError("No calibration text files given.")
+    if tokens <= 0:
+        raise ValueError(f"--calibration-tokens must be positive, got {tokens}")
+    missing = [str(f) for f in files if not Path(f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"Calibration text not found: {missing}")
+    shares = [tokens // len(files) + (k < tokens % len(files)) for k in range(len(files))]
+    pieces, available = [], 0
+    for path, share in zip(files, shares):
+        text = Path(path).read_text(encoding="utf-8")
+        ids = tokenizer(text[: share * _CHARS_PER_TOKEN_GUESS], add_special_tokens=False)["input_ids"]
+        if len(ids) < share:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        pieces.append(torch.tensor(ids[:share], dtype=torch.long))
+        available += len(ids)
+    out = torch.cat(pieces)
+    if len(out) < tokens:
+        raise ValueError(
+            f"The calibration text has too few tokens: asked for {tokens}, the {len(files)} file(s) give "
+            f"{len(out)} in equal shares ({available} in all); pass fewer --calibration-tokens or more text."
+        )
+    return out
+
+
+def corpus_record(files: Iterable[str | os.PathLike] | None, tokens: int) -> dict:
+    """The calibration corpus as a conversion record states it: file names, sha256 and the token count."""
+    files = default_calibration_files() if files is None else [Path(f) for f in files]
+    return {"files": [{"name": Path(f).name, "sha256": sha256_file(f)} for f in files], "tokens": tokens}
+
+
+def _decoder_layers(model) -> list:
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no `model.layers`; expected a Llama-family causal LM.")
+    return list(layers)
+
+
+class _StopForward(Exception):
+    """Raised by a hook once the last wanted layer has been seen, to skip the rest of the forward."""
+
+
+def for_each_attention_input(
+    model,
+    input_ids: torch.Tensor,
+    fn: AttentionInputFn,
+    *,
+    window: int = DEFAULT_WINDOW,
+    layers: Iterable[int] | None = None,
+    progress: bool = True,
+) -> None:
+    """Run `model` over disjoint windows of `input_ids` (1-D) and call `fn(layer, x, position_embeddings)`.
+
+    Shapes:
+        x                     (1, T, C)  input of `layers[layer].self_attn` (after input_layernorm)
+        position_embeddings   (cos, sin), each (1, T, D), or None if the model passes none
+    T <= window (the last window may be shorter). Layers after the last wanted one are skipped.
+    """
+    blocks = _decoder_layers(model)
+    wanted = sorted(set(range(len(blocks)) if layers is None else layers))
+    if not wanted or wanted[0] < 0 or wanted[-1] >= len(blocks):
+        raise ValueError(f"layers must be in [0, {len(blocks)}), got {wanted}")
+    if input_ids.dim() != 1:
+        raise ValueError(f"input_ids must be 1-D token ids, got shape {tuple(input_ids.shape)}")
+    last = wanted[-1]
+
+    def make_hook(idx: int):
+        def hook(module, args, kwargs):
+            x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            fn(idx, x.detach(), kwargs.get("position_embeddings"))
+            if idx == last:
+                raise _StopForward
+
+        return hook
+
+    handles = [blocks[i].self_attn.register_forward_pre_hook(make_hook(i), with_kwargs=True) for i in wanted]
+    device = next(model.parameters()).device
+    starts = range(0, len(input_ids), window)
+    try:
+        with torch.inference_mode():
+            for start in tqdm(starts, desc="calibration", unit="window", disable=not progress):
+                chunk = input_ids[start : start + window].unsqueeze(0).to(device)  # (1, T)
+                try:
+                    model(input_ids=chunk, use_cache=False)
+                except _StopForward:
+                    pass
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def attention_input_moments(
+    model,
+    input_ids: torch.Tensor,
+    *,
+    window: int = DEFAULT_WINDOW,
+    layers: Iterable[int] | None = None,
+    progress: bool = True,
+) -> dict[int, torch.Tensor]:
+    """Per layer, the float64 second moment of [x; 1] over all calibration tokens, (C + 1, C + 1).
+
+    The last row/column holds sum x and the token count, so biases are covered: for a projection W (out, C)
+    with bias b, sum_t (W x_t + b)(W x_t + b)^T = [W | b] M [W | b]^T.
+    """
+    out: dict[int, torch.Tensor] = {}
+
+    def accumulate(idx: int, x: torch.Tensor, _pos) -> None:
+        x = x.reshape(-1, x.shape[-1]).double()  # (B*T, C)
+        xa = torch.cat([x, torch.ones_like(x[:, :1])], dim=1)  # (B*T, C + 1)
+        m = xa.T @ xa  # (C + 1, C + 1)
+        out[idx] = out[idx] + m if idx in out else m
+
+    for_each_attention_input(model, input_ids, accumulate, window=window, layers=layers, progress=progress)
+    return out
+
+
+def capture_attention_inputs(
+    model,
+    input_ids: torch.Tensor,
+    *,
+    layers: Iterable[int],
+    window: int = DEFAULT_WINDOW,
+    progress: bool = True,
+) -> dict[int, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]]:
+    """The raw attention inputs of `layers`: layer -> (x (N, C), (cos, sin) each (N, D) or None).
+
+    N = len(input_ids), windows concatenated in order. Memory: len(layers) * N * (C + 2 D) floats.
+    """
+    xs: dict[int, list] = {}
+    pos: dict[int, list] = {}
+
+    def keep(idx: int, x: torch.Tensor, position_embeddings) -> None:
+        xs.setdefault(idx, []).append(x.reshape(-1, x.shape[-1]).clone())  # (T, C)
+        if position_embeddings is not None:
+            cos, sin = position_embeddings
+            pos.setdefault(idx, []).append((cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1])))
+
+    for_each_attention_input(model, input_ids, keep, window=window, layers=layers, progress=progress)
+    out = {}
+    for idx, chunks in xs.items():
+        pe = None
+        if idx in pos:
+            pe = (torch.cat([c for c, _ in pos[idx]]), torch.cat([s for _, s in pos[idx]]))
+        out[idx] = (torch.cat(chunks), pe)
+    return out
