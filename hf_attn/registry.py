@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from transformers import AttentionInterface, AttentionMaskInterface
-from transformers.masking_utils import sdpa_mask
 
-from hf_attn.attention.grouped import grouped_attention_forward
+from hf_attn.attention.grouped import grouped_attention_forward, grouped_attention_mask
 
 # name -> (attention function, mask function). The mask function decides which masks reach the attention
-# function: `sdpa_mask` gives a boolean (B, 1, T, S) mask, or None for a plain causal batch without padding.
+# function: `grouped_attention_mask` (transformers' `sdpa_mask`) gives a boolean (B, 1, T, S) mask, or None
+# for a plain causal batch without padding where T == 1 or T == S.
 IMPLEMENTATIONS = {
-    "hf_attn_grouped": (grouped_attention_forward, sdpa_mask),
+    "hf_attn_grouped": (grouped_attention_forward, grouped_attention_mask),
 }
 
 _FORBIDDEN = ("flash", "sdpa", "flex_attention", "/")
