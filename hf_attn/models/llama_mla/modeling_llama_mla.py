@@ -13,8 +13,9 @@ Everything except attention is transformers' Llama (RMSNorm, MLP, rotary embeddi
     v_g       = v_up_proj(c)_g                   (B, S, d)
     score     = (q_rope_h . k_rope_g + q_nope_h . k_nope_g) * d**-0.5
 
-KV cache: a transformers `DynamicCache` (or any `Cache`) whose per-layer "keys" hold c as (B, 1, S, d_c) and
-"values" hold k_rope as (B, Hkv, S, 2r): d_c + Hkv * 2r numbers per token and layer, nothing else.
+KV cache: a transformers `Cache` (DynamicCache by default; StaticCache and sliding-window layers work too)
+whose per-layer "keys" hold c as (B, 1, S, d_c) and "values" hold k_rope as (B, 1, S, Hkv * 2r) (head-major):
+d_c + Hkv * 2r numbers per token and layer, nothing else (one "head" in both, so static caches preallocate).
 
 Two attention paths, equal up to rounding:
 - expanded: rebuild k = [k_rope | k_nope] and v for all S tokens, then the configured attention function
@@ -60,19 +61,16 @@ from .configuration_llama_mla import MLA_ATTENTION_PATHS, LlamaMLAConfig
 def rope_dim_indices(pairs: list[list[int]], head_dim: int) -> torch.Tensor:
     """Indices into the rotary embedding's last dim (d) for each KV head's kept pairs: (Hkv, 2r),
     `[p_1..p_r, p_1 + d/2..p_r + d/2]` per head (rotate-half layout over 2r dims)."""
-    half = head_dim // 2
-    return torch.tensor([list(p) + [i + half for i in p] for p in pairs], dtype=torch.long).view(
-        len(pairs), -1
-    )
+    half, r = head_dim // 2, len(pairs[0])
+    rows = [list(p) + [i + half for i in p] for p in pairs]
+    return torch.tensor(rows, dtype=torch.long).reshape(len(pairs), 2 * r)  # (Hkv, 2r)
 
 
 def select_rope(
     cos: torch.Tensor, sin: torch.Tensor, dims: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin (B, T, d) of the source's rotary embedding -> per KV head (B, Hkv, T, 2r) on the kept pairs."""
-    cos_g = cos[..., dims].transpose(1, 2)  # (B, T, Hkv, 2r) -> (B, Hkv, T, 2r)
-    sin_g = sin[..., dims].transpose(1, 2)  # (B, Hkv, T, 2r)
-    return cos_g, sin_g
+    """cos/sin (B, T, d) of the source's rotary embedding -> per KV head (B, T, Hkv, 2r) on the kept pairs."""
+    return cos[..., dims], sin[..., dims]  # (B, T, Hkv, 2r) each
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -122,13 +120,11 @@ class LlamaMLAAttention(nn.Module):
 
         E, Hq, Hkv, dc = config.hidden_size, self.num_heads, self.num_kv_heads, self.kv_lora_rank
         self.q_proj = nn.Linear(E, Hq * d, bias=config.qkv_bias)
-        self.k_rope_proj = nn.Linear(E, Hkv * self.rope_dim, bias=config.qkv_bias)
-        self.kv_down_proj = nn.Linear(E, dc, bias=False)
-        with (
-            warnings.catch_warnings()
-        ):  # with r = d/2 k_up_proj has no rows; torch warns about initialising it
+        with warnings.catch_warnings():  # r = 0 / r = d/2 leave k_rope_proj / k_up_proj without rows: legal
             warnings.filterwarnings("ignore", message="Initializing zero-element tensors")
+            self.k_rope_proj = nn.Linear(E, Hkv * self.rope_dim, bias=config.qkv_bias)
             self.k_up_proj = nn.Linear(dc, Hkv * self.nope_dim, bias=config.qkv_bias)
+        self.kv_down_proj = nn.Linear(E, dc, bias=False)
         self.v_up_proj = nn.Linear(dc, Hkv * d, bias=config.qkv_bias)
         self.o_proj = nn.Linear(Hq * d, E, bias=config.o_bias)
         self.register_buffer("rope_dims", self.default_rope_dims(), persistent=False)  # (Hkv, 2r)
@@ -167,46 +163,40 @@ class LlamaMLAAttention(nn.Module):
         Shapes: B batch, T new tokens, S = cached + new tokens, E hidden, Hq / Hkv query / KV heads,
         G = Hq / Hkv, d head_dim, 2r RoPE dims per head, dn = d - 2r, d_c latent width.
             hidden_states (B, T, E) -> (B, T, E)
-            cache keys: c (B, 1, S, d_c); cache values: k_rope (B, Hkv, S, 2r)
+            cache keys: c (B, 1, S, d_c); cache values: k_rope (B, 1, S, Hkv * 2r), head-major
         """
         B, T, _ = hidden_states.shape
-        Hq, Hkv, G, d, rd = (
-            self.num_heads,
-            self.num_kv_heads,
-            self.num_key_value_groups,
-            self.head_dim,
-            self.rope_dim,
-        )
+        Hkv, G, d, rd = self.num_kv_heads, self.num_key_value_groups, self.head_dim, self.rope_dim
 
-        cos, sin = select_rope(*position_embeddings, self.rope_dims)  # (B, Hkv, T, 2r) each
-        q = self.q_proj(hidden_states).view(B, T, Hkv, G, d).permute(0, 2, 3, 1, 4)  # (B, Hkv, G, T, d)
-        q_rope = apply_rope(q[..., :rd], cos.unsqueeze(2), sin.unsqueeze(2))  # (B, Hkv, G, T, 2r)
-        q_nope = q[..., rd:]  # (B, Hkv, G, T, dn)
-        k_rope = self.k_rope_proj(hidden_states).view(B, T, Hkv, rd).transpose(1, 2)  # (B, Hkv, T, 2r)
-        k_rope = apply_rope(k_rope, cos, sin)  # (B, Hkv, T, 2r)
+        cos, sin = select_rope(*position_embeddings, self.rope_dims)  # (B, T, Hkv, 2r) each
+        q = self.q_proj(hidden_states).view(B, T, Hkv, G, d)  # (B, T, Hkv, G, d)
+        q_rope = apply_rope(q[..., :rd], cos.unsqueeze(3), sin.unsqueeze(3))  # (B, T, Hkv, G, 2r)
+        q_rope = q_rope.permute(0, 2, 3, 1, 4)  # (B, Hkv, G, T, 2r)
+        q_nope = q[..., rd:].permute(0, 2, 3, 1, 4)  # (B, Hkv, G, T, dn)
+        k_rope = self.k_rope_proj(hidden_states).view(B, T, Hkv, rd)  # (B, T, Hkv, 2r)
+        k_rope = apply_rope(k_rope, cos, sin).view(B, 1, T, Hkv * rd)  # (B, 1, T, Hkv*2r)
         latent = self.kv_down_proj(hidden_states).unsqueeze(1)  # (B, 1, T, d_c)
 
-        if past_key_values is not None:
-            latent, k_rope = past_key_values.update(
-                latent, k_rope, self.layer_idx
-            )  # (B,1,S,d_c), (B,Hkv,S,2r)
+        if past_key_values is not None:  # -> (B, 1, S, d_c), (B, 1, S, Hkv*2r)
+            latent, k_rope = past_key_values.update(latent, k_rope, self.layer_idx)
 
         if self.use_absorbed(T, past_key_values, attention_mask):
             out, weights = self.absorbed_attention(q_rope, q_nope, latent, k_rope, attention_mask)
         else:
             out, weights = self.expanded_attention(q_rope, q_nope, latent, k_rope, attention_mask, **kwargs)
-        out = out.reshape(B, T, Hq * d)  # (B, T, Hq * d)
+        out = out.reshape(B, T, self.num_heads * d)  # (B, T, Hq * d)
         return self.o_proj(out), weights
 
     def expanded_attention(self, q_rope, q_nope, latent, k_rope, attention_mask, **kwargs):
         """Rebuild per-head K/V from the latent, then the configured attention function.
 
-        q_rope (B, Hkv, G, T, 2r), q_nope (B, Hkv, G, T, dn), latent (B, 1, S, d_c), k_rope (B, Hkv, S, 2r)
+        q_rope (B, Hkv, G, T, 2r), q_nope (B, Hkv, G, T, dn), latent (B, 1, S, d_c), k_rope (B, 1, S, Hkv*2r)
         -> out (B, T, Hq, d), weights or None
         """
-        B, Hkv, G, T, _ = q_rope.shape
+        B, Hkv, G, T, rd = q_rope.shape
         S, d = latent.shape[2], self.head_dim
         c = latent.squeeze(1)  # (B, S, d_c)
+        k_rope = k_rope.view(B, S, Hkv, rd).transpose(1, 2)  # (B, Hkv, S, 2r)
         k_nope = self.k_up_proj(c).view(B, S, Hkv, self.nope_dim).transpose(1, 2)  # (B, Hkv, S, dn)
         value = self.v_up_proj(c).view(B, S, Hkv, d).transpose(1, 2)  # (B, Hkv, S, d)
         key = torch.cat([k_rope, k_nope], dim=-1)  # (B, Hkv, S, d)
@@ -230,14 +220,15 @@ class LlamaMLAAttention(nn.Module):
         """Attend over the cached latent and RoPE keys directly; W_uk goes into the query, W_uv after the
         attention-weighted latent sum. Fully masked rows give zeros.
 
-        q_rope (B, Hkv, G, T, 2r), q_nope (B, Hkv, G, T, dn), latent (B, 1, S, d_c), k_rope (B, Hkv, S, 2r)
+        q_rope (B, Hkv, G, T, 2r), q_nope (B, Hkv, G, T, dn), latent (B, 1, S, d_c), k_rope (B, 1, S, Hkv*2r)
         -> out (B, T, Hq, d), probs (B, Hq, T, S)
         """
-        B, Hkv, G, T, _ = q_rope.shape
+        B, Hkv, G, T, rd = q_rope.shape
         S, d, dc, dn = latent.shape[2], self.head_dim, self.kv_lora_rank, self.nope_dim
         c = latent.squeeze(1)  # (B, S, d_c)
 
-        scores = torch.matmul(q_rope.reshape(B, Hkv, G * T, -1), k_rope.transpose(-1, -2))  # (B, Hkv, G*T, S)
+        k_rope = k_rope.view(B, S, Hkv, rd).permute(0, 2, 3, 1)  # (B, Hkv, 2r, S), a view of the cache
+        scores = torch.matmul(q_rope.reshape(B, Hkv, G * T, rd), k_rope)  # (B, Hkv, G*T, S)
         if dn > 0:
             w_uk = self.k_up_proj.weight.view(Hkv, dn, dc)  # (Hkv, dn, d_c)
             q_latent = torch.matmul(q_nope.reshape(B, Hkv, G * T, dn), w_uk)  # (B, Hkv, G*T, d_c)
