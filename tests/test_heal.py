@@ -1,0 +1,324 @@
+"""Healing (`conversion.heal`): learning, data parallel equivalence, resume after SIGKILL, frozen parameters,
+bad input. A tiny random Llama with a 512-token BPE tokenizer trained here keeps every run to seconds."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conversion import heal as heal_mod
+from conversion.heal import HealRecipe, find_checkpoints, heal, read_log
+from conversion.train_data import ChunkOrder, check_disjoint, load_eval_corpus, load_train_corpus
+from hf_attn import assets
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+SMALL = dict(seq_len=32, batch_size=4, lr=3e-3, eval_context=64, eval_tokens=640, progress=False)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(model dir, train text file, eval text file): a random 2-layer GQA Llama (4 query / 2 KV heads)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("heal")
+    train_text = assets.austen_file("emma").read_text()[:40_000]
+    eval_text = assets.austen_file("persuasion").read_text()[:12_000]
+    (root / "train.txt").write_text(train_text)
+    (root / "eval.txt").write_text(eval_text)
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    bpe.train_from_iterator([train_text], trainer)
+    model_dir = root / "tiny"
+    PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>").save_pretrained(model_dir)
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(model_dir)
+    return model_dir, root / "train.txt", root / "eval.txt"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """One intra-op thread: tiny matmuls gain nothing from more and lose a lot on a busy shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _run(tiny, output, **kwargs) -> dict:
+    model_dir, train, held_out = tiny
+    return heal(
+        model=model_dir, output=output, train_text=[train], eval_text=[held_out], **{**SMALL, **kwargs}
+    )
+
+
+def _losses(log_path) -> dict[int, float]:
+    return {e["step"]: e["loss"] for e in read_log(log_path) if e["event"] == "step"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cli(tiny, output, *extra) -> list[str]:
+    model_dir, train, held_out = tiny
+    args = ["--model", str(model_dir), "--output", str(output), "--train-text", str(train)]
+    args += ["--eval-text", str(held_out), "--seq-len", "32", "--batch-size", "4", "--lr", "3e-3"]
+    return [*args, "--eval-context", "64", "--eval-tokens", "640", "--no-progress", *extra]
+
+
+def _env() -> dict:
+    env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    return {**os.environ, **env, "PYTHONPATH": str(REPO)}
+
+
+# --------------------------------------------------------------------------------------------- data
+
+
+def test_chunk_order_is_seeded_resumable_and_covers_every_chunk():
+    full = list(itertools.islice(ChunkOrder(10, seed=3), 35))
+    for epoch in range(3):
+        assert sorted(full[10 * epoch : 10 * epoch + 10]) == list(range(10))
+    assert full[:10] != full[10:20]  # a new permutation each epoch
+    for start in (0, 7, 10, 23):
+        assert list(itertools.islice(ChunkOrder(10, seed=3, start=start), 35 - start)) == full[start:]
+    assert list(itertools.islice(ChunkOrder(10, seed=4), 10)) != full[:10]
+
+
+def test_default_texts_are_the_five_novels_and_disjoint_from_persuasion():
+    train, train_files = load_train_corpus()
+    held_out, eval_files = load_eval_corpus()
+    assert [p.stem for p in train_files] == list(assets.TRAIN_NOVELS)
+    assert [p.stem for p in eval_files] == ["persuasion"]
+    check_disjoint(train, train_files, held_out, eval_files)  # raises on overlap
+
+
+def test_cosine_schedule_warms_up_and_decays_to_ten_percent():
+    r = HealRecipe(32, 1, 1, 1, 1e-3, 4, "cosine", 20, 0.0, 1.0, "all", "float32", 0, "x", "y")
+    factors = [r.lr_factor(s) for s in range(21)]
+    assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert factors[4] == 1.0 and all(a >= b for a, b in zip(factors[4:], factors[5:]))
+    assert factors[20] == pytest.approx(0.1)
+
+
+# --------------------------------------------------------------------------------------------- training
+
+
+def test_tiny_llama_learns_and_output_has_the_input_format(tiny, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny[0]
+    result = _run(tiny, tmp_path / "out", max_steps=15)
+    losses = _losses(result["log"])
+    assert list(losses) == list(range(1, 16))
+    assert sum(list(losses.values())[-3:]) / 3 < sum(list(losses.values())[:3]) / 3 - 0.5, losses
+    assert result["eval_after"]["perplexity"] < 0.8 * result["eval_before"]["perplexity"]
+
+    # the first step's loss is the source model's loss on the first 4 chunks of the seeded order
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(model_dir)(tiny[1].read_text(), add_special_tokens=False)["input_ids"]
+    chunks = torch.tensor(ids[: len(ids) // 32 * 32]).view(-1, 32)  # (N, 32)
+    first = chunks[torch.randperm(len(chunks), generator=torch.Generator().manual_seed(0))[:4]]  # (4, 32)
+    source = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = source(input_ids=first).logits[:, :-1].float()  # (4, 31, V)
+        expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 512), first[:, 1:].reshape(-1))
+    assert losses[1] == pytest.approx(expected.item(), rel=1e-5)
+
+    out = tmp_path / "out"
+    src_cfg, out_cfg = (json.loads((d / "config.json").read_text()) for d in (model_dir, out))
+    record = out_cfg.pop("hf_attn")
+    assert out_cfg == src_cfg
+    assert record["last"]["step"] == "heal" and record["history"] == [record["last"]]
+    assert record["last"]["steps"] == 15 and record["last"]["tokens"] == 15 * 4 * 32
+    assert record["last"]["final_loss"] == pytest.approx(losses[15])
+    assert record["last"]["train_data"]["corpus"] == "train.txt"
+    assert {"tokenizer.json", "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
+    healed = AutoModelForCausalLM.from_pretrained(out)
+    assert healed.config.model_type == "llama" and healed.dtype == torch.float32
+    assert not find_checkpoints(tmp_path / "out.heal")  # checkpoints go once the output is complete
+
+
+def test_grad_accum_gives_the_same_steps_as_a_larger_batch(tiny, tmp_path):
+    a = _run(tiny, tmp_path / "a", max_steps=4, eval_tokens=0)
+    b = _run(tiny, tmp_path / "b", max_steps=4, eval_tokens=0, batch_size=2, grad_accum=2)
+    la, lb = _losses(a["log"]), _losses(b["log"])
+    assert list(la) == list(lb) == [1, 2, 3, 4]
+    for step in la:
+        assert lb[step] == pytest.approx(la[step], rel=1e-4, abs=1e-5)
+
+
+def test_trainable_attention_leaves_every_other_parameter_bit_identical(tiny, tmp_path):
+    _run(tiny, tmp_path / "out", max_steps=3, trainable="attention", eval_tokens=0)
+    before, after = (
+        load_file(tiny[0] / "model.safetensors"),
+        load_file(tmp_path / "out" / "model.safetensors"),
+    )
+    assert before.keys() == after.keys()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    attention = {k for k in before if ".self_attn." in k}
+    assert changed == attention  # every attention weight moved, nothing else did
+
+
+def test_two_processes_follow_the_one_process_trajectory(tiny, tmp_path):
+    one = _run(tiny, tmp_path / "one", max_steps=4, batch_size=4)
+    cmd = [
+        PYTHON,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+    ]
+    cmd += ["--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port())]
+    cmd += ["-m", "conversion.heal", *_cli(tiny, tmp_path / "two", "--batch-size", "2", "--max-steps", "4")]
+    res = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    log = read_log(tmp_path / "two.heal" / "log.jsonl")
+    assert log[0]["recipe"]["num_processes"] == 2 and log[0]["recipe"]["batch_size"] == 2
+    one_losses, two_losses = _losses(one["log"]), _losses(tmp_path / "two.heal" / "log.jsonl")
+    assert list(two_losses) == [1, 2, 3, 4]
+    for step, loss in one_losses.items():
+        assert two_losses[step] == pytest.approx(loss, rel=1e-4, abs=1e-5)
+    two_evals = [e["perplexity"] for e in log if e["event"] == "eval"]
+    assert two_evals == pytest.approx(
+        [one["eval_before"]["perplexity"], one["eval_after"]["perplexity"]], rel=1e-4
+    )
+
+
+def test_resume_after_sigkill_continues_the_uninterrupted_trajectory(tiny, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    steps = 90
+    out, state = tmp_path / "killed", tmp_path / "killed.heal"
+    cmd = [
+        PYTHON,
+        "-m",
+        "conversion.heal",
+        *_cli(tiny, out, "--max-steps", str(steps), "--checkpoint-every", "3"),
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 180
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if (state / "log.jsonl").exists() and max(_losses(state / "log.jsonl"), default=0) >= 7:
+                break
+            time.sleep(0.02)
+        assert proc.poll() is None, f"the run ended before it could be killed: {proc.stderr.read()[-2000:]}"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not out.exists()
+    checkpoints = find_checkpoints(state)
+    killed_at, ckpt = checkpoints[-1]  # (an older one survives only if killed while deleting it)
+    assert killed_at >= 6 and killed_at % 3 == 0
+    AutoModelForCausalLM.from_pretrained(ckpt)  # the last complete checkpoint loads as a model
+    saved = torch.load(ckpt / heal_mod.STATE_FILE, weights_only=False)
+    assert saved["step"] == killed_at and saved["data_position"] == killed_at * 4
+
+    with pytest.raises(FileExistsError, match="--resume"):
+        _run(tiny, out, max_steps=steps)
+    resumed = _run(tiny, out, max_steps=steps, checkpoint_every=3, resume=True)
+    reference = _run(tiny, tmp_path / "reference", max_steps=steps)
+    got, want = _losses(resumed["log"]), _losses(reference["log"])
+    assert list(got) == list(want) == list(range(1, steps + 1))
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-6), step
+    assert resumed["eval_after"]["perplexity"] == pytest.approx(
+        reference["eval_after"]["perplexity"], rel=1e-5
+    )
+    assert resumed["eval_before"] == pytest.approx(reference["eval_before"])
+    assert [e["event"] for e in read_log(resumed["log"])].count("resume") == 1
+
+
+# --------------------------------------------------------------------------------------------- bad input
+
+
+def _fails(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as exc:
+        heal_mod.main(argv)
+    assert exc.value.code not in (0, None)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "error:" in line]  # (progress bars of `datasets` aside)
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_bad_inputs_give_one_line_errors(tiny, tmp_path, capsys):
+    model_dir, train, held_out = tiny
+    base = ["--model", str(model_dir), "--eval-context", "64", "--eval-tokens", "640", "--seq-len", "32"]
+    out = ["--output", str(tmp_path / "out")]
+    (tmp_path / "empty.txt").write_text("")
+    assert "empty" in _fails(capsys, [*base, *out, "--train-text", str(tmp_path / "empty.txt")])
+    (tmp_path / "short.txt").write_text("A few words only.")
+    assert "too short" in _fails(capsys, [*base, *out, "--train-text", str(tmp_path / "short.txt")])
+    err = _fails(capsys, [*base, *out, "--train-text", str(held_out), "--eval-text", str(held_out)])
+    assert "also the evaluation text" in err
+    (tmp_path / "copy.txt").write_text(held_out.read_text())
+    err = _fails(
+        capsys, [*base, *out, "--train-text", str(tmp_path / "copy.txt"), "--eval-text", str(held_out)]
+    )
+    assert "same content" in err
+    (tmp_path / "mixed.txt").write_text(train.read_text() + "\n\n" + held_out.read_text()[2000:6000])
+    err = _fails(
+        capsys, [*base, *out, "--train-text", str(tmp_path / "mixed.txt"), "--eval-text", str(held_out)]
+    )
+    assert "share" in err and "paragraph" in err
+    assert "Unknown --trainable" in _fails(
+        capsys, [*base, *out, "--train-text", str(train), "--trainable", "mlp"]
+    )
+    (tmp_path / "file").write_text("not a directory")
+    err = _fails(capsys, [*base, "--output", str(tmp_path / "file" / "out"), "--train-text", str(train)])
+    assert "not writable" in err
+    (tmp_path / "exists").mkdir()
+    assert "--overwrite" in _fails(
+        capsys, [*base, "--output", str(tmp_path / "exists"), "--train-text", str(train)]
+    )
+    err = _fails(
+        capsys, [*base, *out, "--train-text", str(train), "--max-minutes", "1", "--schedule", "cosine"]
+    )
+    assert "step budget" in err
+
+
+def test_cli_error_is_one_line_without_traceback(tiny, tmp_path):
+    cmd = [PYTHON, "-m", "conversion.heal", *_cli(tiny, tmp_path / "o", "--trainable", "mlp")]
+    res = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    assert "Traceback" not in res.stderr and res.stderr.strip().splitlines()[-1].startswith(
+        "conversion.heal: error:"
+    )
