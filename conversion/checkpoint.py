@@ -405,6 +405,89 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+# --------------------------------------------------------------------------------------------- validation
+
+
+def expected_attention_shapes(geometry: AttentionGeometry) -> dict[tuple[str, str], tuple[int, ...]]:
+    """(proj, kind) -> shape of the attention tensors of one layer of a Llama-family checkpoint."""
+    q, kv, c = geometry.num_heads * geometry.head_dim, geometry.kv_dim, geometry.hidden_size
+    return {
+        ("q_proj", "weight"): (q, c),
+        ("k_proj", "weight"): (kv, c),
+        ("v_proj", "weight"): (kv, c),
+        ("o_proj", "weight"): (c, q),
+        ("q_proj", "bias"): (q,),
+        ("k_proj", "bias"): (kv,),
+        ("v_proj", "bias"): (kv,),
+        ("o_proj", "bias"): (c,),
+    }
+
+
+def check_attention_tensors(index: dict[str, TensorInfo], geometry: AttentionGeometry) -> None:
+    """ValueError unless every layer has q/k/v/o weights (and any biases) of the shapes the config implies."""
+    shapes = expected_attention_shapes(geometry)
+    missing = [
+        attn_key(layer, proj)
+        for layer in range(geometry.num_layers)
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj")
+        if attn_key(layer, proj) not in index
+    ]
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ValueError(f"Missing weights in the checkpoint: {', '.join(missing[:5])}{more}.")
+    norms = [n for n in index if ".self_attn." in n and ("q_norm" in n or "k_norm" in n)]
+    if norms:
+        raise ValueError(f"Unsupported checkpoint: query/key norms ({norms[0]}, ...) break linear pooling.")
+    for name, info in index.items():
+        parsed = parse_attn_key(name)
+        if parsed is None:
+            continue
+        layer, proj, kind = parsed
+        want = shapes.get((proj, kind))
+        if want is None or layer >= geometry.num_layers:
+            raise ValueError(f"Unexpected attention tensor {name} {list(info.shape)} for this config.")
+        if info.shape != want:
+            raise ValueError(
+                f"{name} has shape {list(info.shape)}, but config.json implies {list(want)} "
+                f"({geometry.num_heads} query / {geometry.num_kv_heads} KV heads of dim {geometry.head_dim}, "
+                f"hidden {geometry.hidden_size}); the weights do not match the config."
+            )
+
+
+# --------------------------------------------------------------------------------------------- saving
+
+
+def save_streamed(
+    *,
+    src_dir: str | os.PathLike,
+    dst: str | os.PathLike,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    config: dict,
+    overwrite: bool = False,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Path:
+    """Write a complete checkpoint atomically: `tensors` streamed into shards (floating ones cast to `dtype`
+    if given), `config` as config.json, and the side files of `src_dir`. Returns the final directory."""
+    from hf_attn.files import atomic_directory
+
+    dst = Path(dst).expanduser().resolve()
+    if dst == Path(src_dir).resolve():
+        raise ValueError(f"--output {dst} is the source checkpoint; converters never modify their source.")
+    if dtype is not None:
+        config = {**config, "dtype": dtype_name(dtype)}
+        config.pop("torch_dtype", None)
+    with atomic_directory(dst, overwrite=overwrite) as tmp:
+        with ShardedWriter(tmp, max_shard_bytes=max_shard_bytes) as writer:
+            for name, tensor in tensors:
+                if dtype is not None and tensor.is_floating_point():
+                    tensor = tensor.to(dtype)
+                writer.add(name, tensor)
+        write_config(tmp, config)
+        copy_side_files(src_dir, tmp)
+    return dst
+
+
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "AttentionGeometry",
@@ -412,14 +495,17 @@ __all__ = [
     "TensorInfo",
     "add_record",
     "attn_key",
+    "check_attention_tensors",
     "check_supported",
     "copy_side_files",
     "dtype_name",
+    "expected_attention_shapes",
     "iter_tensors",
     "parse_attn_key",
     "read_config",
     "read_tensor",
     "resolve_model_path",
+    "save_streamed",
     "tensor_index",
     "torch_dtype",
     "weight_files",

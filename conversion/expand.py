@@ -1,0 +1,158 @@
+"""GQA/MQA -> MHA (or more KV heads): repeat each K/V head, an exact conversion.
+
+    python -m conversion.expand --model SRC --output DST [--num-kv-heads H] [--dtype ...] [--overwrite]
+
+Source KV head g becomes the new heads g*s ... (g+1)*s - 1 with s = H / Hkv, rows copied unchanged (biases
+too), so query head h still reads the same keys and values: it read head h // (Hq/Hkv) and now reads
+h // (Hq/H), a copy of it (the `repeat_kv` order). The logits are those of the source; `conversion.gqa
+--method mean` pools the copies back bit for bit. H defaults to the number of query heads (MHA).
+Streams tensor by tensor: memory is one tensor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from conversion.checkpoint import (
+    DEFAULT_MAX_SHARD_BYTES,
+    AttentionGeometry,
+    TensorInfo,
+    add_record,
+    check_attention_tensors,
+    check_supported,
+    dtype_name,
+    parse_attn_key,
+    read_config,
+    read_tensor,
+    resolve_model_path,
+    save_streamed,
+    tensor_index,
+    torch_dtype,
+)
+from hf_attn.files import checkpoint_hash
+
+
+def check_expansion(geometry: AttentionGeometry, num_kv_heads: int | None) -> int:
+    """The target number of KV heads (None -> the number of query heads); ValueError naming the values."""
+    hkv, hq = geometry.num_kv_heads, geometry.num_heads
+    target = hq if num_kv_heads is None else num_kv_heads
+    if not isinstance(target, int) or target < 1:
+        raise ValueError(f"--num-kv-heads must be a positive integer, got {target!r}")
+    if target < hkv:
+        raise ValueError(
+            f"--num-kv-heads {target} is smaller than the source's {hkv} KV heads: expansion only adds "
+            f"heads; to pool them use `python -m conversion.gqa --num-kv-heads {target}`."
+        )
+    valid = [h for h in range(hkv, hq + 1) if h % hkv == 0 and hq % h == 0]
+    if target % hkv or hq % target:
+        raise ValueError(
+            f"--num-kv-heads {target} must be a multiple of the source's {hkv} KV heads and divide its "
+            f"{hq} query heads; choose one of {valid}."
+        )
+    return target
+
+
+@torch.inference_mode()
+def repeat_heads(tensor: torch.Tensor, *, num_kv_heads: int, repeats: int, head_dim: int) -> torch.Tensor:
+    """K or V weight (Hkv*d, C) or bias (Hkv*d,) -> (Hkv*s*d, C) or (Hkv*s*d,): each head repeated s times."""
+    assert tensor.shape[0] == num_kv_heads * head_dim, (tuple(tensor.shape), num_kv_heads, head_dim)
+    rest = tuple(tensor.shape[1:])
+    heads = tensor.reshape(num_kv_heads, head_dim, *rest)  # (Hkv, d, C) or (Hkv, d)
+    out = heads.repeat_interleave(repeats, dim=0)  # (Hkv*s, d, C): new head j = source head j // s
+    return out.reshape(num_kv_heads * repeats * head_dim, *rest).contiguous()
+
+
+def _expanded_tensors(
+    index: dict[str, TensorInfo], geometry: AttentionGeometry, target: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    repeats = target // geometry.num_kv_heads
+    names = sorted(index, key=lambda n: (str(index[n].file), index[n].begin))
+    for name in tqdm(names, desc="expand", unit="tensor"):
+        tensor = read_tensor(index[name])
+        parsed = parse_attn_key(name)
+        if parsed is not None and parsed[1] in ("k_proj", "v_proj"):
+            tensor = repeat_heads(
+                tensor, num_kv_heads=geometry.num_kv_heads, repeats=repeats, head_dim=geometry.head_dim
+            )
+            want = (target * geometry.head_dim, *index[name].shape[1:])
+            assert tuple(tensor.shape) == want, (name, tuple(tensor.shape), want)
+        yield name, tensor
+
+
+def expand_checkpoint(
+    *,
+    src: str | Path | None,
+    dst: str | Path,
+    num_kv_heads: int | None = None,
+    dtype: str | torch.dtype | None = None,
+    overwrite: bool = False,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Path:
+    """Write `dst`: the checkpoint `src` with its K/V heads repeated up to `num_kv_heads` (default: MHA)."""
+    start = time.perf_counter()
+    src_dir = resolve_model_path(src)
+    config = read_config(src_dir)
+    check_supported(config)
+    geometry = AttentionGeometry.from_config(config)
+    target = check_expansion(geometry, num_kv_heads)
+    index = tensor_index(src_dir)
+    check_attention_tensors(index, geometry)
+    dtype = torch_dtype(dtype) if isinstance(dtype, str) else dtype
+    if Path(dst).expanduser().exists() and not overwrite:
+        raise FileExistsError(f"Output {dst} already exists; pass --overwrite to replace it.")
+    repeats = target // geometry.num_kv_heads
+    record = {
+        "converter": "conversion.expand",
+        "method": "repeat",
+        "source": str(src_dir),
+        "source_checkpoint_hash": checkpoint_hash(src_dir),
+        "num_key_value_heads": {"from": geometry.num_kv_heads, "to": target},
+        "sources_of_new_heads": [j // repeats for j in range(target)],
+        "dtype": dtype_name(dtype) if dtype is not None else config.get("dtype", config.get("torch_dtype")),
+    }
+    new_config = add_record({**config, "num_key_value_heads": target}, record)
+    out = save_streamed(
+        src_dir=src_dir,
+        dst=dst,
+        tensors=_expanded_tensors(index, geometry, target),
+        config=new_config,
+        overwrite=overwrite,
+        dtype=dtype,
+        max_shard_bytes=max_shard_bytes,
+    )
+    print(
+        f"expanded {geometry.num_kv_heads} -> {target} KV heads in {time.perf_counter() - start:.1f} s: {out}"
+    )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m conversion.expand", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="checkpoint dir or hub id (default: embedded SmolLM2)")
+    parser.add_argument("--output", required=True, help="directory of the expanded checkpoint")
+    parser.add_argument("--num-kv-heads", type=int, default=None, help="target KV heads (default: MHA)")
+    parser.add_argument("--dtype", default=None, help="cast floating weights (float32, bfloat16, float16)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    args = parser.parse_args(argv)
+    try:
+        expand_checkpoint(
+            src=args.model,
+            dst=args.output,
+            num_kv_heads=args.num_kv_heads,
+            dtype=args.dtype,
+            overwrite=args.overwrite,
+        )
+    except (ValueError, OSError, KeyError) as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
