@@ -178,16 +178,46 @@ def test_grad_accum_gives_the_same_steps_as_a_larger_batch(tiny, tmp_path):
         assert lb[step] == pytest.approx(la[step], rel=1e-4, abs=1e-5)
 
 
-def test_trainable_attention_leaves_every_other_parameter_bit_identical(tiny, tmp_path):
-    _run(tiny, tmp_path / "out", max_steps=3, trainable="attention", eval_tokens=0)
-    before, after = (
-        load_file(tiny[0] / "model.safetensors"),
-        load_file(tmp_path / "out" / "model.safetensors"),
+@pytest.fixture(scope="module")
+def tiny_mla(tiny, tmp_path_factory):
+    """The tiny model's tokenizer with a random `llama_mla` model (latent rank 48, 8 of 16 RoPE pairs)."""
+    import shutil
+
+    from hf_attn.models.llama_mla import LlamaMLAConfig, LlamaMLAForCausalLM
+
+    model_dir = tmp_path_factory.mktemp("heal_mla") / "tiny_mla"
+    model_dir.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny[0] / name, model_dir / name)
+    config = LlamaMLAConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        kv_lora_rank=48,
+        rope_pairs=4,
     )
+    torch.manual_seed(0)
+    LlamaMLAForCausalLM(config).save_pretrained(model_dir)
+    return (model_dir, *tiny[1:])
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama_mla"])
+def test_trainable_attention_leaves_every_other_parameter_bit_identical(kind, tiny, tiny_mla, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    case = tiny if kind == "llama" else tiny_mla
+    _run(case, tmp_path / "out", max_steps=3, trainable="attention", eval_tokens=0)
+    before = load_file(case[0] / "model.safetensors")
+    after = load_file(tmp_path / "out" / "model.safetensors")
     assert before.keys() == after.keys()
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     attention = {k for k in before if ".self_attn." in k}
     assert changed == attention  # every attention weight moved, nothing else did
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "out").config.model_type == kind
 
 
 def test_two_processes_follow_the_one_process_trajectory(tiny, tmp_path):
