@@ -147,7 +147,7 @@ def heal(src: Path, dst: Path, settings: Settings) -> dict:
         batch_size=settings.heal_batch_size,
         lr=settings.heal_lr,
         trainable=settings.heal_trainable,
-        eval_tokens=settings.eval_tokens,
+        eval_tokens=0,  # the study measures every checkpoint itself, with one protocol
         progress=False,
     )
 
@@ -262,13 +262,7 @@ class Study:
                 continue
             try:
                 heal_key = _key(
-                    conv_key,
-                    s.heal_minutes,
-                    s.heal_seq_len,
-                    s.heal_batch_size,
-                    s.heal_lr,
-                    s.heal_trainable,
-                    s.eval_tokens,
+                    conv_key, s.heal_minutes, s.heal_seq_len, s.heal_batch_size, s.heal_lr, s.heal_trainable
                 )
                 progress.step(f"{v.name}: heal for {s.heal_minutes} min")
                 healed, heal_s, heal_cached = self._checkpoint(
