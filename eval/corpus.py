@@ -12,6 +12,7 @@ perplexity windows cut anywhere. (SmolLM2's tokenizer adds none by default eithe
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,20 @@ class Corpus:
         return cls(text=text, name=name, sha256=hashlib.sha256(text.encode("utf-8")).hexdigest())
 
 
+@contextlib.contextmanager
+def _quiet_datasets():
+    """No "Generating train split" bars for reading one local file (they would clutter one-line errors)."""
+    import datasets
+
+    was_enabled = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            datasets.enable_progress_bars()
+
+
 def _read_file(path: Path) -> str:
     from datasets import load_dataset
 
@@ -43,7 +58,8 @@ def _read_file(path: Path) -> str:
         raise ValueError(f"Text file {path} does not exist (or is not a file); check the --text path")
     if path.stat().st_size == 0:
         raise ValueError(f"Text file {path} is empty; give a file that contains text")
-    ds = load_dataset("text", data_files=str(path), sample_by="document", split="train")
+    with _quiet_datasets():
+        ds = load_dataset("text", data_files=str(path), sample_by="document", split="train")
     return "".join(ds["text"])  # one row: the whole document
 
 

@@ -242,11 +242,19 @@ def run(
         )
     tokenizer = common.load_tokenizer(model_path)
     input_ids = tokenize(tokenizer, corpus)
+    n_tokens = min(input_ids.numel(), max_tokens or input_ids.numel())
+    if n_tokens < context_length:  # fail before loading the weights (evaluate_perplexity checks again)
+        raise ValueError(
+            f"The corpus {corpus.name} has {n_tokens} tokens, fewer than one window of {context_length}; "
+            "use a longer text, a larger --max-tokens or a smaller --context-length"
+        )
 
     if accelerator is None:
         from accelerate import Accelerator
 
-        accelerator = Accelerator()
+        # cpu=True where there is no accelerator: then `accelerate launch --multi_gpu --num_processes N` (or
+        # torchrun) starts N CPU processes that accelerate joins with gloo (MULTI_CPU); else they stay apart.
+        accelerator = Accelerator(cpu=not torch.accelerator.is_available())
     lm = common.load_causal_lm(
         model_path, attn_implementation=attn_implementation, dtype=torch_dtype, device_map=device_map
     )
