@@ -118,9 +118,14 @@ class HealRecipe:
         return MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * progress))
 
     def mismatch(self, other: dict) -> list[str]:
-        """Fields that differ from a saved recipe (as `asdict`), formatted `name: saved -> now`."""
+        """Fields that differ from a saved recipe (as `asdict`), formatted `name: saved -> now`.
+
+        With a constant schedule the step budget changes nothing before it is reached, so it may grow."""
         mine = asdict(self)
-        return [f"{k}: {other.get(k)!r} -> {v!r}" for k, v in mine.items() if other.get(k) != v]
+        free = {"total_steps"} if self.schedule == other.get("schedule") == "constant" else set()
+        return [
+            f"{k}: {other.get(k)!r} -> {v!r}" for k, v in mine.items() if other.get(k) != v and k not in free
+        ]
 
 
 def _positive(name: str, value, *, allow_none: bool = False, allow_zero: bool = False) -> None:
@@ -509,7 +514,7 @@ def heal(
     def save_checkpoint() -> None:
         rngs = gather_object([rng_state()])  # one entry per process, in process order
         if main:
-            with atomic_directory(state_dir / f"checkpoint-{step:06d}") as tmp:
+            with atomic_directory(state_dir / f"checkpoint-{step:06d}", overwrite=True) as tmp:
                 unwrapped.save_pretrained(tmp)
                 copy_side_files(source, tmp)
                 state = {
@@ -561,7 +566,7 @@ def heal(
             done = bool(broadcast(flag).item()) if num_processes > 1 else bool(flag.item())  # main decides
         if done:
             break
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         step_loss = torch.zeros((), device=accelerator.device)
         for _ in range(grad_accum):
             batch = next(batches)  # (B, L)
@@ -588,6 +593,7 @@ def heal(
             lr=lr_now,
             tokens=tokens,
             step_seconds=seconds,
+            cpu_seconds=time.process_time() - cpu_start,  # all threads; under load it shows the share we got
             train_seconds=train_seconds,
         )
         bar.update(1)
@@ -610,6 +616,8 @@ def heal(
     if eval_after is not None:
         evals.append({"step": step, "tokens": tokens, "train_seconds": train_seconds, **eval_after})
         log.write(event="eval", **evals[-1])
+    if keep_checkpoints:  # a final checkpoint: a later --resume with a larger budget continues from here
+        save_checkpoint()
     record = {
         "step": "heal",
         "source": str(source),
@@ -703,7 +711,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint-every", type=int, default=0, help="atomic resumable checkpoint every N steps"
     )
     p.add_argument("--state-dir", default=None, help="checkpoints + log.jsonl (default: OUTPUT.heal)")
-    p.add_argument("--keep-checkpoints", action="store_true", help="keep the last checkpoint after success")
+    p.add_argument(
+        "--keep-checkpoints",
+        action="store_true",
+        help="end with a checkpoint (resume later with a larger budget)",
+    )
     p.add_argument(
         "--resume", action="store_true", help="continue from the newest checkpoint in the state dir"
     )

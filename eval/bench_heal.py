@@ -1,0 +1,264 @@
+"""Benchmarks of healing (`conversion.heal`): training throughput against a bare PyTorch loop, and the healing
+curve (held-out perplexity after so many minutes of healing).
+
+    python -m eval.bench_heal throughput [--model DIR] [--steps 8] [--rounds 2] [--seq-len 512]
+    python -m eval.bench_heal curve --model DIR [--minutes 5 15 30] [--seconds-per-step S] [--lr 1e-4]
+        [--trainable all] [--name NAME]
+
+throughput: the same model, data order, optimizer (AdamW, betas 0.9/0.95), clipping and lr schedule, stepped
+by `heal()` and by a bare loop (forward with labels, backward, clip, step, zero_grad); the rounds alternate
+bare / heal so that the load of a shared machine hits both alike. Reported: median seconds per optimizer step
+of each (the first two steps of every run skipped as warm-up), tokens/s, and heal / bare.
+
+curve: one healing run, stopped and resumed at each mark (a final checkpoint lets the next segment `--resume`
+with the same data order and optimizer state), so the marks lie on one trajectory with a constant lr after
+warmup. A mark is `--max-minutes` of training time (evaluation excluded), or, with `--seconds-per-step S`
+(the step time measured on an idle machine), `minutes * 60 / S` steps: on a shared machine the second is
+the fair measure of "minutes of healing on this CPU", since the wall clock also counts the others' load.
+At each mark the held-out perplexity uses the project's protocol: the first `--eval-tokens` (8192) tokens
+of *Persuasion*, disjoint 1024-token windows.
+
+Results go to `--results` (JSON, default under `hf_attn.assets.cache_dir()/bench_heal/`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from conversion.checkpoint import resolve_model_path
+from conversion.heal import heal, read_log
+from conversion.train_data import ChunkOrder, chunk_tokens, load_train_corpus
+from eval import common
+from eval.corpus import tokenize
+from hf_attn import assets
+
+SKIP = 2  # warm-up steps left out of every timing
+
+
+def work_dir() -> Path:
+    path = assets.cache_dir() / "bench_heal"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+# --------------------------------------------------------------------------------------------- throughput
+
+
+def bare_loop(
+    model_dir: Path, chunks: torch.Tensor, *, steps: int, batch_size: int, lr: float, seed: int
+) -> list[float]:
+    """Seconds per optimizer step of a plain loop doing what one step of `heal` does (no accelerate)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    order = iter(ChunkOrder(len(chunks), seed=seed))
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        batch = chunks[[next(order) for _ in range(batch_size)]]  # (B, L)
+        loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+        loss.item()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def throughput(
+    *, model: str | None, steps: int, rounds: int, seq_len: int, batch_size: int, lr: float = 1e-4
+) -> dict:
+    source = resolve_model_path(model)
+    train_file = assets.austen_file("northangerabbey")  # one novel is plenty for a few steps
+    corpus, _ = load_train_corpus([train_file])
+    chunks = chunk_tokens(tokenize(common.load_tokenizer(source), corpus), seq_len)
+    bare, healed = [], []
+    for r in range(rounds):
+        bare += bare_loop(source, chunks, steps=steps, batch_size=batch_size, lr=lr, seed=r)[SKIP:]
+        out = work_dir() / "throughput"
+        result = heal(
+            model=source,
+            output=out,
+            train_text=[train_file],
+            max_steps=steps,
+            seq_len=seq_len,
+            batch_size=batch_size,
+            lr=lr,
+            schedule="constant",
+            eval_tokens=0,
+            seed=r,
+            overwrite=True,
+        )
+        healed += [e["step_seconds"] for e in read_log(result["log"]) if e["event"] == "step"][SKIP:]
+    tokens = seq_len * batch_size
+    bare_s, heal_s = statistics.median(bare), statistics.median(healed)
+    return {
+        "model": str(source),
+        "seq_len": seq_len,
+        "batch_size": batch_size,
+        "steps_timed": {"bare": len(bare), "heal": len(healed)},
+        "bare_seconds_per_step": bare_s,
+        "heal_seconds_per_step": heal_s,
+        "bare_tokens_per_second": tokens / bare_s,
+        "heal_tokens_per_second": tokens / heal_s,
+        "heal_over_bare": bare_s / heal_s,
+        "bare_all": bare,
+        "heal_all": healed,
+        "torch_threads": torch.get_num_threads(),
+        "versions": common.library_versions(),
+    }
+
+
+# --------------------------------------------------------------------------------------------- curve
+
+
+def curve(
+    *,
+    model: str,
+    name: str,
+    minutes: list[float],
+    lr: float,
+    trainable: str,
+    warmup_steps: int,
+    seq_len: int,
+    batch_size: int,
+    eval_tokens: int,
+    seconds_per_step: float | None = None,
+) -> dict:
+    """Heal `model` in segments ending at each mark of `minutes` (training time); perplexity at each mark."""
+    root = work_dir() / name
+    state = root / "state"
+    marks = []
+    for i, m in enumerate(sorted(minutes)):
+        out = root / f"healed-{m:g}min"
+        result = heal(
+            model=model,
+            output=out,
+            max_minutes=None if seconds_per_step else m,
+            max_steps=round(m * 60 / seconds_per_step) if seconds_per_step else None,
+            seq_len=seq_len,
+            batch_size=batch_size,
+            lr=lr,
+            warmup_steps=warmup_steps,
+            schedule="constant",
+            trainable=trainable,
+            eval_tokens=eval_tokens,
+            state_dir=state,
+            keep_checkpoints=True,
+            resume=i > 0,
+            overwrite=True,
+        )
+        marks.append(
+            {
+                "minutes": m,
+                "output": str(out),
+                "steps": result["steps"],
+                "tokens": result["tokens"],
+                "train_seconds": result["train_seconds"],
+                "final_loss": result["final_loss"],
+                "perplexity": result["eval_after"]["perplexity"],
+            }
+        )
+        print(f"[{name}] {m:g} min: {result['steps']} steps, ppl {result['eval_after']['perplexity']:.3f}")
+    return {
+        "name": name,
+        "model": str(model),
+        "recipe": {
+            "lr": lr,
+            "trainable": trainable,
+            "warmup_steps": warmup_steps,
+            "schedule": "constant",
+            "seq_len": seq_len,
+            "batch_size": batch_size,
+            "marks_by": f"steps at {seconds_per_step} s/step"
+            if seconds_per_step
+            else "wall-clock training time",
+        },
+        "eval": {
+            "corpus": result["eval_before"]["corpus"],
+            "tokens": eval_tokens,
+            "context": 1024,
+            "stride": 1024,
+        },
+        "perplexity_before": result["eval_before"]["perplexity"],
+        "marks": marks,
+        "log": result["log"],
+        "versions": common.library_versions(),
+    }
+
+
+# --------------------------------------------------------------------------------------------- CLI
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m eval.bench_heal", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="what", required=True)
+    t = sub.add_parser("throughput")
+    t.add_argument("--model", default=None)
+    t.add_argument("--steps", type=int, default=8)
+    t.add_argument("--rounds", type=int, default=2)
+    t.add_argument("--seq-len", type=int, default=512)
+    t.add_argument("--batch-size", type=int, default=1)
+    c = sub.add_parser("curve")
+    c.add_argument("--model", required=True)
+    c.add_argument("--name", default=None, help="work directory name (default: the model directory's name)")
+    c.add_argument("--minutes", type=float, nargs="+", default=[5, 15, 30])
+    c.add_argument("--lr", type=float, default=1e-4)
+    c.add_argument("--trainable", default="all")
+    c.add_argument("--warmup-steps", type=int, default=10)
+    c.add_argument("--seq-len", type=int, default=512)
+    c.add_argument("--batch-size", type=int, default=1)
+    c.add_argument("--eval-tokens", type=int, default=8192)
+    c.add_argument("--seconds-per-step", type=float, default=None, help="marks in steps: minutes * 60 / S")
+    for sp in (t, c):
+        sp.add_argument("--results", default=None, help="JSON file (default: under the bench_heal work dir)")
+    args = p.parse_args(argv)
+    if args.what == "throughput":
+        res = throughput(
+            model=args.model,
+            steps=args.steps,
+            rounds=args.rounds,
+            seq_len=args.seq_len,
+            batch_size=args.batch_size,
+        )
+        print(
+            f"bare {res['bare_tokens_per_second']:.1f} tok/s, "
+            f"heal {res['heal_tokens_per_second']:.1f} tok/s: heal/bare = {res['heal_over_bare']:.3f} "
+            f"({res['steps_timed']} timed steps, median)"
+        )
+        default = work_dir() / "throughput.json"
+    else:
+        name = args.name or Path(args.model).name
+        res = curve(
+            model=args.model,
+            name=name,
+            minutes=args.minutes,
+            lr=args.lr,
+            trainable=args.trainable,
+            warmup_steps=args.warmup_steps,
+            seq_len=args.seq_len,
+            batch_size=args.batch_size,
+            eval_tokens=args.eval_tokens,
+            seconds_per_step=args.seconds_per_step,
+        )
+        default = work_dir() / f"curve-{name}.json"
+    path = Path(args.results) if args.results else default
+    path.write_text(json.dumps(res, indent=2) + "\n")
+    print(f"results: {path}")
+    return res
+
+
+if __name__ == "__main__":
+    main()
