@@ -169,6 +169,7 @@ def bench_decode(
         "decode_seconds": decode_seconds,
         "decode_steps": steps,
         "decode_tokens_per_second": batch_size * steps / decode_seconds if steps else None,
+        "tokens_per_second": batch_size * steps / decode_seconds if steps else None,  # = decode tokens/s
         "decode_tokens_per_second_per_sequence": steps / decode_seconds if steps else None,
         "peak_memory_bytes": memory.peak,
         "memory_before_bytes": memory.before,
