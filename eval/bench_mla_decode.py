@@ -1,10 +1,10 @@
 """Decode speed of a `llama_mla` model: absorbed vs expanded attention path, and the source GQA model (sdpa).
 
-Protocol: batch 1, fp32, greedy, `--threads` torch threads (default 1: on a shared machine OpenMP barriers
-make multi-threaded small ops wait for preempted threads, 1000x slower here). For each model one context of
-max(contexts) random token ids is prefilled once in chunks (not timed); for each context length L a fresh
-cache holding its first L tokens is decoded for `warmup` + `new_tokens` steps, one token per forward call;
-tokens/s = 1 / median step time of the `new_tokens` timed steps (positions may run past
+Protocol: batch 1, fp32, greedy, `--threads` torch threads for decode (default 1: on a shared machine OpenMP
+barriers make multi-threaded small ops wait for preempted threads, 1000x slower here). For each model one
+context of max(contexts) random token ids is prefilled once in chunks (not timed, all cores); for each context
+length L a fresh cache holding its first L tokens is decoded for `warmup` + `new_tokens` steps, one token per
+forward call; tokens/s = 1 / median step time of the `new_tokens` timed steps (positions may run past
 max_position_embeddings by warmup + new_tokens: speed does not depend on it). The load average is recorded
 beside the numbers, since the machine may be shared.
 
@@ -136,6 +136,7 @@ def run(
     rope_pairs: int = 8,
     device: str = "cpu",
     random_weights: bool = False,
+    prefill_threads: int | None = None,
     seed: int = 0,
 ) -> dict:
     """Measure decode tokens/s; returns the record (rows: context x variant)."""
@@ -157,7 +158,10 @@ def run(
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, src.config.vocab_size, (1, max(contexts)), generator=generator).to(device)
     load_before = os.getloadavg()
+    decode_threads = torch.get_num_threads()
+    torch.set_num_threads(prefill_threads or os.cpu_count() or 1)  # big matmuls: all cores
     caches = {"mla": prefill(mla, ids), "source": prefill(src, ids)}
+    torch.set_num_threads(decode_threads)
     setups = dict(zip(VARIANTS, [(mla, "mla", "absorbed"), (mla, "mla", "expanded"), (src, "source", None)]))
     rows = []
     for length in contexts:
@@ -211,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-lora-rank", type=int, default=64)
     p.add_argument("--rope-pairs", type=int, default=8)
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1, see the protocol)")
+    p.add_argument("--prefill-threads", type=int, help="torch threads for the untimed prefill (default: all)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     p.add_argument("--random-weights", action="store_true", help="random weights from the source's config")
     p.add_argument("--seed", type=int, default=0)
@@ -234,6 +239,7 @@ def main(argv: list[str] | None = None) -> None:
             rope_pairs=args.rope_pairs,
             device=args.device,
             random_weights=args.random_weights,
+            prefill_threads=args.prefill_threads,
             seed=args.seed,
         )
     except ValueError as err:
