@@ -26,7 +26,8 @@ side files such as the tokenizer copied), written atomically; the run is appende
 `config.json["hf_attn"]["history"]` (`conversion.checkpoint.add_record`).
 
     python -m conversion.heal --model SRC --output DST [--train-text FILE ... | --dataset NAME ...]
-        [--max-steps N | --max-tokens N | --max-minutes M] [--seq-len 512] [--batch-size 1] [--grad-accum 1]
+        [--max-steps N | --max-tokens N | --max-minutes M [--budget-clock wall|cpu]] [--seq-len 512]
+        [--batch-size 1] [--grad-accum 1]
         [--lr 1e-4] [--warmup-steps 0] [--schedule cosine|constant] [--trainable all|attention]
         [--dtype float32|bfloat16|float16] [--eval-text FILE ...] [--eval-every S] [--eval-tokens 8192]
         [--checkpoint-every N] [--resume] [--seed 0] [--gradient-checkpointing] [--overwrite]
@@ -66,6 +67,7 @@ from hf_attn.files import atomic_directory, checkpoint_hash
 
 TRAINABLE = ("all", "attention")
 SCHEDULES = ("cosine", "constant")
+CLOCKS = ("wall", "cpu")  # what --max-minutes counts: wall-clock or process CPU time, of training steps only
 PRECISIONS = {"float32": "no", "bfloat16": "bf16", "float16": "fp16"}  # --dtype -> accelerate mixed_precision
 DEFAULT_MAX_STEPS = 100  # when no budget is given: the DESIGN.md control recipe (100 steps of 512 tokens)
 MIN_LR_RATIO = 0.1  # cosine decays to this fraction of the peak
@@ -307,6 +309,7 @@ def heal(
     max_steps: int | None = None,
     max_tokens: int | None = None,
     max_minutes: float | None = None,
+    budget_clock: str = "wall",
     seq_len: int = 512,
     batch_size: int = 1,
     grad_accum: int = 1,
@@ -343,6 +346,8 @@ def heal(
     # ---- arguments (all cheap checks first, so a mistake costs no loading time)
     if trainable not in TRAINABLE:
         raise ValueError(f"Unknown --trainable {trainable!r}; choose one of {', '.join(TRAINABLE)}")
+    if budget_clock not in CLOCKS:
+        raise ValueError(f"Unknown --budget-clock {budget_clock!r}; choose one of {', '.join(CLOCKS)}")
     if dtype not in PRECISIONS:
         raise ValueError(f"Unknown --dtype {dtype!r}; choose one of {', '.join(PRECISIONS)}")
     for name, value in (
@@ -475,12 +480,13 @@ def heal(
     optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, recipe.lr_factor)
     step = tokens = 0
-    train_seconds = 0.0
+    train_seconds = train_cpu_seconds = 0.0
     eval_before, evals = None, []
     if saved is not None:
         optimizer.load_state_dict(saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
         step, tokens, train_seconds = saved["step"], saved["tokens"], saved["train_seconds"]
+        train_cpu_seconds = saved["train_cpu_seconds"]
         eval_before, evals = saved["eval_before"], saved["evals"]
         if len(saved["rng"]) == num_processes:
             set_rng_state(saved["rng"][accelerator.process_index])
@@ -522,6 +528,7 @@ def heal(
                     "step": step,
                     "tokens": tokens,
                     "train_seconds": train_seconds,
+                    "train_cpu_seconds": train_cpu_seconds,
                     "data_position": step * recipe.global_batch,
                     "optimizer": optimizer.state_dict(),
                     "scheduler": scheduler.state_dict(),
@@ -555,6 +562,10 @@ def heal(
 
     # ---- train
     max_seconds = max_minutes * 60 if max_minutes is not None else None
+
+    def clocks() -> dict:
+        return {"train_seconds": train_seconds, "train_cpu_seconds": train_cpu_seconds}
+
     losses: list[tuple[int, float]] = []
     bar = tqdm(total=total_steps, initial=step, unit="step", desc="heal", disable=not (progress and main))
     batches = iter(loader)
@@ -562,7 +573,8 @@ def heal(
     while True:
         done = total_steps is not None and step >= total_steps
         if max_seconds is not None:
-            flag = torch.tensor([float(done or train_seconds >= max_seconds)], device=accelerator.device)
+            spent = train_cpu_seconds if budget_clock == "cpu" else train_seconds
+            flag = torch.tensor([float(done or spent >= max_seconds)], device=accelerator.device)
             done = bool(broadcast(flag).item()) if num_processes > 1 else bool(flag.item())  # main decides
         if done:
             break
@@ -584,7 +596,9 @@ def heal(
         seconds = time.perf_counter() - start
         step += 1
         tokens += recipe.tokens_per_step
+        cpu_seconds = time.process_time() - cpu_start
         train_seconds += seconds
+        train_cpu_seconds += cpu_seconds
         losses.append((step, loss_value))
         log.write(
             event="step",
@@ -593,8 +607,9 @@ def heal(
             lr=lr_now,
             tokens=tokens,
             step_seconds=seconds,
-            cpu_seconds=time.process_time() - cpu_start,  # all threads; under load it shows the share we got
+            cpu_seconds=cpu_seconds,  # of all threads of this process
             train_seconds=train_seconds,
+            train_cpu_seconds=train_cpu_seconds,
         )
         bar.update(1)
         bar.set_postfix(
@@ -603,7 +618,7 @@ def heal(
         last = total_steps is not None and step >= total_steps
         if eval_every and step % eval_every == 0 and not last:
             result = evaluate()
-            evals.append({"step": step, "tokens": tokens, "train_seconds": train_seconds, **result})
+            evals.append({"step": step, "tokens": tokens, **clocks(), **result})
             log.write(event="eval", **evals[-1])
             if main:
                 bar.write(f"step {step}: held-out perplexity {result['perplexity']:.3f}")
@@ -614,7 +629,7 @@ def heal(
     # ---- evaluate, write the output in the input's format, record the run
     eval_after = evaluate()
     if eval_after is not None:
-        evals.append({"step": step, "tokens": tokens, "train_seconds": train_seconds, **eval_after})
+        evals.append({"step": step, "tokens": tokens, **clocks(), **eval_after})
         log.write(event="eval", **evals[-1])
     if keep_checkpoints:  # a final checkpoint: a later --resume with a larger budget continues from here
         save_checkpoint()
@@ -643,6 +658,7 @@ def heal(
         "eval_before": eval_before,
         "eval_after": eval_after,
         "train_seconds": train_seconds,
+        "train_cpu_seconds": train_cpu_seconds,
         "state_dir": str(state_dir),
     }
     if main:
@@ -688,6 +704,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-tokens", type=int, default=None, help="training tokens (rounded up to whole steps)")
     p.add_argument("--max-minutes", type=float, default=None, help="training time, evaluation excluded")
+    p.add_argument(
+        "--budget-clock",
+        default="wall",
+        help="what --max-minutes counts: wall (default) or cpu (process CPU time: fair on a shared machine)",
+    )
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=1, help="chunks per process per micro-step")
     p.add_argument("--grad-accum", type=int, default=1)
@@ -741,6 +762,7 @@ def main(argv: list[str] | None = None) -> dict:
             max_steps=args.max_steps,
             max_tokens=args.max_tokens,
             max_minutes=args.max_minutes,
+            budget_clock=args.budget_clock,
             seq_len=args.seq_len,
             batch_size=args.batch_size,
             grad_accum=args.grad_accum,

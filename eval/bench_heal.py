@@ -2,7 +2,7 @@
 curve (held-out perplexity after so many minutes of healing).
 
     python -m eval.bench_heal throughput [--model DIR] [--steps 8] [--rounds 2] [--seq-len 512]
-    python -m eval.bench_heal curve --model DIR [--minutes 5 15 30] [--seconds-per-step S] [--lr 1e-4]
+    python -m eval.bench_heal curve --model DIR [--minutes 5 15 30] [--clock wall|cpu] [--lr 1e-4]
         [--trainable all] [--name NAME]
 
 throughput: the same model, data order, optimizer (AdamW, betas 0.9/0.95), clipping and lr schedule, stepped
@@ -12,9 +12,10 @@ of each (the first two steps of every run skipped as warm-up), tokens/s, and hea
 
 curve: one healing run, stopped and resumed at each mark (a final checkpoint lets the next segment `--resume`
 with the same data order and optimizer state), so the marks lie on one trajectory with a constant lr after
-warmup. A mark is `--max-minutes` of training time (evaluation excluded), or, with `--seconds-per-step S`
-(the step time measured on an idle machine), `minutes * 60 / S` steps: on a shared machine the second is
-the fair measure of "minutes of healing on this CPU", since the wall clock also counts the others' load.
+warmup. A mark is `--max-minutes` of training time (evaluation excluded), counted on the wall clock or, with
+`--clock cpu`, in process CPU time (`heal(budget_clock="cpu")`): on a shared machine the second is the fair
+measure of "minutes of healing on this CPU", since the wall clock also counts the others' load (run it with
+OMP_NUM_THREADS=1 so that CPU time is compute, not spin-waiting threads).
 At each mark the held-out perplexity uses the project's protocol: the first `--eval-tokens` (8192) tokens
 of *Persuasion*, disjoint 1024-token windows.
 
@@ -135,7 +136,7 @@ def curve(
     seq_len: int,
     batch_size: int,
     eval_tokens: int,
-    seconds_per_step: float | None = None,
+    clock: str = "wall",
 ) -> dict:
     """Heal `model` in segments ending at each mark of `minutes` (training time); perplexity at each mark."""
     root = work_dir() / name
@@ -146,8 +147,8 @@ def curve(
         result = heal(
             model=model,
             output=out,
-            max_minutes=None if seconds_per_step else m,
-            max_steps=round(m * 60 / seconds_per_step) if seconds_per_step else None,
+            max_minutes=m,
+            budget_clock=clock,
             seq_len=seq_len,
             batch_size=batch_size,
             lr=lr,
@@ -167,6 +168,7 @@ def curve(
                 "steps": result["steps"],
                 "tokens": result["tokens"],
                 "train_seconds": result["train_seconds"],
+                "train_cpu_seconds": result["train_cpu_seconds"],
                 "final_loss": result["final_loss"],
                 "perplexity": result["eval_after"]["perplexity"],
             }
@@ -182,9 +184,8 @@ def curve(
             "schedule": "constant",
             "seq_len": seq_len,
             "batch_size": batch_size,
-            "marks_by": f"steps at {seconds_per_step} s/step"
-            if seconds_per_step
-            else "wall-clock training time",
+            "clock": clock,
+            "torch_threads": torch.get_num_threads(),
         },
         "eval": {
             "corpus": result["eval_before"]["corpus"],
@@ -221,7 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
     c.add_argument("--seq-len", type=int, default=512)
     c.add_argument("--batch-size", type=int, default=1)
     c.add_argument("--eval-tokens", type=int, default=8192)
-    c.add_argument("--seconds-per-step", type=float, default=None, help="marks in steps: minutes * 60 / S")
+    c.add_argument("--clock", default="wall", help="wall | cpu: what the minutes count")
     for sp in (t, c):
         sp.add_argument("--results", default=None, help="JSON file (default: under the bench_heal work dir)")
     args = p.parse_args(argv)
@@ -251,7 +252,7 @@ def main(argv: list[str] | None = None) -> dict:
             seq_len=args.seq_len,
             batch_size=args.batch_size,
             eval_tokens=args.eval_tokens,
-            seconds_per_step=args.seconds_per_step,
+            clock=args.clock,
         )
         default = work_dir() / f"curve-{name}.json"
     path = Path(args.results) if args.results else default

@@ -352,3 +352,20 @@ def test_cli_error_is_one_line_without_traceback(tiny, tmp_path):
     assert "Traceback" not in res.stderr and res.stderr.strip().splitlines()[-1].startswith(
         "conversion.heal: error:"
     )
+
+
+def test_time_budget_stops_at_the_first_step_past_it_and_resumes_with_a_larger_one(tiny, tmp_path):
+    state = tmp_path / "state"
+    common = dict(
+        schedule="constant", eval_tokens=0, budget_clock="cpu", state_dir=state, keep_checkpoints=True
+    )
+    first = _run(tiny, tmp_path / "a", max_minutes=0.005, **common)  # 0.3 s of CPU time
+    log = [e for e in read_log(first["log"]) if e["event"] == "step"]
+    assert log[-1]["train_cpu_seconds"] >= 0.3 > log[-2]["train_cpu_seconds"]
+    assert find_checkpoints(state)[-1][0] == first["steps"]  # the final checkpoint a longer run resumes from
+    second = _run(tiny, tmp_path / "b", max_minutes=0.01, resume=True, **common)
+    log = [e for e in read_log(second["log"]) if e["event"] == "step"]
+    assert [e["step"] for e in log] == list(range(1, second["steps"] + 1))
+    assert log[-1]["train_cpu_seconds"] >= 0.6 > log[-2]["train_cpu_seconds"]
+    reference = _run(tiny, tmp_path / "c", max_steps=second["steps"], schedule="constant", eval_tokens=0)
+    assert [e["loss"] for e in log] == pytest.approx(list(_losses(reference["log"]).values()), rel=1e-5)
