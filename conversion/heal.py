@@ -267,25 +267,30 @@ def read_log(path: str | os.PathLike) -> list[dict]:
 def load_model(
     path: Path, *, attn_implementation: str | None, trust_remote_code: bool, gradient_checkpointing: bool
 ):
-    """The checkpoint as float32 master weights in train mode (plus its stored dtype, for the output)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """The checkpoint as float32 master weights, in train mode."""
+    from transformers import AutoModelForCausalLM
 
     common.check_attn_implementation(attn_implementation)
     try:
-        config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
         kwargs = {"dtype": torch.float32, "trust_remote_code": trust_remote_code}
         if attn_implementation is not None:
             kwargs["attn_implementation"] = attn_implementation
         model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
     except (OSError, ValueError, KeyError) as err:
         raise ValueError(f"Could not load {path} as a causal LM: {common._one_line(err)}") from err
-    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
-    stored = getattr(torch, stored) if isinstance(stored, str) else stored
     if gradient_checkpointing:
         if not model.supports_gradient_checkpointing:
             raise ValueError(f"{type(model).__name__} does not support --gradient-checkpointing")
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model.train(), stored
+    return model.train()
+
+
+def stored_dtype(model_dir: Path) -> torch.dtype:
+    """The dtype a checkpoint's config.json declares (the output is written in it); float32 if none."""
+    config = read_config(model_dir)
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    dtype = getattr(torch, str(name), None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
 
 
 def _lm_forward(model, input_ids: torch.Tensor) -> torch.Tensor:
@@ -469,7 +474,7 @@ def heal(
 
     # ---- model, optimizer, schedule, data order
     start_dir = ckpt_dir if saved else source
-    net, stored_dtype = load_model(
+    net = load_model(
         start_dir,
         attn_implementation=attn_implementation,
         trust_remote_code=trust_remote_code,
@@ -663,7 +668,7 @@ def heal(
     }
     if main:
         with atomic_directory(output, overwrite=overwrite) as tmp:
-            unwrapped.to(stored_dtype).save_pretrained(tmp)
+            unwrapped.to(stored_dtype(source)).save_pretrained(tmp)
             copy_side_files(source, tmp)
             config = read_config(tmp)
             write_config(tmp, add_record(config, record))

@@ -369,3 +369,20 @@ def test_time_budget_stops_at_the_first_step_past_it_and_resumes_with_a_larger_o
     assert log[-1]["train_cpu_seconds"] >= 0.6 > log[-2]["train_cpu_seconds"]
     reference = _run(tiny, tmp_path / "c", max_steps=second["steps"], schedule="constant", eval_tokens=0)
     assert [e["loss"] for e in log] == pytest.approx(list(_losses(reference["log"]).values()), rel=1e-5)
+
+
+def test_bfloat16_checkpoint_stays_bfloat16_and_bf16_autocast_trains(tiny, tmp_path):
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    src = tmp_path / "bf16"
+    AutoModelForCausalLM.from_pretrained(tiny[0], dtype=torch.bfloat16).save_pretrained(src)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny[0] / name, src / name)
+    result = _run((src, *tiny[1:]), tmp_path / "out", max_steps=6, dtype="bfloat16", eval_tokens=0)
+    losses = list(_losses(result["log"]).values())
+    assert losses[-1] < losses[0]
+    weights = load_file(tmp_path / "out" / "model.safetensors")
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
