@@ -6,8 +6,10 @@ The reference repeats K/V per query head (head h reads KV head h // G), builds t
 
 from __future__ import annotations
 
+import contextlib
 import math
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ import torch.nn.functional as F
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from hf_attn.attention import grouped
 from hf_attn.attention.grouped import grouped_attention, grouped_attention_forward, grouped_attention_mask
 
 MASK_KINDS = ("none", "bool", "float", "per_head", "2d", "float_finite_min")
@@ -85,7 +88,7 @@ def cases(draw):
     G = draw(st.integers(1, 4))
     B = draw(st.integers(1, 3))
     T = draw(st.integers(1, 7))
-    S = draw(st.integers(1, 10))
+    S = draw(st.one_of(st.just(T), st.integers(1, 10)))  # S == T: prefill; S > T: decode against a cache
     D = draw(st.sampled_from([4, 8, 16]))
     Dv = draw(st.sampled_from([D, 4, 12]))
     kind = draw(st.sampled_from(MASK_KINDS[:5]))
@@ -99,10 +102,18 @@ def cases(draw):
                 lengths=lengths, scaling=scaling, seed=seed)  # fmt: skip
 
 
+def _backend(name):
+    """ "enable_gqa" is the fused backend with packing switched off (the path taken for long queries)."""
+    if name == "enable_gqa":
+        return "fused", mock.patch.object(grouped, "_PACK_MAX_ROWS", 0)
+    return name, contextlib.nullcontext()
+
+
 @settings(max_examples=150, deadline=None)
-@given(c=cases(), backend=st.sampled_from(["auto", "explicit", "fused"]))
+@given(c=cases(), backend=st.sampled_from(["auto", "explicit", "fused", "enable_gqa"]))
 def test_kernel_matches_reference(c, backend):
-    assume(backend != "fused" or c["Dv"] == c["D"])  # torch's fused CPU kernel needs Dk == Dv
+    assume(backend in ("auto", "explicit") or c["Dv"] == c["D"])  # torch's fused CPU kernel needs Dk == Dv
+    backend, patch = _backend(backend)
     gen = torch.Generator().manual_seed(c["seed"])
     B, T, S, Hq = c["B"], c["T"], c["S"], c["Hkv"] * c["G"]
     q, k, v = random_qkv(B, Hq, c["Hkv"], T, S, c["D"], c["Dv"], generator=gen)
@@ -117,20 +128,22 @@ def test_kernel_matches_reference(c, backend):
         if c["kind"] == "per_head":  # a different pattern for every query head
             keep = keep[:, None] & (torch.rand(B, Hq, T, S, generator=gen) > 0.3)  # (B, Hq, T, S)
         mask = as_kernel_mask(keep, c["kind"], Hq)
-    out = grouped_attention(q, k, v, mask, scaling=c["scaling"], is_causal=c["causal"], backend=backend)
+    with patch:
+        out = grouped_attention(q, k, v, mask, scaling=c["scaling"], is_causal=c["causal"], backend=backend)
     expected = reference(q, k, v, keep, scale)
     assert out.shape == (B, T, Hq, c["Dv"]) and out.is_contiguous() and out.dtype == torch.float32
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
 
 # --- named cases ---
-@pytest.mark.parametrize("backend", ["auto", "explicit"])
+@pytest.mark.parametrize("backend", ["auto", "explicit", "enable_gqa"])
 @pytest.mark.parametrize(
     "B,Hq,Hkv,T,S",
     [
         (2, 9, 3, 1, 40),  # single-token decode against a cache
         (2, 9, 3, 5, 40),  # multi-token decode against a cache
-        (2, 9, 3, 24, 24),  # prefill
+        (2, 9, 3, 24, 24),  # prefill (enable_gqa)
+        (2, 6, 2, 8, 8),  # short prefill (group packed into the query axis)
         (1, 8, 1, 6, 30),  # MQA
         (1, 4, 4, 6, 30),  # MHA
     ],
@@ -138,21 +151,26 @@ def test_kernel_matches_reference(c, backend):
 def test_decode_shapes_with_padding(B, Hq, Hkv, T, S, backend):
     q, k, v = random_qkv(B, Hq, Hkv, T, S, 16, 16)
     keep = hand_mask(B, T, S, causal=True, lengths=[S - 7, S][:B], left=True)
-    out = grouped_attention(q, k, v, keep[:, None], backend=backend)
+    backend, patch = _backend(backend)
+    with patch:
+        out = grouped_attention(q, k, v, keep[:, None], backend=backend)
     torch.testing.assert_close(out.double(), reference(q, k, v, keep, 16**-0.5), atol=1e-5, rtol=1e-5)
     # No mask at all: bottom-right causal for T > 1, everything for T == 1.
-    out = grouped_attention(q, k, v, None, is_causal=True, backend=backend)
+    with patch:
+        out = grouped_attention(q, k, v, None, is_causal=True, backend=backend)
     keep = hand_mask(B, T, S, causal=True)
     torch.testing.assert_close(out.double(), reference(q, k, v, keep, 16**-0.5), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["auto", "explicit", "fused"])
+@pytest.mark.parametrize("backend", ["auto", "explicit", "fused", "enable_gqa"])
 @pytest.mark.parametrize("T", [1, 5])
 def test_per_head_masks(T, backend):
     B, Hq, Hkv, S = 2, 6, 2, 11
     q, k, v = random_qkv(B, Hq, Hkv, T, S, 8, 8)
     keep = hand_mask(B, T, S, causal=True, lengths=[8, 11])[:, None] & (torch.rand(B, Hq, T, S) > 0.3)
-    out = grouped_attention(q, k, v, keep, backend=backend)
+    backend, patch = _backend(backend)
+    with patch:
+        out = grouped_attention(q, k, v, keep, backend=backend)
     torch.testing.assert_close(out.double(), reference(q, k, v, keep, 8**-0.5), atol=1e-5, rtol=1e-5)
 
 
@@ -201,7 +219,7 @@ def test_reduced_precision_error_at_most_twice_sdpa(dtype, B, Hq, Hkv, T, S, D, 
 
 
 # --- fully masked rows ---
-@pytest.mark.parametrize("backend", ["auto", "explicit"])
+@pytest.mark.parametrize("backend", ["auto", "explicit", "enable_gqa"])
 @pytest.mark.parametrize("kind", ["bool", "float", "per_head", "causal_short_cache"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fully_masked_rows_are_zero(kind, backend, dtype):
@@ -216,13 +234,15 @@ def test_fully_masked_rows_are_zero(kind, backend, dtype):
         keep[1, :] = False  # a whole sequence of padding
         mask = as_kernel_mask(keep, kind, Hq)
         dead = [(0, 1)] + [(1, t) for t in range(T)]
-    out = grouped_attention(q, k, v, mask, is_causal=True, backend=backend)
+    backend, patch = _backend(backend)
+    with patch:
+        out = grouped_attention(q, k, v, mask, is_causal=True, backend=backend)
     assert torch.isfinite(out).all()
     for b, t in dead:
         assert (out[b, t] == 0).all(), (b, t)
 
 
-@pytest.mark.parametrize("backend", ["auto", "explicit"])
+@pytest.mark.parametrize("backend", ["auto", "explicit", "enable_gqa"])
 def test_gradients_match_reference_and_stay_finite(backend):
     B, Hq, Hkv, T, S = 2, 6, 2, 4, 7
     q, k, v = random_qkv(B, Hq, Hkv, T, S, 8, 8)
@@ -235,9 +255,11 @@ def test_gradients_match_reference_and_stay_finite(backend):
         (fn(*leaves) * w).sum().backward()
         return [x.grad for x in leaves]
 
-    got = grads(
-        lambda q, k, v: grouped_attention(q.float(), k.float(), v.float(), keep[:, None], backend=backend)
-    )
+    backend, patch = _backend(backend)
+    with patch:
+        got = grads(
+            lambda q, k, v: grouped_attention(q.float(), k.float(), v.float(), keep[:, None], backend=backend)
+        )
     want = grads(lambda q, k, v: reference(q, k, v, keep, 8**-0.5))
     for g, r in zip(got, want):
         assert torch.isfinite(g).all()
