@@ -238,13 +238,18 @@ def read_tensor(info: TensorInfo) -> torch.Tensor:
     return raw.view(info.dtype).reshape(info.shape)
 
 
+def names_in_file_order(index: dict[str, TensorInfo]) -> list[str]:
+    """Tensor names sorted by (file, offset): reading them in this order is sequential on disk."""
+    return sorted(index, key=lambda n: (str(index[n].file), index[n].begin))
+
+
 def iter_tensors(
     model_dir: str | os.PathLike, names: Iterable[str] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) one at a time in file order (or in the order of `names`)."""
     index = tensor_index(model_dir)
     if names is None:
-        names = sorted(index, key=lambda n: (str(index[n].file), index[n].begin))
+        names = names_in_file_order(index)
     for name in names:
         if name not in index:
             raise KeyError(f"Tensor {name!r} is missing from the checkpoint {model_dir}.")
@@ -483,6 +488,7 @@ def save_streamed(
                 if dtype is not None and tensor.is_floating_point():
                     tensor = tensor.to(dtype)
                 writer.add(name, tensor)
+                del tensor  # let it go before the next one is read
         write_config(tmp, config)
         copy_side_files(src_dir, tmp)
     return dst
@@ -501,6 +507,7 @@ __all__ = [
     "dtype_name",
     "expected_attention_shapes",
     "iter_tensors",
+    "names_in_file_order",
     "parse_attn_key",
     "read_config",
     "read_tensor",

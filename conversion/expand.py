@@ -28,6 +28,7 @@ from conversion.checkpoint import (
     check_attention_tensors,
     check_supported,
     dtype_name,
+    names_in_file_order,
     parse_attn_key,
     read_config,
     read_tensor,
@@ -73,8 +74,7 @@ def _expanded_tensors(
     index: dict[str, TensorInfo], geometry: AttentionGeometry, target: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
     repeats = target // geometry.num_kv_heads
-    names = sorted(index, key=lambda n: (str(index[n].file), index[n].begin))
-    for name in tqdm(names, desc="expand", unit="tensor"):
+    for name in tqdm(names_in_file_order(index), desc="expand", unit="tensor"):
         tensor = read_tensor(index[name])
         parsed = parse_attn_key(name)
         if parsed is not None and parsed[1] in ("k_proj", "v_proj"):
@@ -84,6 +84,7 @@ def _expanded_tensors(
             want = (target * geometry.head_dim, *index[name].shape[1:])
             assert tuple(tensor.shape) == want, (name, tuple(tensor.shape), want)
         yield name, tensor
+        del tensor  # hold one tensor at a time
 
 
 def expand_checkpoint(

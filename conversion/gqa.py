@@ -55,6 +55,7 @@ from conversion.checkpoint import (
     check_supported,
     dtype_name,
     expected_attention_shapes,
+    names_in_file_order,
     parse_attn_key,
     read_config,
     read_tensor,
@@ -269,9 +270,8 @@ def _pooled_tensors(
     shapes = expected_attention_shapes(
         AttentionGeometry(geo.num_layers, geo.hidden_size, geo.num_heads, pooling.num_groups, geo.head_dim)
     )
-    names = sorted(index, key=lambda n: (str(index[n].file), index[n].begin))
     done: set[int] = set()
-    for name in tqdm(names, desc=f"gqa ({method})", unit="tensor"):
+    for name in tqdm(names_in_file_order(index), desc=f"gqa ({method})", unit="tensor"):
         parsed = parse_attn_key(name)
         if parsed is None:
             yield name, read_tensor(index[name])
@@ -283,6 +283,7 @@ def _pooled_tensors(
                 tensor = mean_pool_heads(tensor, pooling=pooling)
             assert tuple(tensor.shape) == shapes[proj, kind], (name, tuple(tensor.shape))
             yield name, tensor
+            del tensor  # hold one tensor at a time
             continue
         if layer in done:
             continue

@@ -1,0 +1,288 @@
+"""MHA/GQA -> GQA/MQA pooling (conversion.gqa): mean pooling against a computation written here, identities,
+the output loading in a process that never imports hf_attn with a KV cache G/H the size, calibrated pooling
+beating mean pooling on held-out text of the real SmolLM2, safety (source untouched, atomic output) and the
+errors users see."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig, Qwen2Config
+
+from conversion import gqa
+from conversion.expand import expand_checkpoint
+from hf_attn.files import checkpoint_hash, sha256_file
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = dict(
+    vocab_size=96,
+    hidden_size=48,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=6,
+    max_position_embeddings=128,
+)
+CONFIGS = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}
+
+
+def make_tiny(path: Path, model_type: str = "llama", **overrides) -> Path:
+    """A tiny random checkpoint (safetensors) of the given Llama-family type; Qwen2 has q/k/v biases."""
+    torch.manual_seed(0)
+    config = CONFIGS[model_type](**{**TINY, **overrides})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # make the biases non-zero so pooling them is tested
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_()
+    model.save_pretrained(path)
+    (path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 7}))
+    (path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 128}))
+    return path
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def file_hashes(path: Path) -> dict[str, str]:
+    return {p.name: sha256_file(p) for p in sorted(path.iterdir()) if p.is_file()}
+
+
+def independent_mean(w: torch.Tensor, num_heads: int, groups: int, head_dim: int) -> torch.Tensor:
+    """Group g = mean of heads g*r ... (g+1)*r - 1, head by head in float64 (written without reshapes)."""
+    r = num_heads // groups
+    rows = []
+    for g in range(groups):
+        acc = torch.zeros_like(w[:head_dim], dtype=torch.float64)
+        for h in range(g * r, (g + 1) * r):
+            acc += w[h * head_dim : (h + 1) * head_dim].double()
+        rows.append((acc / r).to(w.dtype))
+    return torch.cat(rows)
+
+
+# ----------------------------------------------------------------------------------------- mean pooling
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("groups", [2, 1])
+def test_mean_pooling_matches_independent_computation(tmp_path, model_type, groups):
+    src = make_tiny(tmp_path / "src", model_type)
+    before = file_hashes(src)
+    dst = gqa.convert_gqa(src=src, dst=tmp_path / "dst", num_kv_heads=groups)
+    assert file_hashes(src) == before  # the source is never modified
+
+    old, new = weights(src), weights(dst)
+    assert set(old) == set(new)
+    pooled = [n for n in old if ".k_proj." in n or ".v_proj." in n]
+    assert len(pooled) == 2 * TINY["num_hidden_layers"] * (2 if model_type == "qwen2" else 1)
+    for name in old:
+        if name in pooled:
+            want = independent_mean(old[name], TINY["num_key_value_heads"], groups, TINY["head_dim"])
+            assert new[name].shape[0] == groups * TINY["head_dim"]
+            assert torch.equal(new[name], want), name
+        else:
+            assert torch.equal(new[name], old[name]), name  # queries, outputs, MLP, norms untouched
+
+    config = json.loads((dst / "config.json").read_text())
+    assert config["num_key_value_heads"] == groups
+    assert config["num_attention_heads"] == TINY["num_attention_heads"]
+    record = config["hf_attn"]["last"]
+    assert record["method"] == "mean" and record["source_checkpoint_hash"] == checkpoint_hash(src)
+    assert record["groups"] == [list(range(g * 4 // groups, (g + 1) * 4 // groups)) for g in range(groups)]
+    assert config["hf_attn"]["history"] == [record]
+    assert (dst / "generation_config.json").read_text() == (src / "generation_config.json").read_text()
+    assert (dst / "tokenizer_config.json").exists()
+
+
+def test_same_number_of_heads_is_the_identity(tmp_path):
+    src = make_tiny(tmp_path / "src", "qwen2")
+    for method in gqa.METHODS:
+        dst = gqa.convert_gqa(src=src, dst=tmp_path / method, num_kv_heads=4, method=method)
+        old, new = weights(src), weights(dst)
+        assert set(old) == set(new) and all(torch.equal(old[n], new[n]) for n in old), method
+
+
+def test_sharded_source_and_output(tmp_path):
+    """A source saved in small shards (with an index) converts like the single-file one."""
+    src = make_tiny(tmp_path / "src")
+    model = AutoModelForCausalLM.from_pretrained(src)
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    a = gqa.convert_gqa(src=src, dst=tmp_path / "a", num_kv_heads=2)
+    b = gqa.convert_gqa(src=tmp_path / "sharded", dst=tmp_path / "b", num_kv_heads=2, max_shard_bytes=30_000)
+    assert len(list(b.glob("model-*.safetensors"))) > 1 and (b / "model.safetensors.index.json").exists()
+    wa, wb = weights(a), weights(b)
+    assert set(wa) == set(wb) and all(torch.equal(wa[n], wb[n]) for n in wa)
+
+
+# ----------------------------------------------------------------------------------------- loading
+
+
+_VANILLA = r"""
+import json, sys
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+
+out = {}
+for name, path in (("src", sys.argv[1]), ("dst", sys.argv[2])):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        logits = model(input_ids=torch.arange(20)[None] % 90, past_key_values=cache, use_cache=True).logits
+    nbytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    out[name] = {"kv_bytes": nbytes, "finite": bool(torch.isfinite(logits).all()),
+                 "kv_heads": model.config.num_key_value_heads}
+assert not any(m == "hf_attn" or m.startswith("hf_attn.") for m in sys.modules), "hf_attn was imported"
+print(json.dumps(out))
+"""
+
+
+def test_loads_without_hf_attn_and_kv_cache_shrinks(tmp_path):
+    src = make_tiny(tmp_path / "src")
+    dst = gqa.convert_gqa(src=src, dst=tmp_path / "dst", num_kv_heads=1)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
+    res = subprocess.run(
+        [sys.executable, "-c", _VANILLA, str(src), str(dst)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["src"]["finite"] and out["dst"]["finite"]
+    assert out["dst"]["kv_heads"] == 1
+    assert out["dst"]["kv_bytes"] * TINY["num_key_value_heads"] == out["src"]["kv_bytes"]  # G/H = 1/4
+
+
+# ----------------------------------------------------------------------------------------- real SmolLM2
+
+
+@pytest.mark.slow
+def test_smollm2_expand_then_mean_pool_returns_original_bits(tmp_path, smollm2_path):
+    before = checkpoint_hash(smollm2_path)
+    mha = expand_checkpoint(src=smollm2_path, dst=tmp_path / "mha")
+    back = gqa.convert_gqa(src=mha, dst=tmp_path / "back", num_kv_heads=3)
+    assert checkpoint_hash(smollm2_path) == before
+    old, new = weights(smollm2_path), weights(back)
+    assert set(old) == set(new) and all(torch.equal(old[n], new[n]) for n in old)
+    history = json.loads((back / "config.json").read_text())["hf_attn"]["history"]
+    assert [h["converter"] for h in history] == ["conversion.expand", "conversion.gqa"]
+
+
+@pytest.mark.slow
+def test_smollm2_calibrated_beats_mean_on_held_out_text(tmp_path, smollm2_path, persuasion_path):
+    from eval.perplexity import evaluate_perplexity
+
+    before = checkpoint_hash(smollm2_path)
+    common = dict(src=smollm2_path, num_kv_heads=1)
+    mean = gqa.convert_gqa(dst=tmp_path / "mean", method="mean", **common)
+    calibrated = gqa.convert_gqa(
+        dst=tmp_path / "cal", method="calibrated", calibration_tokens=1024, calibration_window=512, **common
+    )
+    assert checkpoint_hash(smollm2_path) == before
+    record = json.loads((calibrated / "config.json").read_text())["hf_attn"]["last"]
+    assert record["calibration"]["tokens"] == 1024
+    assert "persuasion.txt" not in [f["name"] for f in record["calibration"]["files"]]
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    text = persuasion_path.read_text()[:4000]  # held out: calibration never reads Persuasion
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"][:512])
+    ppl = {}
+    for name, path in (("mean", mean), ("calibrated", calibrated)):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        ppl[name] = evaluate_perplexity(model, ids, context_length=512, progress=False).perplexity
+    assert ppl["calibrated"] < ppl["mean"] / 5, ppl
+
+
+# ----------------------------------------------------------------------------------------- errors and safety
+
+
+def _one_line_cli_error(capsys, argv) -> str:
+    capsys.readouterr()  # drop what earlier steps printed
+    with pytest.raises(SystemExit) as exc:
+        gqa.main(argv)
+    assert exc.value.code != 0
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err
+    return err
+
+
+def test_errors_name_the_values(tmp_path, capsys):
+    src = make_tiny(tmp_path / "src")
+    out = str(tmp_path / "out")
+    err = _one_line_cli_error(capsys, ["--model", str(src), "--num-kv-heads", "3", "--output", out])
+    assert "4" in err and "3" in err and "[1, 2, 4]" in err
+    err = _one_line_cli_error(capsys, ["--model", str(src), "--num-kv-heads", "8", "--output", out])
+    assert "8" in err and "4" in err and "conversion.expand" in err
+    with pytest.raises(ValueError, match="--method"):
+        gqa.convert_gqa(src=src, dst=out, num_kv_heads=2, method="svd")
+    assert not Path(out).exists()
+
+    other = make_tiny(tmp_path / "gpt", "llama")
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    err = _one_line_cli_error(capsys, ["--model", str(other), "--num-kv-heads", "2", "--output", out])
+    assert "gpt2" in err and "llama, mistral, qwen2" in err
+
+    err = _one_line_cli_error(
+        capsys, ["--model", str(tmp_path / "nope"), "--num-kv-heads", "2", "--output", out]
+    )
+    assert "nope" in err
+
+
+def test_missing_and_mismatched_weights(tmp_path):
+    src = make_tiny(tmp_path / "src")
+    tensors = load_file(src / "model.safetensors")
+    missing = dict(tensors)
+    del missing["model.layers.1.self_attn.v_proj.weight"]
+    bad = make_tiny(tmp_path / "missing")
+    save_file(missing, bad / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"Missing weights.*layers\.1\.self_attn\.v_proj\.weight"):
+        gqa.convert_gqa(src=bad, dst=tmp_path / "o1", num_kv_heads=2)
+
+    wrong = make_tiny(tmp_path / "wrong")
+    config = json.loads((wrong / "config.json").read_text())
+    (wrong / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 2}))
+    with pytest.raises(ValueError, match=r"k_proj\.weight has shape \[24, 48\].*\[12, 48\]"):
+        gqa.convert_gqa(src=wrong, dst=tmp_path / "o2", num_kv_heads=1)
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+
+
+def test_existing_output_needs_overwrite_and_failures_leave_nothing(tmp_path, monkeypatch):
+    src = make_tiny(tmp_path / "src")
+    dst = tmp_path / "dst"
+    gqa.convert_gqa(src=src, dst=dst, num_kv_heads=2)
+    first = file_hashes(dst)
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        gqa.convert_gqa(src=src, dst=dst, num_kv_heads=1)
+    assert file_hashes(dst) == first
+
+    calls = []
+
+    def failing(tensor, *, pooling):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("disk full")
+        return tensor[: pooling.num_groups * pooling.geometry.head_dim]
+
+    monkeypatch.setattr(gqa, "mean_pool_heads", failing)
+    with pytest.raises(RuntimeError, match="disk full"):
+        gqa.convert_gqa(src=src, dst=dst, num_kv_heads=1, overwrite=True)
+    assert file_hashes(dst) == first  # the old output survives a failed overwrite
+    with pytest.raises(RuntimeError, match="disk full"):
+        calls.clear()
+        gqa.convert_gqa(src=src, dst=tmp_path / "new", num_kv_heads=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "src"]  # no partial output, no temp dir
+    with pytest.raises(ValueError, match="source"):
+        gqa.convert_gqa(src=src, dst=src, num_kv_heads=1, overwrite=True)
