@@ -233,7 +233,8 @@ def test_two_processes_follow_the_one_process_trajectory(tiny, tmp_path):
         "1",
     ]
     cmd += ["--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port())]
-    cmd += ["-m", "conversion.heal", *_cli(tiny, tmp_path / "two", "--batch-size", "2", "--max-steps", "4")]
+    extra = ["--batch-size", "2", "--max-steps", "4", "--checkpoint-every", "2", "--keep-checkpoints"]
+    cmd += ["-m", "conversion.heal", *_cli(tiny, tmp_path / "two", *extra)]
     res = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stderr[-3000:]
     log = read_log(tmp_path / "two.heal" / "log.jsonl")
@@ -242,6 +243,9 @@ def test_two_processes_follow_the_one_process_trajectory(tiny, tmp_path):
     assert list(two_losses) == [1, 2, 3, 4]
     for step, loss in one_losses.items():
         assert two_losses[step] == pytest.approx(loss, rel=1e-4, abs=1e-5)
+    ((step, ckpt),) = find_checkpoints(tmp_path / "two.heal")
+    saved = torch.load(ckpt / heal_mod.STATE_FILE, weights_only=False)
+    assert step == 4 and len(saved["rng"]) == 2 and saved["data_position"] == 16
     two_evals = [e["perplexity"] for e in log if e["event"] == "eval"]
     assert two_evals == pytest.approx(
         [one["eval_before"]["perplexity"], one["eval_after"]["perplexity"]], rel=1e-4
