@@ -35,14 +35,24 @@ PROMPTS, BATCHES, NEW_TOKENS = (1024, 4096, 8192), (1, 4), 32
 QUICK_PROMPTS, QUICK_BATCHES, QUICK_NEW_TOKENS = (128,), (1, 4), 8
 
 
-@functools.lru_cache(maxsize=1)
 def _model(model_path: str, attn_implementation: str | None, dtype: torch.dtype):
+    """The loaded model, reused across calls while the checkpoint's files are unchanged."""
+    path = Path(model_path)
+    stamp = (
+        tuple((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in sorted(path.iterdir()))
+        if path.is_dir()
+        else ()
+    )
+    return _load_model(model_path, attn_implementation, dtype, stamp)
+
+
+@functools.lru_cache(maxsize=1)
+def _load_model(model_path: str, attn_implementation: str | None, dtype: torch.dtype, stamp: tuple):
     lm = common.load_causal_lm(model_path, attn_implementation=attn_implementation, dtype=dtype)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return lm.to(device)
 
 
-@functools.lru_cache(maxsize=2)
 def _prompt_ids(model_path: str) -> torch.Tensor:
     return tokenize(common.load_tokenizer(model_path), load_corpus())
 

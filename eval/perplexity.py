@@ -105,12 +105,16 @@ def _accepts_logits_to_keep(model) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
-def batch_nll(model, input_ids: torch.Tensor, batch: list[Window], device) -> tuple[float, int]:
+def batch_nll(
+    model, input_ids: torch.Tensor, batch: list[Window], device, *, keep_logits: bool | None = None
+) -> tuple[float, int]:
     """(sum of NLL in float64, tokens scored) of one batch of equally shaped windows."""
     ids = torch.stack([input_ids[w.begin : w.end] for w in batch]).to(device)  # (B, T)
     offset = batch[0].score_from - batch[0].begin  # first scored position inside the window
     targets = ids[:, offset:]  # (B, K) with K = T - offset
-    if _accepts_logits_to_keep(model):
+    if keep_logits is None:
+        keep_logits = _accepts_logits_to_keep(model)
+    if keep_logits:
         keep = torch.arange(offset - 1, ids.shape[1] - 1, device=device)  # positions predicting the targets
         logits = model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits  # (B, K, V)
     else:
@@ -169,6 +173,7 @@ def evaluate_perplexity(
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
     mine = batches[rank::world]
     device = common.model_device(model)
+    keep_logits = _accepts_logits_to_keep(model)
     show = progress and (accelerator is None or accelerator.is_main_process)
 
     from tqdm.auto import tqdm
@@ -182,7 +187,7 @@ def evaluate_perplexity(
         tqdm(total=sum(len(b) for b in mine), desc="perplexity", disable=not show) as bar,
     ):
         for batch in mine:
-            nll, k = batch_nll(model, input_ids, batch, device)
+            nll, k = batch_nll(model, input_ids, batch, device, keep_logits=keep_logits)
             nll_sum, count = nll_sum + nll, count + k
             forwarded += sum(w.end - w.begin for w in batch)
             bar.update(len(batch))
