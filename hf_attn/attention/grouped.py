@@ -236,6 +236,8 @@ def _pack_mask(mask, Hkv, G, T):
     """A (b, h, t, s) mask over (B, Hq, T, S) scores -> (b, Hkv|1, G*T, s) over queries packed as
     (B, Hkv, G*T, D). A view when T == 1 or G == 1, else a copy of G*T rows (at most _PACK_MAX_ROWS)."""
     b, h, t, s = mask.shape
+    if h == 1 and t == 1:
+        return mask  # (b, 1, 1, s): one row shared by every packed query
     m = mask.reshape(b, Hkv, G, t, s) if h != 1 else mask.unsqueeze(2)  # (b, Hkv|1, G|1, t, s)
     m = m.expand(b, m.shape[1], G, T, s)  # (b, Hkv|1, G, T, s)
     return m.reshape(b, m.shape[1], G * T, s)  # (b, Hkv|1, G*T, s)
