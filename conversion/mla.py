@@ -1,0 +1,607 @@
+"""MHA/GQA -> MLA: a Llama / Mistral / Qwen2 checkpoint as the `llama_mla` model type (MHA2MLA, TransMLA).
+
+    python -m conversion.mla --model SRC --output DST [--kv-lora-rank N | --kv-budget F] [--rope-pairs R]
+        [--rope-selection high|uniform|2norm] [--factorization weight-svd|activation]
+        [--calibration-text FILE ...] [--calibration-tokens N] [--dtype float32|bfloat16] [--overwrite]
+
+Notation per layer: C hidden size, Hq / Hkv query / KV heads, d head_dim, G = Hq / Hkv, r RoPE pairs kept per
+KV head, d_c = kv_lora_rank. The output follows the checkpoint contract of `hf_attn.models.llama_mla`:
+
+1. Partial RoPE (`conversion.rope_selection`): each KV head g keeps RoPE on r pairs P_g; its q/k rows are
+   permuted to [rope (2r) | nope (d - 2r)] (query heads of group g with g's order; exact, q.k is unchanged).
+   Removing the rotation from the other d/2 - r pairs is the first lossy step (none if r = d/2).
+2. Joint low rank (`conversion.factorization`): the stacked W = [k_nope rows of all KV heads; v rows of all
+   KV heads], Hkv (d - 2r) + Hkv d rows, becomes up (down x) with the latent c = down x of width d_c; the
+   exact identity construction when d_c is that full width, else `weight-svd` or `activation` (calibrated).
+3. q_proj keeps the source rows (permuted), o_proj is unchanged; everything outside attention is copied.
+
+Cache per token and layer: d_c + Hkv 2r numbers instead of the source's 2 Hkv d. `--kv-budget F` picks d_c
+(and r, unless given) so that this is at most F times the source's. With every pair kept at full rank the
+converted model reproduces the source's logits (tests/test_mla_conversion.py).
+
+Safety: the source is never modified; the output appears atomically (hf_attn.files.atomic_directory) with
+config.json carrying the conversion record (config["hf_attn"]), `auto_map` and the model type's code (so
+`trust_remote_code=True` loads it without hf_attn), plus the source's side files (tokenizer, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from conversion import calibration as cal
+from conversion import factorization as fac
+from conversion import rope_selection as rs
+from conversion.checkpoint import (
+    DEFAULT_MAX_SHARD_BYTES,
+    AttentionGeometry,
+    ShardedWriter,
+    TensorInfo,
+    add_record,
+    attn_key,
+    check_attention_tensors,
+    check_supported,
+    copy_side_files,
+    dtype_name,
+    parse_attn_key,
+    read_config,
+    read_tensor,
+    resolve_model_path,
+    tensor_index,
+    torch_dtype,
+    write_config,
+)
+from hf_attn.files import atomic_directory, checkpoint_hash
+
+DEFAULT_ROPE_SELECTION = "2norm"
+DEFAULT_FACTORIZATION = "activation"
+DEFAULT_CALIBRATION_TOKENS = 8192
+_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLA_PROJ = ("q_proj", "k_rope_proj", "kv_down_proj", "k_up_proj", "v_up_proj", "o_proj")
+
+
+# --------------------------------------------------------------------------------------------- shapes
+
+
+@dataclass(frozen=True)
+class MLAShape:
+    """Ranks of an MLA conversion; everything else derives from the source geometry."""
+
+    geometry: AttentionGeometry
+    rope_pairs: int  # r
+    kv_lora_rank: int  # d_c
+
+    @property
+    def nope_dim(self) -> int:
+        """d - 2r: the non-RoPE key dims of one head."""
+        return self.geometry.head_dim - 2 * self.rope_pairs
+
+    @property
+    def num_key_rows(self) -> int:
+        """Rows of the stacked k_nope block: Hkv (d - 2r)."""
+        return self.geometry.num_kv_heads * self.nope_dim
+
+    @property
+    def full_rank(self) -> int:
+        """Width of the stacked [k_nope; v]: Hkv (d - 2r) + Hkv d, the largest useful kv_lora_rank."""
+        return self.num_key_rows + self.geometry.kv_dim
+
+    @property
+    def is_full_rank(self) -> bool:
+        return self.kv_lora_rank == self.full_rank
+
+    @property
+    def cache_numbers(self) -> int:
+        """Numbers cached per token and layer: d_c + Hkv 2r."""
+        return self.kv_lora_rank + self.geometry.num_kv_heads * 2 * self.rope_pairs
+
+    @property
+    def source_cache_numbers(self) -> int:
+        """The source's: 2 Hkv d."""
+        return 2 * self.geometry.kv_dim
+
+    @property
+    def kv_fraction(self) -> float:
+        return self.cache_numbers / self.source_cache_numbers
+
+
+def default_rope_pairs(geometry: AttentionGeometry, kv_budget: float | None) -> int:
+    """r when --rope-pairs is not given: every pair without a budget; with one, the share of the cache
+    that the measured curve favours (see eval/mla_curve.py and the README): RoPE keys take about a quarter
+    of the budget, rounded to whole pairs, at least one pair per KV head."""
+    half = geometry.head_dim // 2
+    if kv_budget is None:
+        return half
+    numbers = int(kv_budget * 2 * geometry.kv_dim)
+    r = round(0.25 * numbers / (2 * geometry.num_kv_heads))
+    return max(1, min(half, r))
+
+
+def plan_shape(
+    geometry: AttentionGeometry,
+    *,
+    kv_lora_rank: int | None = None,
+    kv_budget: float | None = None,
+    rope_pairs: int | None = None,
+) -> MLAShape:
+    """Validate / derive (r, d_c). Neither rank nor budget: full rank (exact with r = d/2)."""
+    if kv_lora_rank is not None and kv_budget is not None:
+        raise ValueError("Give either --kv-lora-rank or --kv-budget, not both.")
+    r = default_rope_pairs(geometry, kv_budget) if rope_pairs is None else rope_pairs
+    rs.check_rope_pairs(r, geometry.head_dim)
+    hkv, full = geometry.num_kv_heads, MLAShape(geometry, r, 1).full_rank
+    if kv_budget is not None:
+        if not 0 < kv_budget <= 1:
+            raise ValueError(
+                f"--kv-budget must be a fraction in (0, 1] of the source's KV cache, got {kv_budget}."
+            )
+        numbers = int(kv_budget * 2 * geometry.kv_dim + 1e-9)
+        rank = min(numbers - hkv * 2 * r, full)
+        if rank < 1:
+            raise ValueError(
+                f"--kv-budget {kv_budget} allows {numbers} numbers per token and layer (source: "
+                f"{2 * geometry.kv_dim}), but {r} RoPE pairs on {hkv} KV heads already take {hkv * 2 * r} "
+                f"and the latent needs at least 1; lower --rope-pairs (at most "
+                f"{(numbers - 1) // (2 * hkv)}) or raise --kv-budget."
+            )
+        return MLAShape(geometry, r, rank)
+    rank = full if kv_lora_rank is None else kv_lora_rank
+    if not isinstance(rank, int) or not 1 <= rank <= full:
+        raise ValueError(
+            f"--kv-lora-rank must be in [1, {full}] = Hkv*(d-2r) + Hkv*d = "
+            f"{hkv}*{geometry.head_dim - 2 * r} + {hkv}*{geometry.head_dim} for --rope-pairs {r}, "
+            f"got {rank!r}; a larger latent cannot help."
+        )
+    return MLAShape(geometry, r, rank)
+
+
+# --------------------------------------------------------------------------------------------- one layer
+
+
+def head_row_order(pairs: list[int], head_dim: int) -> tuple[list[int], list[int]]:
+    """Head-local rows (contract): rope part [P, P + d/2] (2r rows), nope part [C, C + d/2] (d - 2r rows)."""
+    half = head_dim // 2
+    kept = set(pairs)
+    comp = [i for i in range(half) if i not in kept]
+    return list(pairs) + [p + half for p in pairs], comp + [c + half for c in comp]
+
+
+def layer_rows(pairs: list[list[int]], geometry: AttentionGeometry) -> dict[str, list[int]]:
+    """Global row indices of one layer: "q" (Hq d, every query head permuted like its KV head), "k_rope"
+    (Hkv 2r) and "k_nope" (Hkv (d - 2r)) into the source's q_proj / k_proj rows, head-major."""
+    d, group = geometry.head_dim, geometry.group_size
+    orders = [head_row_order(p, d) for p in pairs]
+    q = [h * d + j for h in range(geometry.num_heads) for j in orders[h // group][0] + orders[h // group][1]]
+    k_rope = [g * d + j for g, (rope, _) in enumerate(orders) for j in rope]
+    k_nope = [g * d + j for g, (_, nope) in enumerate(orders) for j in nope]
+    return {"q": q, "k_rope": k_rope, "k_nope": k_nope}
+
+
+@dataclass
+class LayerStatistics:
+    """Calibration statistics of one layer (whatever the chosen options need)."""
+
+    moment: torch.Tensor | None = None  # (C+1, C+1) float64, sum [x;1][x;1]^T
+
+
+def mla_shapes(shape: MLAShape, *, qkv_bias: bool, o_bias: bool) -> dict[str, tuple[int, ...]]:
+    """ "k_up_proj.weight" ... -> shape of one converted layer's attention tensors."""
+    g = shape.geometry
+    c, d, hkv, hq = g.hidden_size, g.head_dim, g.num_kv_heads, g.num_heads
+    out = {
+        "q_proj.weight": (hq * d, c),
+        "k_rope_proj.weight": (hkv * 2 * shape.rope_pairs, c),
+        "kv_down_proj.weight": (shape.kv_lora_rank, c),
+        "k_up_proj.weight": (shape.num_key_rows, shape.kv_lora_rank),
+        "v_up_proj.weight": (hkv * d, shape.kv_lora_rank),
+        "o_proj.weight": (c, hq * d),
+    }
+    if qkv_bias:
+        out.update(
+            {
+                "q_proj.bias": (hq * d,),
+                "k_rope_proj.bias": (hkv * 2 * shape.rope_pairs,),
+                "k_up_proj.bias": (shape.num_key_rows,),
+                "v_up_proj.bias": (hkv * d,),
+            }
+        )
+    if o_bias:
+        out["o_proj.bias"] = (c,)
+    return out
+
+
+@torch.inference_mode()
+def convert_layer(
+    *,
+    weights: dict[str, torch.Tensor | None],
+    pairs: list[list[int]],
+    shape: MLAShape,
+    factorization: str,
+    statistics: LayerStatistics | None = None,
+) -> dict[str, torch.Tensor]:
+    """One attention layer, source -> llama_mla tensors (keys as in `mla_shapes`; dtype of the source).
+
+    weights: "q_proj.weight" (Hq d, C), "k_proj.weight" / "v_proj.weight" (Hkv d, C), "o_proj.weight"
+    (C, Hq d) and the biases ((out,) or None). pairs: [Hkv][r] kept RoPE pairs of this layer.
+    """
+    dtype = weights["q_proj.weight"].dtype
+    rows = layer_rows(pairs, shape.geometry)
+    qkv_bias, o_bias = weights.get("q_proj.bias") is not None, weights.get("o_proj.bias") is not None
+    out: dict[str, torch.Tensor] = {}
+    out["q_proj.weight"] = weights["q_proj.weight"][rows["q"]]
+    out["k_rope_proj.weight"] = weights["k_proj.weight"][rows["k_rope"]]
+    stack_w = torch.cat([weights["k_proj.weight"][rows["k_nope"]], weights["v_proj.weight"]])  # (W, C)
+    stack_b = None
+    if qkv_bias:
+        out["q_proj.bias"] = weights["q_proj.bias"][rows["q"]]
+        out["k_rope_proj.bias"] = weights["k_proj.bias"][rows["k_rope"]]
+        stack_b = torch.cat([weights["k_proj.bias"][rows["k_nope"]], weights["v_proj.bias"]])  # (W,)
+
+    if shape.is_full_rank:
+        low = fac.full_rank(stack_w, stack_b)
+    elif factorization == "weight-svd":
+        low = fac.weight_svd(stack_w, stack_b, shape.kv_lora_rank)
+    elif factorization == "activation":
+        assert statistics is not None and statistics.moment is not None, "activation needs calibration"
+        low = fac.activation_pca(
+            stack_w, stack_b, shape.kv_lora_rank, moment=statistics.moment, num_key_rows=shape.num_key_rows
+        )
+    else:
+        raise ValueError(
+            f"Unknown --factorization {factorization!r}; choose one of {', '.join(fac.FACTORIZATIONS)}."
+        )
+    nk = shape.num_key_rows
+    out["kv_down_proj.weight"] = low.down.to(dtype).contiguous()
+    out["k_up_proj.weight"] = low.up[:nk].to(dtype).contiguous()
+    out["v_up_proj.weight"] = low.up[nk:].to(dtype).contiguous()
+    if qkv_bias:
+        assert low.up_bias is not None
+        out["k_up_proj.bias"] = low.up_bias[:nk].to(dtype).contiguous()
+        out["v_up_proj.bias"] = low.up_bias[nk:].to(dtype).contiguous()
+    out["o_proj.weight"] = weights["o_proj.weight"]
+    if o_bias:
+        out["o_proj.bias"] = weights["o_proj.bias"]
+    expected = mla_shapes(shape, qkv_bias=qkv_bias, o_bias=o_bias)
+    assert set(out) == set(expected), (sorted(out), sorted(expected))
+    for key, tensor in out.items():
+        assert tuple(tensor.shape) == expected[key], (key, tuple(tensor.shape), expected[key])
+    return out
+
+
+# --------------------------------------------------------------------------------------------- calibration
+
+
+def calibration_statistics(
+    *,
+    src_dir: Path,
+    geometry: AttentionGeometry,
+    need_moments: bool,
+    need_pair_norms: bool,
+    files: list[Path] | None,
+    tokens: int,
+    window: int,
+) -> tuple[dict[int, LayerStatistics], dict[int, torch.Tensor] | None]:
+    """One fp32 forward pass of the source over the calibration text: per-layer statistics and, for
+    `2norm`, the pair scores (layer -> (Hkv, d/2))."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(src_dir)
+    ids = cal.calibration_ids(tokenizer, files, tokens)
+    model = AutoModelForCausalLM.from_pretrained(src_dir, dtype=torch.float32).eval()
+    layers = list(model.model.layers)
+    stats = {i: LayerStatistics() for i in range(geometry.num_layers)}
+    norms = (
+        rs.PairNormScores(
+            num_heads=geometry.num_heads, num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim
+        )
+        if need_pair_norms
+        else None
+    )
+
+    def accumulate(idx: int, x: torch.Tensor, _position_embeddings) -> None:
+        x = x.reshape(-1, x.shape[-1])  # (T, C)
+        if need_moments:
+            xa = torch.cat([x.double(), torch.ones_like(x[:, :1], dtype=torch.float64)], dim=1)  # (T, C+1)
+            m = xa.T @ xa  # (C+1, C+1)
+            stats[idx].moment = m if stats[idx].moment is None else stats[idx].moment + m
+        if norms is not None:
+            attn = layers[idx].self_attn
+            norms.add(idx, x, attn.q_proj.weight, attn.q_proj.bias, attn.k_proj.weight, attn.k_proj.bias)
+
+    cal.for_each_attention_input(model, ids, accumulate, window=window)
+    del model
+    return stats, (norms.scores() if norms is not None else None)
+
+
+# --------------------------------------------------------------------------------------------- checkpoint
+
+
+def _layer_names(layer: int) -> dict[str, str]:
+    return {f"{p}.{k}": attn_key(layer, p, k) for p in _PROJ for k in ("weight", "bias")}
+
+
+def _mla_name(layer: int, key: str) -> str:
+    return f"model.layers.{layer}.self_attn.{key}"
+
+
+def _check_biases(index: dict[str, TensorInfo], geometry: AttentionGeometry) -> tuple[bool, bool]:
+    """(qkv_bias, o_bias) from the tensors present; ValueError if q/k/v disagree or layers differ."""
+    seen = set()
+    for layer in range(geometry.num_layers):
+        names = _layer_names(layer)
+        qkv = {p: names[f"{p}.bias"] in index for p in ("q_proj", "k_proj", "v_proj")}
+        if len(set(qkv.values())) != 1:
+            raise ValueError(
+                f"Layer {layer} has biases on {[p for p, b in qkv.items() if b]} only; llama_mla supports "
+                "biases on all of q/k/v (Qwen2, Llama attention_bias) or none."
+            )
+        seen.add((qkv["q_proj"], names["o_proj.bias"] in index))
+    if len(seen) != 1:
+        raise ValueError(
+            "Layers disagree on which attention projections have biases; not a supported layout."
+        )
+    return seen.pop()
+
+
+def _converted_tensors(
+    index: dict[str, TensorInfo],
+    *,
+    shape: MLAShape,
+    pairs: list[list[list[int]]],
+    factorization: str,
+    statistics: dict[int, LayerStatistics] | None,
+    dtype: torch.dtype | None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The converted checkpoint's tensors in source file order; one layer's attention in memory at a time."""
+    names = sorted(index, key=lambda n: (str(index[n].file), index[n].begin))
+    done: set[int] = set()
+    for name in tqdm(names, desc="mla", unit="tensor"):
+        parsed = parse_attn_key(name)
+        if parsed is None:
+            tensor = read_tensor(index[name])
+            yield name, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+            continue
+        layer = parsed[0]
+        if layer in done:
+            continue
+        done.add(layer)
+        weights = {k: read_tensor(index[n]) if n in index else None for k, n in _layer_names(layer).items()}
+        new = convert_layer(
+            weights={k: (w.double() if w is not None else None) for k, w in weights.items()},
+            pairs=pairs[layer],
+            shape=shape,
+            factorization=factorization,
+            statistics=None if statistics is None else statistics[layer],
+        )
+        out_dtype = dtype or weights["q_proj.weight"].dtype
+        for key in sorted(new, key=lambda k: (_MLA_PROJ.index(k.split(".")[0]), k)):
+            yield _mla_name(layer, key), new[key].to(out_dtype).contiguous()
+    assert done == set(range(shape.geometry.num_layers)), sorted(set(range(shape.geometry.num_layers)) - done)
+
+
+def mla_config(
+    src_dir: Path, *, shape: MLAShape, pairs: list[list[list[int]]] | None, qkv_bias: bool, o_bias: bool
+) -> dict:
+    """config.json of the converted checkpoint: the source's (normalised by its config class) plus the MLA
+    fields, validated by LlamaMLAConfig; `auto_map` and `architectures` point at the llama_mla classes."""
+    from transformers import AutoConfig
+
+    from hf_attn.models.llama_mla import LlamaMLAConfig, LlamaMLAForCausalLM
+
+    source = AutoConfig.from_pretrained(src_dir)
+    fields = {
+        k: v
+        for k, v in source.to_dict().items()
+        if k not in ("model_type", "architectures", "transformers_version", "auto_map")
+    }
+    config = LlamaMLAConfig(
+        **fields,
+        kv_lora_rank=shape.kv_lora_rank,
+        rope_pairs=shape.rope_pairs,
+        rope_pair_indices=pairs,
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        source_model_type=source.model_type,
+    )
+    out = config.to_dict()
+    out["architectures"] = [LlamaMLAForCausalLM.__name__]
+    name = lambda cls: f"{cls.__module__.rsplit('.', 1)[-1]}.{cls.__name__}"  # noqa: E731
+    out["auto_map"] = {"AutoConfig": name(LlamaMLAConfig), "AutoModelForCausalLM": name(LlamaMLAForCausalLM)}
+    return out
+
+
+def copy_model_code(directory: Path) -> list[str]:
+    """Copy the llama_mla configuration/modeling files (and their relative imports) for trust_remote_code."""
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    from hf_attn.models.llama_mla import LlamaMLAConfig, LlamaMLAForCausalLM
+
+    copied = []
+    for cls in (LlamaMLAConfig, LlamaMLAForCausalLM):
+        module_file = Path(sys.modules[cls.__module__].__file__)
+        for path in [module_file, *map(Path, get_relative_import_files(module_file))]:
+            if path.name not in copied:
+                shutil.copy(path, directory / path.name)
+                copied.append(path.name)
+    return copied
+
+
+# --------------------------------------------------------------------------------------------- conversion
+
+
+@torch.inference_mode()
+def convert_to_mla(
+    *,
+    src: str | Path | None,
+    dst: str | Path,
+    kv_lora_rank: int | None = None,
+    kv_budget: float | None = None,
+    rope_pairs: int | None = None,
+    rope_selection: str = DEFAULT_ROPE_SELECTION,
+    factorization: str = DEFAULT_FACTORIZATION,
+    calibration_files: list[str | Path] | None = None,
+    calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS,
+    calibration_window: int = cal.DEFAULT_WINDOW,
+    dtype: str | torch.dtype | None = None,
+    overwrite: bool = False,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Path:
+    """Write `dst`: checkpoint `src` (None: the embedded SmolLM2) converted to `llama_mla`.
+
+    Ranks: `kv_lora_rank` (d_c) or `kv_budget` (cache fraction of the source, picks d_c and, if
+    `rope_pairs` is None, r); neither: full rank. `rope_pairs` None: every pair (or the budget's choice).
+    Calibration (source model forward over `calibration_tokens` of `calibration_files`, default the five
+    Austen novels other than Persuasion) runs only if the selection or factorization needs it.
+    """
+    start = time.perf_counter()
+    if rope_selection not in rs.SELECTIONS:
+        raise ValueError(
+            f"Unknown --rope-selection {rope_selection!r}; choose one of {', '.join(rs.SELECTIONS)}."
+        )
+    if factorization not in fac.FACTORIZATIONS:
+        raise ValueError(
+            f"Unknown --factorization {factorization!r}; choose one of {', '.join(fac.FACTORIZATIONS)}."
+        )
+    src_dir = resolve_model_path(src)
+    config = read_config(src_dir)
+    check_supported(config)
+    geometry = AttentionGeometry.from_config(config)
+    if geometry.head_dim % 2:
+        raise ValueError(f"head_dim {geometry.head_dim} is odd; RoPE pairs need an even head_dim.")
+    index = tensor_index(src_dir)
+    check_attention_tensors(index, geometry)
+    qkv_bias, o_bias = _check_biases(index, geometry)
+    shape = plan_shape(geometry, kv_lora_rank=kv_lora_rank, kv_budget=kv_budget, rope_pairs=rope_pairs)
+    dtype = torch_dtype(dtype) if isinstance(dtype, str) else dtype
+    dst = Path(dst).expanduser().resolve()
+    if dst == src_dir.resolve():
+        raise ValueError(f"--output {dst} is the source checkpoint; converters never modify their source.")
+    if dst.exists() and not overwrite:  # fail before any slow calibration
+        raise FileExistsError(f"Output {dst} already exists; pass --overwrite to replace it.")
+
+    half = geometry.head_dim // 2
+    selection = "high" if shape.rope_pairs in (0, half) else rope_selection  # every / no pair: no choice
+    need_moments = factorization in fac.CALIBRATED_FACTORIZATIONS and not shape.is_full_rank
+    need_norms = selection in rs.CALIBRATED_SELECTIONS
+    statistics, scores, calibration = None, None, None
+    if need_moments or need_norms:
+        files = None if calibration_files is None else [Path(f) for f in calibration_files]
+        statistics, scores = calibration_statistics(
+            src_dir=src_dir,
+            geometry=geometry,
+            need_moments=need_moments,
+            need_pair_norms=need_norms,
+            files=files,
+            tokens=calibration_tokens,
+            window=calibration_window,
+        )
+        calibration = {**cal.corpus_record(files, calibration_tokens), "window": calibration_window}
+    pairs = rs.select_rope_pairs(
+        selection,
+        num_layers=geometry.num_layers,
+        num_kv_heads=geometry.num_kv_heads,
+        head_dim=geometry.head_dim,
+        rope_pairs=shape.rope_pairs,
+        scores=scores,
+    )
+    stored_pairs = None if selection == "high" else pairs
+    new_config = mla_config(src_dir, shape=shape, pairs=stored_pairs, qkv_bias=qkv_bias, o_bias=o_bias)
+    if dtype is not None:
+        new_config["dtype"] = dtype_name(dtype)
+        new_config.pop("torch_dtype", None)
+    record = {
+        "converter": "conversion.mla",
+        "method": "mla",
+        "source": str(src_dir),
+        "source_checkpoint_hash": checkpoint_hash(src_dir),
+        "kv_lora_rank": shape.kv_lora_rank,
+        "rope_pairs": shape.rope_pairs,
+        "rope_selection": selection,
+        "factorization": "full-rank" if shape.is_full_rank else factorization,
+        "kv_budget": kv_budget,
+        "kv_numbers_per_token_per_layer": {"source": shape.source_cache_numbers, "mla": shape.cache_numbers},
+        "kv_fraction": shape.kv_fraction,
+        "calibration": calibration,
+        "dtype": new_config.get("dtype"),
+    }
+    tensors = _converted_tensors(
+        index,
+        shape=shape,
+        pairs=pairs,
+        factorization=factorization,
+        statistics=statistics,
+        dtype=dtype,
+    )
+    with atomic_directory(dst, overwrite=overwrite) as tmp:
+        with ShardedWriter(tmp, max_shard_bytes=max_shard_bytes) as writer:
+            for name, tensor in tensors:
+                writer.add(name, tensor)
+        record["seconds"] = round(time.perf_counter() - start, 2)
+        write_config(tmp, add_record(new_config, record))
+        copy_side_files(src_dir, tmp)
+        copy_model_code(tmp)
+    print(
+        f"MLA: r={shape.rope_pairs} ({selection}), d_c={shape.kv_lora_rank} ({record['factorization']}), "
+        f"{shape.cache_numbers}/{shape.source_cache_numbers} numbers per token and layer "
+        f"({100 * shape.kv_fraction:.1f}%) in {record['seconds']:.1f} s: {dst}"
+    )
+    return dst
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m conversion.mla", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="checkpoint dir or hub id (default: embedded SmolLM2)")
+    parser.add_argument("--output", required=True, help="directory of the converted checkpoint")
+    ranks = parser.add_mutually_exclusive_group()
+    ranks.add_argument("--kv-lora-rank", type=int, default=None, help="d_c, width of the cached latent")
+    ranks.add_argument(
+        "--kv-budget",
+        type=float,
+        default=None,
+        help="cache size as a fraction of the source's (picks d_c, r)",
+    )
+    parser.add_argument("--rope-pairs", type=int, default=None, help="r, RoPE pairs kept per KV head")
+    parser.add_argument("--rope-selection", choices=rs.SELECTIONS, default=DEFAULT_ROPE_SELECTION)
+    parser.add_argument("--factorization", choices=fac.FACTORIZATIONS, default=DEFAULT_FACTORIZATION)
+    parser.add_argument(
+        "--calibration-text",
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="calibration text files (default: the five Austen novels other than Persuasion)",
+    )
+    parser.add_argument("--calibration-tokens", type=int, default=DEFAULT_CALIBRATION_TOKENS)
+    parser.add_argument("--calibration-window", type=int, default=cal.DEFAULT_WINDOW)
+    parser.add_argument("--dtype", default=None, help="cast floating weights (float32, bfloat16, float16)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    args = parser.parse_args(argv)
+    try:
+        convert_to_mla(
+            src=args.model,
+            dst=args.output,
+            kv_lora_rank=args.kv_lora_rank,
+            kv_budget=args.kv_budget,
+            rope_pairs=args.rope_pairs,
+            rope_selection=args.rope_selection,
+            factorization=args.factorization,
+            calibration_files=args.calibration_text,
+            calibration_tokens=args.calibration_tokens,
+            calibration_window=args.calibration_window,
+            dtype=args.dtype,
+            overwrite=args.overwrite,
+        )
+    except (ValueError, OSError, KeyError) as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
