@@ -9,9 +9,10 @@ layer calls it: `fn(module, query, key, value, mask, scaling=D**-0.5, dropout=0.
 and key/value (B, Hkv, S, D) contiguous as a DynamicCache holds them. Masks are built once, outside the
 timing (a model builds one per forward and shares it across layers).
 
-Time: the fastest of `--repeats` samples after `--warmup` calls (the one least disturbed by other processes
-on a shared machine; the JSON also has the median); a sample times enough back-to-back calls to last >= 20 ms
-and reports the time per call; implementations are interleaved sample by sample so that load hits them alike.
+Time: the fastest of the samples taken after `--warmup` calls (the one least disturbed by other processes on
+a shared machine; the JSON also has the median). A sample times enough back-to-back calls to last >= 20 ms and
+reports the time per call; there are `--repeats` samples, more for short calls (up to 50, >= 1 s of samples
+per implementation); implementations are interleaved sample by sample so that load hits them alike.
 Peak memory: one more call under the torch profiler (`profile_memory=True`); the peak of torch's CPU
 allocator ("Total Allocated") during the call minus its value before: every tensor the call allocates,
 temporaries included, inputs and mask excluded.
@@ -53,6 +54,8 @@ from eval.common import dtype_name, fail, library_versions, parse_dtype
 GROUPED = "hf_attn_grouped"
 IMPLEMENTATIONS = (GROUPED, "sdpa", "eager")
 MIN_SAMPLE_S = 0.02
+MIN_TIME_S = 1.0
+MAX_SAMPLES = 50
 QUICK = {"query_lengths": [1, 16], "kv_lengths": [1024], "group_sizes": [3, 9], "repeats": 3}
 
 
@@ -140,17 +143,21 @@ def bench_case(*, T, S, G, padded, kv_heads, head_dim, batch, dtype, repeats, wa
         masks[name] = model_mask(name, batch=batch, q_length=T, kv_length=S, padding=padding, dtype=dtype)
         calls[name] = lambda fn=fn, m=masks[name]: fn(module, query, key, value, m, scaling=head_dim**-0.5)
 
-    outs, inner = {}, {}
+    outs, inner, sample_s = {}, {}, {}
     for name, call in calls.items():  # also the first warmup call
         start = time.perf_counter()
         outs[name] = call()[0].float()
-        inner[name] = max(1, math.ceil(MIN_SAMPLE_S / max(time.perf_counter() - start, 1e-6)))
+        elapsed = max(time.perf_counter() - start, 1e-6)
+        inner[name] = max(1, math.ceil(MIN_SAMPLE_S / elapsed))
+        sample_s[name] = inner[name] * elapsed
+    # Short calls get more samples (up to MAX_SAMPLES, >= MIN_TIME_S each): the fastest is then undisturbed.
+    samples = max(repeats, min(MAX_SAMPLES, math.ceil(MIN_TIME_S / max(sample_s.values()))))
     tol = 1e-3 if dtype == torch.float32 else 5e-2
     for name in IMPLEMENTATIONS[1:]:  # a sanity check, not a test: every query row sees real keys here
         assert torch.allclose(outs[GROUPED], outs[name], atol=tol, rtol=tol), name
     del outs
     times = {name: [] for name in IMPLEMENTATIONS}
-    for i in range(warmup - 1 + repeats):
+    for i in range(warmup - 1 + samples):
         for name, call in calls.items():
             start = time.perf_counter()
             for _ in range(inner[name]):
@@ -171,6 +178,8 @@ def bench_case(*, T, S, G, padded, kv_heads, head_dim, batch, dtype, repeats, wa
             "mask": _describe(masks[name]),
             "median_ms": 1e3 * statistics.median(times[name]),
             "min_ms": 1e3 * min(times[name]),
+            "samples": samples,
+            "calls_per_sample": inner[name],
             "peak_mib": peak_allocated_bytes(calls[name]) / 2**20,
         }
         for name in IMPLEMENTATIONS
@@ -289,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
-    p.add_argument("--repeats", type=int, default=5, help="timed calls per implementation and case")
+    p.add_argument("--repeats", type=int, default=5, help="minimum timed samples per implementation and case")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument(
         "--threads", type=int, default=1, help="torch threads (default 1: steadier on a shared box)"
@@ -323,7 +332,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(format_table(record))
     print(
         f"\n{record['dtype']}, batch {record['batch']}, {record['kv_heads']} KV heads, head dim "
-        f"{record['head_dim']}, {record['threads']} threads, fastest of {record['repeats']} samples; "
+        f"{record['head_dim']}, {record['threads']} threads, fastest of >= {record['repeats']} samples; "
         f"load average before/after: {record['load_average']['before']} / {record['load_average']['after']}"
     )
     if args.output:
