@@ -345,6 +345,7 @@ def heal(
     held-out evaluation. Call it once per process under `accelerate launch` for data parallelism.
     """
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
     from accelerate.utils import broadcast, gather_object, set_seed
     from tqdm.auto import tqdm
 
@@ -383,6 +384,11 @@ def heal(
     cpu = not (
         torch.cuda.is_available() or (hasattr(torch, "accelerator") and torch.accelerator.is_available())
     )
+    shared = AcceleratorState._shared_state
+    if shared and shared.get("_mixed_precision") != PRECISIONS[dtype]:
+        # heal() called again in this process with another precision: accelerate keeps one per process, so
+        # drop it (private but stable API) and keep the distributed setup (PartialState).
+        AcceleratorState._reset_state(reset_partial_state=False)
     try:
         accelerator = Accelerator(
             mixed_precision=PRECISIONS[dtype], gradient_accumulation_steps=grad_accum, cpu=cpu

@@ -58,7 +58,8 @@ def bare_loop(
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where heal's Accelerator puts the model too
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
@@ -66,14 +67,14 @@ def bare_loop(
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        batch = chunks[[next(order) for _ in range(batch_size)]]  # (B, L)
+        batch = chunks[[next(order) for _ in range(batch_size)]].to(device)  # (B, L)
         loss = model(input_ids=batch, labels=batch, use_cache=False).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
-        loss.item()
+        loss.item()  # (waits for the device, as heal's logging does)
         times.append(time.perf_counter() - start)
     return times
 

@@ -98,7 +98,7 @@ def _cli(tiny, output, *extra) -> list[str]:
 
 def _env() -> dict:
     env = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    return {**os.environ, **env, "PYTHONPATH": str(REPO)}
+    return {**os.environ, **env, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
 
 
 # --------------------------------------------------------------------------------------------- data
@@ -221,6 +221,8 @@ def test_trainable_attention_leaves_every_other_parameter_bit_identical(kind, ti
 
 
 def test_two_processes_follow_the_one_process_trajectory(tiny, tmp_path):
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        pytest.skip("two data-parallel processes need two GPUs on a CUDA machine (CPU: gloo)")
     one = _run(tiny, tmp_path / "one", max_steps=4, batch_size=4)
     cmd = [
         PYTHON,
