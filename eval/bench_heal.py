@@ -2,8 +2,8 @@
 curve (held-out perplexity after so many minutes of healing).
 
     python -m eval.bench_heal throughput [--model DIR] [--steps 8] [--rounds 2] [--seq-len 512]
-    python -m eval.bench_heal curve --model DIR [--minutes 5 15 30] [--clock wall|cpu] [--lr 1e-4]
-        [--trainable all] [--name NAME]
+    python -m eval.bench_heal curve --model DIR [--minutes 5 15 30] [--lr 1e-4] [--trainable all]
+        [--clock wall|cpu | --cpu-seconds-per-step S] [--name NAME]
 
 throughput: the same model, data order, optimizer (AdamW, betas 0.9/0.95), clipping and lr schedule, stepped
 by `heal()` and by a bare loop (forward with labels, backward, clip, step, zero_grad); the rounds alternate
@@ -15,7 +15,10 @@ with the same data order and optimizer state), so the marks lie on one trajector
 warmup. A mark is `--max-minutes` of training time (evaluation excluded), counted on the wall clock or, with
 `--clock cpu`, in process CPU time (`heal(budget_clock="cpu")`): on a shared machine the second is the fair
 measure of "minutes of healing on this CPU", since the wall clock also counts the others' load (run it with
-OMP_NUM_THREADS=1 so that CPU time is compute, not spin-waiting threads).
+OMP_NUM_THREADS=1 so that CPU time is compute, not spin-waiting threads). With `--cpu-seconds-per-step S`
+(the CPU cost of one step measured here), a mark is `minutes * 60 / S` steps instead: the trajectory depends
+on steps, not on the hardware, so it can be computed on a faster machine (a GPU, in fp32) and read in
+minutes of this CPU.
 At each mark the held-out perplexity uses the project's protocol: the first `--eval-tokens` (8192) tokens
 of *Persuasion*, disjoint 1024-token windows.
 
@@ -138,6 +141,7 @@ def curve(
     batch_size: int,
     eval_tokens: int,
     clock: str = "wall",
+    cpu_seconds_per_step: float | None = None,
 ) -> dict:
     """Heal `model` in segments ending at each mark of `minutes` (training time); perplexity at each mark."""
     root = work_dir() / name
@@ -148,7 +152,8 @@ def curve(
         result = heal(
             model=model,
             output=out,
-            max_minutes=m,
+            max_minutes=None if cpu_seconds_per_step else m,
+            max_steps=round(m * 60 / cpu_seconds_per_step) if cpu_seconds_per_step else None,
             budget_clock=clock,
             seq_len=seq_len,
             batch_size=batch_size,
@@ -185,7 +190,7 @@ def curve(
             "schedule": "constant",
             "seq_len": seq_len,
             "batch_size": batch_size,
-            "clock": clock,
+            "clock": f"steps at {cpu_seconds_per_step} CPU s/step" if cpu_seconds_per_step else clock,
             "torch_threads": torch.get_num_threads(),
         },
         "eval": {
@@ -224,6 +229,7 @@ def main(argv: list[str] | None = None) -> dict:
     c.add_argument("--batch-size", type=int, default=1)
     c.add_argument("--eval-tokens", type=int, default=8192)
     c.add_argument("--clock", default="wall", help="wall | cpu: what the minutes count")
+    c.add_argument("--cpu-seconds-per-step", type=float, default=None, help="marks in steps: minutes*60/S")
     for sp in (t, c):
         sp.add_argument("--results", default=None, help="JSON file (default: under the bench_heal work dir)")
     args = p.parse_args(argv)
@@ -254,6 +260,7 @@ def main(argv: list[str] | None = None) -> dict:
             batch_size=args.batch_size,
             eval_tokens=args.eval_tokens,
             clock=args.clock,
+            cpu_seconds_per_step=args.cpu_seconds_per_step,
         )
         default = work_dir() / f"curve-{name}.json"
     path = Path(args.results) if args.results else default
