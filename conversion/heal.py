@@ -281,7 +281,7 @@ def load_model(
     if gradient_checkpointing:
         if not model.supports_gradient_checkpointing:
             raise ValueError(f"{type(model).__name__} does not support --gradient-checkpointing")
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model.train()
 
 

@@ -178,6 +178,14 @@ def test_grad_accum_gives_the_same_steps_as_a_larger_batch(tiny, tmp_path):
         assert lb[step] == pytest.approx(la[step], rel=1e-4, abs=1e-5)
 
 
+def test_gradient_checkpointing_changes_nothing_and_max_tokens_rounds_up_to_whole_steps(tiny, tmp_path):
+    plain = _run(tiny, tmp_path / "a", max_tokens=300, eval_tokens=0)  # 128 tokens per step -> 3 steps
+    ckpt = _run(tiny, tmp_path / "b", max_tokens=300, eval_tokens=0, gradient_checkpointing=True)
+    assert plain["steps"] == 3 and plain["tokens"] == 384
+    la, lb = _losses(plain["log"]), _losses(ckpt["log"])
+    assert list(lb) == [1, 2, 3] and list(lb.values()) == pytest.approx(list(la.values()), rel=1e-5)
+
+
 @pytest.fixture(scope="module")
 def tiny_mla(tiny, tmp_path_factory):
     """The tiny model's tokenizer with a random `llama_mla` model (latent rank 48, 8 of 16 RoPE pairs)."""
