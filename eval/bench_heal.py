@@ -8,7 +8,9 @@ curve (held-out perplexity after so many minutes of healing).
 throughput: the same model, data order, optimizer (AdamW, betas 0.9/0.95), clipping and lr schedule, stepped
 by `heal()` and by a bare loop (forward with labels, backward, clip, step, zero_grad); the rounds alternate
 bare / heal so that the load of a shared machine hits both alike. Reported: median seconds per optimizer step
-of each (the first two steps of every run skipped as warm-up), tokens/s, and heal / bare.
+and CPU seconds per optimizer step of each (the first two steps of every run skipped as warm-up), tokens/s,
+and heal / bare (tokens/s ratio) in wall and in CPU time; on a busy shared machine the CPU-time ratio (with
+OMP_NUM_THREADS=1) is the meaningful one.
 
 curve: one healing run, stopped and resumed at each mark (a final checkpoint lets the next segment `--resume`
 with the same data order and optimizer state), so the marks lie on one trajectory with a constant lr after
@@ -56,8 +58,8 @@ def work_dir() -> Path:
 
 def bare_loop(
     model_dir: Path, chunks: torch.Tensor, *, steps: int, batch_size: int, lr: float, seed: int
-) -> list[float]:
-    """Seconds per optimizer step of a plain loop doing what one step of `heal` does (no accelerate)."""
+) -> list[tuple[float, float]]:
+    """(wall, process CPU) seconds per optimizer step of a plain loop doing what a step of `heal` does."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -69,7 +71,7 @@ def bare_loop(
     order = iter(ChunkOrder(len(chunks), seed=seed))
     times = []
     for _ in range(steps):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         batch = chunks[[next(order) for _ in range(batch_size)]].to(device)  # (B, L)
         loss = model(input_ids=batch, labels=batch, use_cache=False).loss
         loss.backward()
@@ -78,7 +80,7 @@ def bare_loop(
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
         loss.item()  # (waits for the device, as heal's logging does)
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start, time.process_time() - cpu_start))
     return times
 
 
@@ -89,7 +91,7 @@ def throughput(
     train_file = assets.austen_file("northangerabbey")  # one novel is plenty for a few steps
     corpus, _ = load_train_corpus([train_file])
     chunks = chunk_tokens(tokenize(common.load_tokenizer(source), corpus), seq_len)
-    bare, healed = [], []
+    bare, healed = [], []  # (wall, cpu) seconds per step
     for r in range(rounds):
         bare += bare_loop(source, chunks, steps=steps, batch_size=batch_size, lr=lr, seed=r)[SKIP:]
         out = work_dir() / "throughput"
@@ -106,9 +108,11 @@ def throughput(
             seed=r,
             overwrite=True,
         )
-        healed += [e["step_seconds"] for e in read_log(result["log"]) if e["event"] == "step"][SKIP:]
+        log = [e for e in read_log(result["log"]) if e["event"] == "step"]
+        healed += [(e["step_seconds"], e["cpu_seconds"]) for e in log][SKIP:]
     tokens = seq_len * batch_size
-    bare_s, heal_s = statistics.median(bare), statistics.median(healed)
+    bare_s, heal_s = (statistics.median(t[0] for t in x) for x in (bare, healed))
+    bare_cpu, heal_cpu = (statistics.median(t[1] for t in x) for x in (bare, healed))
     return {
         "model": str(source),
         "seq_len": seq_len,
@@ -119,6 +123,10 @@ def throughput(
         "bare_tokens_per_second": tokens / bare_s,
         "heal_tokens_per_second": tokens / heal_s,
         "heal_over_bare": bare_s / heal_s,
+        # CPU time per step: what a busy shared machine does not distort (with one thread it is compute)
+        "bare_cpu_seconds_per_step": bare_cpu,
+        "heal_cpu_seconds_per_step": heal_cpu,
+        "heal_over_bare_cpu": bare_cpu / heal_cpu,
         "bare_all": bare,
         "heal_all": healed,
         "torch_threads": torch.get_num_threads(),
@@ -244,7 +252,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(
             f"bare {res['bare_tokens_per_second']:.1f} tok/s, "
             f"heal {res['heal_tokens_per_second']:.1f} tok/s: heal/bare = {res['heal_over_bare']:.3f} "
-            f"({res['steps_timed']} timed steps, median)"
+            f"({res['steps_timed']} timed steps, median); CPU time: heal/bare = "
+            f"{res['heal_over_bare_cpu']:.3f}"
         )
         default = work_dir() / "throughput.json"
     else:
