@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from hf_attn.files import sha256_file
 
-DEFAULT_CALIBRATION_TOKENS = 32768
+DEFAULT_CALIBRATION_TOKENS = 16384
 DEFAULT_WINDOW = 1024
 _CHARS_PER_TOKEN_GUESS = 8  # tokenize this many characters per wanted token first (then all, if too few)
 

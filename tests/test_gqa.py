@@ -125,6 +125,80 @@ def test_sharded_source_and_output(tmp_path):
     assert set(wa) == set(wb) and all(torch.equal(wa[n], wb[n]) for n in wa)
 
 
+# ----------------------------------------------------------------------------------------- calibrated pooling
+
+
+def test_attention_statistics_match_a_direct_computation(tmp_path):
+    """AttentionStatistics against loops over eager attention probabilities (output_attentions=True)."""
+    from conversion.calibration import capture_attention_inputs
+    from conversion.checkpoint import AttentionGeometry
+
+    src = make_tiny(tmp_path / "src")
+    model = AutoModelForCausalLM.from_pretrained(src, attn_implementation="eager").eval()
+    geo = AttentionGeometry.from_config(model.config.to_dict())
+    pooling = gqa.check_pooling(geo, 2)
+    ids = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        stats = gqa.collect_attention_statistics(model, ids, pooling=pooling, window=12, progress=False)
+        probs = model(input_ids=ids[None], output_attentions=True).attentions  # per layer (1, Hq, T, T)
+        inputs = capture_attention_inputs(model, ids, layers=[0, 1], window=12, progress=False)
+    d, half, r = geo.head_dim, geo.head_dim // 2, pooling.heads_per_group
+    for layer in (0, 1):
+        att = model.model.layers[layer].self_attn
+        x = inputs[layer][0].double()  # (T, C)
+        q = x @ att.q_proj.weight.double().T  # (T, Hq*d), before RoPE
+        k = x @ att.k_proj.weight.double().T  # (T, H*d)
+        v = x @ att.v_proj.weight.double().T  # (T, H*d)
+        p = probs[layer][0].double()  # (Hq, T, T)
+        for g, heads in enumerate(pooling.groups):
+            for j, h in enumerate(heads):
+                for i in range(half):
+                    s = torch.zeros(r, r, dtype=torch.complex128)
+                    for t in range(12):
+                        w = sum(
+                            p[hq, s_, t] * (q[s_, hq * d + i] ** 2 + q[s_, hq * d + half + i] ** 2)
+                            for hq in pooling.query_heads_of(h)
+                            for s_ in range(12)
+                        )
+                        z = torch.complex(
+                            k[t, [a * d + i for a in heads]], k[t, [a * d + half + i for a in heads]]
+                        )
+                        s += w * torch.outer(z, z.conj())
+                    torch.testing.assert_close(stats[layer].keys[g, j, i], s, rtol=1e-4, atol=1e-6)
+            vg = torch.cat([v[:, a * d : (a + 1) * d] for a in heads], dim=1)  # (T, r*d)
+            for local, hq in enumerate(hp for a in heads for hp in pooling.query_heads_of(a)):
+                y = p[hq] @ vg  # (T, r*d)
+                torch.testing.assert_close(stats[layer].values[g, local], y.T @ y, rtol=1e-4, atol=1e-6)
+
+
+def test_calibrated_pooling_of_repeated_heads_is_exact(tmp_path, smollm2_path):
+    """Expand 2 -> 8 KV heads (copies), then calibrated pooling back to 2: keys are rank one per rotary pair
+    and values span d dimensions, so the fit is exact and the logits are the original ones."""
+    src = make_tiny(
+        tmp_path / "src", "qwen2", vocab_size=49152, num_key_value_heads=2, max_position_embeddings=256
+    )
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (src / name).write_bytes((smollm2_path / name).read_bytes())
+    mha = expand_checkpoint(src=src, dst=tmp_path / "mha", num_kv_heads=8)
+    back = gqa.convert_gqa(
+        src=mha,
+        dst=tmp_path / "back",
+        num_kv_heads=2,
+        method="calibrated",
+        calibration_tokens=256,
+        calibration_window=128,
+    )
+    ids = torch.randint(0, 49152, (1, 40), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for path in (src, back):
+        model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+        with torch.no_grad():
+            logits.append(model(input_ids=ids).logits)
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-4)
+    record = json.loads((back / "config.json").read_text())["hf_attn"]["last"]
+    assert record["method"] == "calibrated" and record["calibration"]["tokens"] == 256
+
+
 # ----------------------------------------------------------------------------------------- loading
 
 
@@ -286,3 +360,82 @@ def test_existing_output_needs_overwrite_and_failures_leave_nothing(tmp_path, mo
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "src"]  # no partial output, no temp dir
     with pytest.raises(ValueError, match="source"):
         gqa.convert_gqa(src=src, dst=src, num_kv_heads=1, overwrite=True)
+
+
+# ----------------------------------------------------------------------------------------- shared plumbing
+
+
+def test_sharded_writer_round_trip(tmp_path):
+    """Mixed dtypes, odd byte sizes, a scalar and an empty tensor survive sharding; aligned data offsets."""
+    from conversion.checkpoint import ShardedWriter, iter_tensors, tensor_index
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "a": torch.randn(100, 30, generator=g),
+        "odd_bf16": torch.randn(3, generator=g).to(torch.bfloat16),
+        "flags": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "empty": torch.zeros(0, 4),
+        "b": torch.randn(50, 40, generator=g).to(torch.float16),
+        "ids": torch.arange(7),
+    }
+    with ShardedWriter(tmp_path, max_shard_bytes=8_000) as writer:
+        for name, t in tensors.items():
+            writer.add(name, t)
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    loaded = weights(tmp_path)
+    assert set(loaded) == set(tensors) and all(torch.equal(loaded[k], v) for k, v in tensors.items())
+    streamed = dict(iter_tensors(tmp_path))
+    assert all(torch.equal(streamed[k], v) for k, v in tensors.items())
+    for name, info in tensor_index(tmp_path).items():
+        if (info.end - info.begin) % 8 == 0:
+            assert info.begin % 8 == 0, name
+    (tmp_path / "again").mkdir()
+    writer = ShardedWriter(tmp_path / "again")
+    writer.add("a", tensors["a"])
+    with pytest.raises(ValueError, match="written twice"):
+        writer.add("a", tensors["a"])
+
+
+def test_records_side_files_and_model_resolution(tmp_path, smollm2_path):
+    from conversion.checkpoint import add_record, check_supported, copy_side_files, resolve_model_path
+    from hf_attn import assets
+
+    config = {"model_type": "llama", "hf_attn": {"history": [{"step": 1}], "last": {"step": 1}}}
+    out = add_record(config, {"step": 2})
+    assert out["hf_attn"]["history"] == [{"step": 1}, {"step": 2}] and out["hf_attn"]["last"] == {"step": 2}
+    assert config["hf_attn"]["history"] == [{"step": 1}]  # the input is not modified
+
+    copied = copy_side_files(smollm2_path, tmp_path)
+    assert {"tokenizer.json", "generation_config.json", "chat_template.jinja"} <= set(copied)
+    assert not any(n.endswith(".safetensors") or n == "config.json" for n in copied)
+
+    assert resolve_model_path(None) == assets.smollm2_dir()
+    assert resolve_model_path(str(smollm2_path)) == smollm2_path.resolve()
+    with pytest.raises(FileNotFoundError, match="not a checkpoint directory"):
+        resolve_model_path(tmp_path / "missing")
+    with pytest.raises(FileNotFoundError, match="hub"):
+        resolve_model_path("nobody-here/no-such-model-hf-attn")  # offline in tests, not cached
+
+    base = {"model_type": "llama", "num_attention_heads": 8, "num_hidden_layers": 2, "hidden_size": 64}
+    for bad, match in (
+        ({"use_qk_norm": True}, "use_qk_norm"),
+        ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        ({"num_key_value_heads": 3}, "not a multiple"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            check_supported({**base, **bad})
+    check_supported(base)
+
+
+def test_dtype_option(tmp_path):
+    src = make_tiny(tmp_path / "src", "qwen2")
+    dst = gqa.convert_gqa(src=src, dst=tmp_path / "dst", num_kv_heads=2, dtype="bfloat16")
+    new = weights(dst)
+    assert all(t.dtype == torch.bfloat16 for t in new.values())
+    assert json.loads((dst / "config.json").read_text())["dtype"] == "bfloat16"
+    want = independent_mean(weights(src)["model.layers.0.self_attn.k_proj.weight"], 4, 2, TINY["head_dim"])
+    assert torch.equal(new["model.layers.0.self_attn.k_proj.weight"], want.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="--dtype"):
+        gqa.convert_gqa(src=src, dst=tmp_path / "x", num_kv_heads=2, dtype="int8")
