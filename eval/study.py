@@ -123,14 +123,12 @@ def convert(variant: Variant, *, source: Path, dst: Path, settings: Settings) ->
     elif variant.kind == "gqa":
         from conversion.gqa import convert_gqa
 
-        if opts.get("method") == "calibrated":
-            opts.setdefault("calibration_tokens", settings.calibration_tokens)
+        opts.setdefault("calibration_tokens", settings.calibration_tokens)  # used by calibrated methods only
         convert_gqa(src=source, dst=dst, **opts)
     elif variant.kind == "mla":
         from conversion.mla import convert_to_mla
 
-        if opts.get("factorization", "activation") == "activation" or opts.get("rope_selection") == "2norm":
-            opts.setdefault("calibration_tokens", settings.calibration_tokens)
+        opts.setdefault("calibration_tokens", settings.calibration_tokens)
         convert_to_mla(src=source, dst=dst, **opts)
     else:  # pragma: no cover - load_config validates kinds
         raise AssertionError(variant.kind)
