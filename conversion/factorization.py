@@ -106,3 +106,114 @@ def activation_pca(
     _, evecs = torch.linalg.eigh(cov)  # ascending
     basis = evecs[:, -rank:].flip(-1)  # (W, rank), largest first
     return LowRank(basis.T @ ws, basis / scales[:, None], None if bias is None else bias.double().clone())
+
+
+def _sqrt_psd(a: torch.Tensor, ridge: float = 1e-6) -> torch.Tensor:
+    """Symmetric square root of a PSD matrix, eigenvalues floored at `ridge` times the largest."""
+    evals, evecs = torch.linalg.eigh((a + a.T) / 2)
+    evals = evals.clamp_min(ridge * evals.max().clamp_min(1e-300))
+    return (evecs * evals.sqrt()) @ evecs.T
+
+
+def _lstsq_decoder(target_cov: torch.Tensor, latent_cov: torch.Tensor, ridge: float = 1e-9) -> torch.Tensor:
+    """B minimising E||y - B c||^2 given E[y c^T] (W, r) and E[c c^T] (r, r): B = E[y c^T] E[c c^T]^-1."""
+    eye = torch.eye(latent_cov.shape[0], dtype=latent_cov.dtype)
+    reg = latent_cov + ridge * torch.diagonal(latent_cov).mean().clamp_min(1e-300) * eye
+    return torch.linalg.solve(reg, target_cov.T).T
+
+
+def attention_pca(
+    *,
+    w_k: torch.Tensor,
+    b_k: torch.Tensor | None,
+    w_v: torch.Tensor,
+    b_v: torch.Tensor | None,
+    w_q: torch.Tensor,
+    b_q: torch.Tensor | None,
+    w_o: torch.Tensor,
+    moment: torch.Tensor,
+    num_kv_heads: int,
+    rank: int,
+    key_weight: float = 1.0,
+) -> LowRank:
+    """PCA in the metric of what attention computes, with least-squares decoders.
+
+    w_k (Hkv*dn, C) non-RoPE key rows, w_v (Hkv*d, C), w_q (Hq*dn, C) the matching non-RoPE query rows,
+    w_o (C, Hq*d); biases (out,) or None; moment: sum [x;1][x;1]^T (C+1, C+1).
+    - Key errors matter through the scores q_nope . dk / sqrt(d) of the group's queries; a constant key offset
+      shifts every score of a query equally, which softmax ignores: keys are centred, weighted by
+      A_K,g = (sum_{h in g} E[q_h q_h^T] / d)^(1/2).
+    - Value errors matter through the output projection: A_V,g = (sum_{h in g} O_h^T O_h)^(1/2); values are
+      centred only if their up-projection has a bias to carry the mean.
+    - Key weights are scaled by the spread of the group's value outputs (mean over its heads of
+      tr(O_h Cov(v_g) O_h^T)), the size of the output change per unit score error, times `key_weight`.
+    The latent c = U_r^T A W x (top-r eigenvectors U_r of the weighted second moment); `up` and `up_bias` are
+    the least-squares decoders of the keys (centred) and values from c.
+    """
+    w_k, w_v, w_q, w_o = w_k.double(), w_v.double(), w_q.double(), w_o.double()
+    nk, nv = w_k.shape[0], w_v.shape[0]
+    _check(torch.cat([w_k, w_v]), None, rank)
+    hkv = num_kv_heads
+    dn, d = nk // hkv, nv // hkv
+    hq = w_o.shape[1] // d
+    group = hq // hkv
+    m = moment.double() / moment[-1, -1].double()  # (C+1, C+1): E[[x;1][x;1]^T]
+    mean = m[:-1, -1]  # (C,)
+    second = m[:-1, :-1]  # (C, C)
+    cov = second - torch.outer(mean, mean)  # (C, C)
+    aug = lambda w, b: torch.cat([w, (b.double() if b is not None else w.new_zeros(w.shape[0]))[:, None]], 1)  # noqa: E731
+    wq_aug = aug(w_q, b_q)  # (Hq*dn, C+1)
+
+    a_blocks = []
+    v_spread = []
+    cov_v = w_v @ cov @ w_v.T  # (Hkv*d, Hkv*d)
+    for g in range(hkv):
+        heads = range(g * group, (g + 1) * group)
+        o_cols = [w_o[:, h * d : (h + 1) * d] for h in heads]  # each (C, d)
+        cv = cov_v[g * d : (g + 1) * d, g * d : (g + 1) * d]  # (d, d)
+        v_spread.append(sum(((o @ cv) * o).sum() for o in o_cols) / group)
+    for g in range(hkv):
+        heads = range(g * group, (g + 1) * group)
+        sq = sum(
+            wq_aug[h * dn : (h + 1) * dn] @ m @ wq_aug[h * dn : (h + 1) * dn].T for h in heads
+        )  # (dn, dn)
+        a_blocks.append(_sqrt_psd(sq * (key_weight * v_spread[g] / d)) if dn else sq)
+    for g in range(hkv):
+        heads = range(g * group, (g + 1) * group)
+        a_blocks.append(
+            _sqrt_psd(sum(w_o[:, h * d : (h + 1) * d].T @ w_o[:, h * d : (h + 1) * d] for h in heads))
+        )
+    a = torch.block_diag(*a_blocks)  # (W, W)
+
+    # second moment of [W_K (x - mean); W_V x (+ b_V, centred if b_V is absorbed)]
+    v_center = b_v is not None
+    sv = cov if v_center else second
+    joint = torch.cat(
+        [
+            torch.cat([w_k @ cov @ w_k.T, w_k @ cov @ w_v.T], 1),
+            torch.cat([w_v @ cov @ w_k.T, w_v @ sv @ w_v.T], 1),
+        ]
+    )  # (W, W)
+    if not v_center and b_v is not None:
+        raise AssertionError("unreachable")
+    weighted = a @ joint @ a.T
+    _, evecs = torch.linalg.eigh((weighted + weighted.T) / 2)
+    basis = evecs[:, -rank:].flip(-1)  # (W, r)
+    down = basis.T @ a @ torch.cat([w_k, w_v])  # (r, C)
+
+    # least-squares decoders: keys from the centred latent, values from the latent (+1 if biased)
+    c_cov = down @ cov @ down.T  # (r, r)
+    up_k = _lstsq_decoder(w_k @ cov @ down.T, c_cov)  # (nk, r)
+    if v_center:
+        up_v = _lstsq_decoder(w_v @ cov @ down.T, c_cov)  # (nv, r)
+    else:
+        up_v = _lstsq_decoder(w_v @ second @ down.T, down @ second @ down.T)  # (nv, r)
+    up = torch.cat([up_k, up_v])  # (W, r)
+    up_bias = None
+    if b_k is not None or b_v is not None:
+        assert b_k is not None and b_v is not None, "keys and values both biased or neither"
+        c_mean = down @ mean  # (r,)
+        up_bias = torch.cat(
+            [w_k @ mean + b_k.double() - up_k @ c_mean, w_v @ mean + b_v.double() - up_v @ c_mean]
+        )
+    return LowRank(down, up, up_bias)

@@ -279,18 +279,27 @@ def convert_layer(
 # --------------------------------------------------------------------------------------------- calibration
 
 
-def calibration_statistics(
+@dataclass
+class Calibration:
+    """What one pass of the source over calibration text gives: per-layer statistics, `2norm` pair scores
+    (layer -> (Hkv, d/2)) and the record of the corpus."""
+
+    statistics: dict[int, LayerStatistics]
+    pair_scores: dict[int, torch.Tensor] | None
+    record: dict
+
+
+def calibrate(
     *,
     src_dir: Path,
     geometry: AttentionGeometry,
-    need_moments: bool,
-    need_pair_norms: bool,
-    files: list[Path] | None,
-    tokens: int,
-    window: int,
-) -> tuple[dict[int, LayerStatistics], dict[int, torch.Tensor] | None]:
-    """One fp32 forward pass of the source over the calibration text: per-layer statistics and, for
-    `2norm`, the pair scores (layer -> (Hkv, d/2))."""
+    moments: bool = True,
+    pair_norms: bool = True,
+    files: list[Path] | None = None,
+    tokens: int = DEFAULT_CALIBRATION_TOKENS,
+    window: int = cal.DEFAULT_WINDOW,
+) -> Calibration:
+    """One fp32 forward pass of the source over `tokens` calibration tokens (windows of `window`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(src_dir)
@@ -298,17 +307,15 @@ def calibration_statistics(
     model = AutoModelForCausalLM.from_pretrained(src_dir, dtype=torch.float32).eval()
     layers = list(model.model.layers)
     stats = {i: LayerStatistics() for i in range(geometry.num_layers)}
-    norms = (
-        rs.PairNormScores(
+    norms = None
+    if pair_norms:
+        norms = rs.PairNormScores(
             num_heads=geometry.num_heads, num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim
         )
-        if need_pair_norms
-        else None
-    )
 
     def accumulate(idx: int, x: torch.Tensor, _position_embeddings) -> None:
         x = x.reshape(-1, x.shape[-1])  # (T, C)
-        if need_moments:
+        if moments:
             xa = torch.cat([x.double(), torch.ones_like(x[:, :1], dtype=torch.float64)], dim=1)  # (T, C+1)
             m = xa.T @ xa  # (C+1, C+1)
             stats[idx].moment = m if stats[idx].moment is None else stats[idx].moment + m
@@ -318,7 +325,8 @@ def calibration_statistics(
 
     cal.for_each_attention_input(model, ids, accumulate, window=window)
     del model
-    return stats, (norms.scores() if norms is not None else None)
+    record = {**cal.corpus_record(files, tokens), "window": window}
+    return Calibration(stats, norms.scores() if norms is not None else None, record)
 
 
 # --------------------------------------------------------------------------------------------- checkpoint
@@ -345,46 +353,8 @@ def _check_biases(index: dict[str, TensorInfo], geometry: AttentionGeometry) -> 
             )
         seen.add((qkv["q_proj"], names["o_proj.bias"] in index))
     if len(seen) != 1:
-        raise ValueError(
-            "Layers disagree on which attention projections have biases; not a supported layout."
-        )
+        raise ValueError("Layers disagree on which attention projections have biases; unsupported layout.")
     return seen.pop()
-
-
-def _converted_tensors(
-    index: dict[str, TensorInfo],
-    *,
-    shape: MLAShape,
-    pairs: list[list[list[int]]],
-    factorization: str,
-    statistics: dict[int, LayerStatistics] | None,
-    dtype: torch.dtype | None,
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """The converted checkpoint's tensors in source file order; one layer's attention in memory at a time."""
-    names = sorted(index, key=lambda n: (str(index[n].file), index[n].begin))
-    done: set[int] = set()
-    for name in tqdm(names, desc="mla", unit="tensor"):
-        parsed = parse_attn_key(name)
-        if parsed is None:
-            tensor = read_tensor(index[name])
-            yield name, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
-            continue
-        layer = parsed[0]
-        if layer in done:
-            continue
-        done.add(layer)
-        weights = {k: read_tensor(index[n]) if n in index else None for k, n in _layer_names(layer).items()}
-        new = convert_layer(
-            weights={k: (w.double() if w is not None else None) for k, w in weights.items()},
-            pairs=pairs[layer],
-            shape=shape,
-            factorization=factorization,
-            statistics=None if statistics is None else statistics[layer],
-        )
-        out_dtype = dtype or weights["q_proj.weight"].dtype
-        for key in sorted(new, key=lambda k: (_MLA_PROJ.index(k.split(".")[0]), k)):
-            yield _mla_name(layer, key), new[key].to(out_dtype).contiguous()
-    assert done == set(range(shape.geometry.num_layers)), sorted(set(range(shape.geometry.num_layers)) - done)
 
 
 def mla_config(
@@ -437,6 +407,143 @@ def copy_model_code(directory: Path) -> list[str]:
 # --------------------------------------------------------------------------------------------- conversion
 
 
+@dataclass
+class MLAConversion:
+    """A planned conversion: everything decided (ranks, pairs, calibration), nothing written yet."""
+
+    src_dir: Path
+    index: dict[str, TensorInfo]
+    shape: MLAShape
+    selection: str
+    factorization: str  # "full-rank" when the latent keeps everything
+    pairs: list[list[list[int]]]  # [layer][Hkv][r]
+    qkv_bias: bool
+    o_bias: bool
+    kv_budget: float | None
+    calibration: Calibration | None
+
+    def record(self) -> dict:
+        s = self.shape
+        return {
+            "converter": "conversion.mla",
+            "method": "mla",
+            "source": str(self.src_dir),
+            "source_checkpoint_hash": checkpoint_hash(self.src_dir),
+            "kv_lora_rank": s.kv_lora_rank,
+            "rope_pairs": s.rope_pairs,
+            "rope_selection": self.selection,
+            "factorization": self.factorization,
+            "kv_budget": self.kv_budget,
+            "kv_numbers_per_token_per_layer": {"source": s.source_cache_numbers, "mla": s.cache_numbers},
+            "kv_fraction": s.kv_fraction,
+            "calibration": None if self.calibration is None else self.calibration.record,
+        }
+
+    def config(self, dtype: torch.dtype | None = None) -> dict:
+        """config.json without the record (see `record`)."""
+        pairs = None if self.selection == "high" else self.pairs
+        out = mla_config(
+            self.src_dir, shape=self.shape, pairs=pairs, qkv_bias=self.qkv_bias, o_bias=self.o_bias
+        )
+        if dtype is not None:
+            out["dtype"] = dtype_name(dtype)
+            out.pop("torch_dtype", None)
+        return out
+
+    def tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """The converted tensors in source file order; one layer's attention in memory at a time."""
+        index = self.index
+        names = sorted(index, key=lambda n: (str(index[n].file), index[n].begin))
+        num_layers = self.shape.geometry.num_layers
+        done: set[int] = set()
+        for name in tqdm(names, desc="mla", unit="tensor"):
+            parsed = parse_attn_key(name)
+            if parsed is None:
+                tensor = read_tensor(index[name])
+                yield name, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+                continue
+            layer = parsed[0]
+            if layer in done:
+                continue
+            done.add(layer)
+            weights = {
+                k: read_tensor(index[n]) if n in index else None for k, n in _layer_names(layer).items()
+            }
+            new = convert_layer(
+                weights={k: (w.double() if w is not None else None) for k, w in weights.items()},
+                pairs=self.pairs[layer],
+                shape=self.shape,
+                factorization=self.factorization,
+                statistics=None if self.calibration is None else self.calibration.statistics[layer],
+            )
+            out_dtype = dtype or weights["q_proj.weight"].dtype
+            for key in sorted(new, key=lambda k: (_MLA_PROJ.index(k.split(".")[0]), k)):
+                yield _mla_name(layer, key), new[key].to(out_dtype).contiguous()
+        assert done == set(range(num_layers)), sorted(set(range(num_layers)) - done)
+
+
+def plan_conversion(
+    *,
+    src: str | Path | None,
+    kv_lora_rank: int | None = None,
+    kv_budget: float | None = None,
+    rope_pairs: int | None = None,
+    rope_selection: str = DEFAULT_ROPE_SELECTION,
+    factorization: str = DEFAULT_FACTORIZATION,
+    calibration_files: list[str | Path] | None = None,
+    calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS,
+    calibration_window: int = cal.DEFAULT_WINDOW,
+    calibration: Calibration | None = None,
+) -> MLAConversion:
+    """Validate everything, calibrate if the options need it (or reuse `calibration`), choose the pairs."""
+    if rope_selection not in rs.SELECTIONS:
+        raise ValueError(
+            f"Unknown --rope-selection {rope_selection!r}; choose one of {', '.join(rs.SELECTIONS)}."
+        )
+    if factorization not in fac.FACTORIZATIONS:
+        raise ValueError(
+            f"Unknown --factorization {factorization!r}; choose one of {', '.join(fac.FACTORIZATIONS)}."
+        )
+    src_dir = resolve_model_path(src)
+    config = read_config(src_dir)
+    check_supported(config)
+    geometry = AttentionGeometry.from_config(config)
+    if geometry.head_dim % 2:
+        raise ValueError(f"head_dim {geometry.head_dim} is odd; RoPE pairs need an even head_dim.")
+    index = tensor_index(src_dir)
+    check_attention_tensors(index, geometry)
+    qkv_bias, o_bias = _check_biases(index, geometry)
+    shape = plan_shape(geometry, kv_lora_rank=kv_lora_rank, kv_budget=kv_budget, rope_pairs=rope_pairs)
+    selection = "high" if shape.rope_pairs in (0, geometry.head_dim // 2) else rope_selection  # no choice
+    if shape.is_full_rank:
+        factorization = "full-rank"
+    need_moments = factorization in fac.CALIBRATED_FACTORIZATIONS
+    need_norms = selection in rs.CALIBRATED_SELECTIONS
+    if (need_moments or need_norms) and calibration is None:
+        calibration = calibrate(
+            src_dir=src_dir,
+            geometry=geometry,
+            moments=need_moments,
+            pair_norms=need_norms,
+            files=None if calibration_files is None else [Path(f) for f in calibration_files],
+            tokens=calibration_tokens,
+            window=calibration_window,
+        )
+    elif not (need_moments or need_norms):
+        calibration = None
+    pairs = rs.select_rope_pairs(
+        selection,
+        num_layers=geometry.num_layers,
+        num_kv_heads=geometry.num_kv_heads,
+        head_dim=geometry.head_dim,
+        rope_pairs=shape.rope_pairs,
+        scores=None if calibration is None else calibration.pair_scores,
+    )
+    return MLAConversion(
+        src_dir, index, shape, selection, factorization, pairs, qkv_bias, o_bias, kv_budget, calibration
+    )
+
+
 @torch.inference_mode()
 def convert_to_mla(
     *,
@@ -462,94 +569,37 @@ def convert_to_mla(
     Austen novels other than Persuasion) runs only if the selection or factorization needs it.
     """
     start = time.perf_counter()
-    if rope_selection not in rs.SELECTIONS:
-        raise ValueError(
-            f"Unknown --rope-selection {rope_selection!r}; choose one of {', '.join(rs.SELECTIONS)}."
-        )
-    if factorization not in fac.FACTORIZATIONS:
-        raise ValueError(
-            f"Unknown --factorization {factorization!r}; choose one of {', '.join(fac.FACTORIZATIONS)}."
-        )
-    src_dir = resolve_model_path(src)
-    config = read_config(src_dir)
-    check_supported(config)
-    geometry = AttentionGeometry.from_config(config)
-    if geometry.head_dim % 2:
-        raise ValueError(f"head_dim {geometry.head_dim} is odd; RoPE pairs need an even head_dim.")
-    index = tensor_index(src_dir)
-    check_attention_tensors(index, geometry)
-    qkv_bias, o_bias = _check_biases(index, geometry)
-    shape = plan_shape(geometry, kv_lora_rank=kv_lora_rank, kv_budget=kv_budget, rope_pairs=rope_pairs)
     dtype = torch_dtype(dtype) if isinstance(dtype, str) else dtype
+    src_dir = resolve_model_path(src)
     dst = Path(dst).expanduser().resolve()
     if dst == src_dir.resolve():
         raise ValueError(f"--output {dst} is the source checkpoint; converters never modify their source.")
     if dst.exists() and not overwrite:  # fail before any slow calibration
         raise FileExistsError(f"Output {dst} already exists; pass --overwrite to replace it.")
-
-    half = geometry.head_dim // 2
-    selection = "high" if shape.rope_pairs in (0, half) else rope_selection  # every / no pair: no choice
-    need_moments = factorization in fac.CALIBRATED_FACTORIZATIONS and not shape.is_full_rank
-    need_norms = selection in rs.CALIBRATED_SELECTIONS
-    statistics, scores, calibration = None, None, None
-    if need_moments or need_norms:
-        files = None if calibration_files is None else [Path(f) for f in calibration_files]
-        statistics, scores = calibration_statistics(
-            src_dir=src_dir,
-            geometry=geometry,
-            need_moments=need_moments,
-            need_pair_norms=need_norms,
-            files=files,
-            tokens=calibration_tokens,
-            window=calibration_window,
-        )
-        calibration = {**cal.corpus_record(files, calibration_tokens), "window": calibration_window}
-    pairs = rs.select_rope_pairs(
-        selection,
-        num_layers=geometry.num_layers,
-        num_kv_heads=geometry.num_kv_heads,
-        head_dim=geometry.head_dim,
-        rope_pairs=shape.rope_pairs,
-        scores=scores,
-    )
-    stored_pairs = None if selection == "high" else pairs
-    new_config = mla_config(src_dir, shape=shape, pairs=stored_pairs, qkv_bias=qkv_bias, o_bias=o_bias)
-    if dtype is not None:
-        new_config["dtype"] = dtype_name(dtype)
-        new_config.pop("torch_dtype", None)
-    record = {
-        "converter": "conversion.mla",
-        "method": "mla",
-        "source": str(src_dir),
-        "source_checkpoint_hash": checkpoint_hash(src_dir),
-        "kv_lora_rank": shape.kv_lora_rank,
-        "rope_pairs": shape.rope_pairs,
-        "rope_selection": selection,
-        "factorization": "full-rank" if shape.is_full_rank else factorization,
-        "kv_budget": kv_budget,
-        "kv_numbers_per_token_per_layer": {"source": shape.source_cache_numbers, "mla": shape.cache_numbers},
-        "kv_fraction": shape.kv_fraction,
-        "calibration": calibration,
-        "dtype": new_config.get("dtype"),
-    }
-    tensors = _converted_tensors(
-        index,
-        shape=shape,
-        pairs=pairs,
+    plan = plan_conversion(
+        src=src_dir,
+        kv_lora_rank=kv_lora_rank,
+        kv_budget=kv_budget,
+        rope_pairs=rope_pairs,
+        rope_selection=rope_selection,
         factorization=factorization,
-        statistics=statistics,
-        dtype=dtype,
+        calibration_files=calibration_files,
+        calibration_tokens=calibration_tokens,
+        calibration_window=calibration_window,
     )
+    config, record = plan.config(dtype), plan.record()
+    record["dtype"] = config.get("dtype")
     with atomic_directory(dst, overwrite=overwrite) as tmp:
         with ShardedWriter(tmp, max_shard_bytes=max_shard_bytes) as writer:
-            for name, tensor in tensors:
+            for name, tensor in plan.tensors(dtype):
                 writer.add(name, tensor)
         record["seconds"] = round(time.perf_counter() - start, 2)
-        write_config(tmp, add_record(new_config, record))
+        write_config(tmp, add_record(config, record))
         copy_side_files(src_dir, tmp)
         copy_model_code(tmp)
+    shape = plan.shape
     print(
-        f"MLA: r={shape.rope_pairs} ({selection}), d_c={shape.kv_lora_rank} ({record['factorization']}), "
+        f"MLA: r={shape.rope_pairs} ({plan.selection}), d_c={shape.kv_lora_rank} ({plan.factorization}), "
         f"{shape.cache_numbers}/{shape.source_cache_numbers} numbers per token and layer "
         f"({100 * shape.kv_fraction:.1f}%) in {record['seconds']:.1f} s: {dst}"
     )
