@@ -162,6 +162,12 @@ def _sym_sqrt(a: torch.Tensor) -> torch.Tensor:
     return (evecs * evals.sqrt()) @ evecs.T
 
 
+def _ridge_inverse(a: torch.Tensor) -> torch.Tensor:
+    """Inverse of a PSD matrix with a relative ridge on the diagonal."""
+    ridge = _RIDGE * torch.diagonal(a).mean().clamp_min(1e-300)
+    return torch.linalg.inv(a + ridge * torch.eye(a.shape[0], dtype=a.dtype))
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
@@ -314,25 +320,33 @@ def fit_values(
         gram = gram + _RIDGE * torch.diagonal(gram, dim1=1, dim2=2).mean(-1)[:, None, None] * torch.eye(d)
         return torch.linalg.solve(gram, cross.transpose(1, 2)).transpose(1, 2)  # (Q, d, d)
 
+    y_inv = _ridge_inverse(y.sum(0))  # (r d, r d)
     for _ in range(iterations):
         dec = decoders(p)
         hess = dec.transpose(1, 2) @ grams @ dec  # (Q, d, d)
         rhs = (dec.transpose(1, 2) @ grams @ select @ y).sum(0)  # (d, r d)
+        h_inv = _ridge_inverse(hess.sum(0)) * nq  # (d, d)
 
         def op(x, hess=hess):  # the normal operator of P (symmetric positive definite)
             return (hess @ x @ y).sum(0)
 
+        def precondition(x, h_inv=h_inv):  # inverse of the operator with every Y_q, H_q replaced by the mean
+            return h_inv @ x @ y_inv
+
+        # warm-started preconditioned conjugate gradients
         res = rhs - op(p)
-        direction, norm = res, (res * res).sum()
-        for _ in range(_CG_STEPS):  # warm-started conjugate gradients
+        z = precondition(res)
+        direction, rz = z, (res * z).sum()
+        for _ in range(_CG_STEPS):
             step = op(direction)
-            alpha = norm / (direction * step).sum()
+            alpha = rz / (direction * step).sum()
             p = p + alpha * direction
             res = res - alpha * step
-            new_norm = (res * res).sum()
-            if new_norm <= _CG_TOL**2 * (rhs * rhs).sum():
+            if (res * res).sum() <= _CG_TOL**2 * (rhs * rhs).sum():
                 break
-            direction, norm = res + (new_norm / norm) * direction, new_norm
+            z = precondition(res)
+            rz_new = (res * z).sum()
+            direction, rz = z + (rz_new / rz) * direction, rz_new
     # scale each pooled value dimension to the RMS of the source values (decoders absorb it)
     power_old = torch.diagonal(y.sum(0)).mean()
     power_new = torch.diagonal(p @ y.sum(0) @ p.T)  # (d,)
@@ -463,11 +477,16 @@ def calibrate(
     with torch.inference_mode():
         stats = collect_attention_statistics(model, ids, pooling=pooling, window=window, progress=progress)
     out = {}
-    for layer in tqdm(range(pooling.geometry.num_layers), desc="fit", unit="layer", disable=not progress):
-        att = model.model.layers[layer].self_attn
-        params = {f"{p}.{k}": getattr(getattr(att, p), k) for p in _PROJ for k in ("weight", "bias")}
-        weights = {k: None if v is None else v.detach() for k, v in params.items()}
-        out[layer] = calibrated_pool_layer(weights=weights, stats=stats.pop(layer), pooling=pooling)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the fits are many small matrix products: threads only add synchronisation
+    try:
+        for layer in tqdm(range(pooling.geometry.num_layers), desc="fit", unit="layer", disable=not progress):
+            att = model.model.layers[layer].self_attn
+            params = {f"{p}.{k}": getattr(getattr(att, p), k) for p in _PROJ for k in ("weight", "bias")}
+            weights = {k: None if v is None else v.detach() for k, v in params.items()}
+            out[layer] = calibrated_pool_layer(weights=weights, stats=stats.pop(layer), pooling=pooling)
+    finally:
+        torch.set_num_threads(threads)
     return out
 
 
