@@ -22,6 +22,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import shutil
 import sys
 import time
 import tomllib
@@ -203,6 +204,8 @@ class Study:
         if path.exists() and meta.exists() and not self.fresh:
             self.counts["reused"] += 1
             return path, json.loads(meta.read_text())["seconds"], True
+        if path.exists():  # left by an interrupted run (no metadata): ours to replace
+            shutil.rmtree(path)
         start = time.perf_counter()
         build(path)
         seconds = time.perf_counter() - start
@@ -234,16 +237,9 @@ class Study:
                 if v.kind == "source":
                     path, conv_s, cached = self.source, 0.0, True
                 else:
-                    overwrite = self.fresh
-
-                    def build(dst, v=v, overwrite=overwrite):
-                        if overwrite and dst.exists():
-                            import shutil
-
-                            shutil.rmtree(dst)
-                        convert(v, source=self.source, dst=dst, settings=s)
-
-                    path, conv_s, cached = self._checkpoint(v.name, conv_key, build)
+                    path, conv_s, cached = self._checkpoint(
+                        v.name, conv_key, lambda dst, v=v: convert(v, source=self.source, dst=dst, settings=s)
+                    )
                     self.counts["converted"] += not cached
                 progress.step(f"{v.name}: evaluate")
                 row_key = _key(conv_key, dataclasses.asdict(s), "before")
