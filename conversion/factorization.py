@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-FACTORIZATIONS = ("weight-svd", "activation")
-CALIBRATED_FACTORIZATIONS = ("activation",)
+FACTORIZATIONS = ("weight-svd", "activation", "attention")
+CALIBRATED_FACTORIZATIONS = ("activation", "attention")
 
 
 @dataclass(frozen=True)
@@ -194,8 +194,6 @@ def attention_pca(
             torch.cat([w_v @ cov @ w_k.T, w_v @ sv @ w_v.T], 1),
         ]
     )  # (W, W)
-    if not v_center and b_v is not None:
-        raise AssertionError("unreachable")
     weighted = a @ joint @ a.T
     _, evecs = torch.linalg.eigh((weighted + weighted.T) / 2)
     basis = evecs[:, -rank:].flip(-1)  # (W, r)

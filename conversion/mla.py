@@ -226,22 +226,30 @@ def convert_layer(
     shape: MLAShape,
     factorization: str,
     statistics: LayerStatistics | None = None,
+    query_fit: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """One attention layer, source -> llama_mla tensors (keys as in `mla_shapes`; dtype of the source).
 
     weights: "q_proj.weight" (Hq d, C), "k_proj.weight" / "v_proj.weight" (Hkv d, C), "o_proj.weight"
     (C, Hq d) and the biases ((out,) or None). pairs: [Hkv][r] kept RoPE pairs of this layer.
+    query_fit: (Hq, d/2) complex factors for the query rows of the dropped pairs (selection `attention`).
     """
+    geo = shape.geometry
     dtype = weights["q_proj.weight"].dtype
-    rows = layer_rows(pairs, shape.geometry)
+    rows = layer_rows(pairs, geo)
     qkv_bias, o_bias = weights.get("q_proj.bias") is not None, weights.get("o_proj.bias") is not None
+    w_q, b_q = weights["q_proj.weight"], weights.get("q_proj.bias")
+    if query_fit is not None:
+        half = geo.head_dim // 2
+        dropped = [[i for i in range(half) if i not in set(p)] for p in pairs]
+        w_q, b_q = rs.apply_query_fit(w_q, b_q, query_fit, dropped, geo.group_size)
     out: dict[str, torch.Tensor] = {}
-    out["q_proj.weight"] = weights["q_proj.weight"][rows["q"]]
+    out["q_proj.weight"] = w_q[rows["q"]]
     out["k_rope_proj.weight"] = weights["k_proj.weight"][rows["k_rope"]]
     stack_w = torch.cat([weights["k_proj.weight"][rows["k_nope"]], weights["v_proj.weight"]])  # (W, C)
     stack_b = None
     if qkv_bias:
-        out["q_proj.bias"] = weights["q_proj.bias"][rows["q"]]
+        out["q_proj.bias"] = b_q[rows["q"]]
         out["k_rope_proj.bias"] = weights["k_proj.bias"][rows["k_rope"]]
         stack_b = torch.cat([weights["k_proj.bias"][rows["k_nope"]], weights["v_proj.bias"]])  # (W,)
 
@@ -253,6 +261,23 @@ def convert_layer(
         assert statistics is not None and statistics.moment is not None, "activation needs calibration"
         low = fac.activation_pca(
             stack_w, stack_b, shape.kv_lora_rank, moment=statistics.moment, num_key_rows=shape.num_key_rows
+        )
+    elif factorization == "attention":
+        assert statistics is not None and statistics.moment is not None, "attention needs calibration"
+        nk, rd = shape.num_key_rows, 2 * shape.rope_pairs
+        q_nope = out["q_proj.weight"].view(geo.num_heads, geo.head_dim, -1)[:, rd:]  # (Hq, d - 2r, C)
+        qb_nope = None if b_q is None else out["q_proj.bias"].view(geo.num_heads, geo.head_dim)[:, rd:]
+        low = fac.attention_pca(
+            w_k=stack_w[:nk],
+            b_k=None if stack_b is None else stack_b[:nk],
+            w_v=stack_w[nk:],
+            b_v=None if stack_b is None else stack_b[nk:],
+            w_q=q_nope.reshape(-1, q_nope.shape[-1]),
+            b_q=None if qb_nope is None else qb_nope.reshape(-1),
+            w_o=weights["o_proj.weight"],
+            moment=statistics.moment,
+            num_kv_heads=geo.num_kv_heads,
+            rank=shape.kv_lora_rank,
         )
     else:
         raise ValueError(
@@ -281,11 +306,13 @@ def convert_layer(
 
 @dataclass
 class Calibration:
-    """What one pass of the source over calibration text gives: per-layer statistics, `2norm` pair scores
-    (layer -> (Hkv, d/2)) and the record of the corpus."""
+    """What one pass of the source over calibration text gives: per-layer input moments, the pair scores
+    of the calibrated selections (selection -> layer -> (Hkv, d/2)), the `attention` query fit (layer ->
+    (Hq, d/2) complex) and the record of the corpus."""
 
     statistics: dict[int, LayerStatistics]
-    pair_scores: dict[int, torch.Tensor] | None
+    pair_scores: dict[str, dict[int, torch.Tensor]]
+    query_fit: dict[int, torch.Tensor] | None
     record: dict
 
 
@@ -295,6 +322,7 @@ def calibrate(
     geometry: AttentionGeometry,
     moments: bool = True,
     pair_norms: bool = True,
+    attention_pairs: bool = True,
     files: list[Path] | None = None,
     tokens: int = DEFAULT_CALIBRATION_TOKENS,
     window: int = cal.DEFAULT_WINDOW,
@@ -307,13 +335,12 @@ def calibrate(
     model = AutoModelForCausalLM.from_pretrained(src_dir, dtype=torch.float32).eval()
     layers = list(model.model.layers)
     stats = {i: LayerStatistics() for i in range(geometry.num_layers)}
-    norms = None
-    if pair_norms:
-        norms = rs.PairNormScores(
-            num_heads=geometry.num_heads, num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim
-        )
+    heads = dict(num_heads=geometry.num_heads, num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim)
+    norms = rs.PairNormScores(**heads) if pair_norms else None
+    scores = rs.AttentionPairStats(**heads) if attention_pairs else None
+    windows = [_sliding_window(model.config, i) for i in range(geometry.num_layers)]
 
-    def accumulate(idx: int, x: torch.Tensor, _position_embeddings) -> None:
+    def accumulate(idx: int, x: torch.Tensor, position_embeddings) -> None:
         x = x.reshape(-1, x.shape[-1])  # (T, C)
         if moments:
             xa = torch.cat([x.double(), torch.ones_like(x[:, :1], dtype=torch.float64)], dim=1)  # (T, C+1)
@@ -322,11 +349,40 @@ def calibrate(
         if norms is not None:
             attn = layers[idx].self_attn
             norms.add(idx, x, attn.q_proj.weight, attn.q_proj.bias, attn.k_proj.weight, attn.k_proj.bias)
+        if scores is not None:
+            attn = layers[idx].self_attn
+            cos, sin = position_embeddings
+            scores.add(
+                idx,
+                x,
+                cos,
+                sin,
+                attn.q_proj.weight,
+                attn.q_proj.bias,
+                attn.k_proj.weight,
+                attn.k_proj.bias,
+                window=windows[idx],
+            )
 
     cal.for_each_attention_input(model, ids, accumulate, window=window)
     del model
     record = {**cal.corpus_record(files, tokens), "window": window}
-    return Calibration(stats, norms.scores() if norms is not None else None, record)
+    pair_scores = {}
+    if norms is not None:
+        pair_scores["2norm"] = norms.scores()
+    query_fit = None
+    if scores is not None:
+        pair_scores["attention"] = {i: scores.pair_scores(i) for i in range(geometry.num_layers)}
+        query_fit = {i: scores.query_fit(i) for i in range(geometry.num_layers)}
+    return Calibration(stats, pair_scores, query_fit, record)
+
+
+def _sliding_window(config, layer: int) -> int | None:
+    """The source's sliding-window size for `layer`, or None for full causal attention."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return config.sliding_window if layer_types[layer] == "sliding_attention" else None
+    return getattr(config, "sliding_window", None)
 
 
 # --------------------------------------------------------------------------------------------- checkpoint
@@ -422,6 +478,12 @@ class MLAConversion:
     kv_budget: float | None
     calibration: Calibration | None
 
+    def query_fit(self, layer: int) -> torch.Tensor | None:
+        """The `attention` selection's query refit of the dropped pairs of `layer` (None otherwise)."""
+        if self.selection != "attention" or self.calibration is None:
+            return None
+        return self.calibration.query_fit[layer]
+
     def record(self) -> dict:
         s = self.shape
         return {
@@ -432,6 +494,7 @@ class MLAConversion:
             "kv_lora_rank": s.kv_lora_rank,
             "rope_pairs": s.rope_pairs,
             "rope_selection": self.selection,
+            "query_fit": self.selection == "attention",
             "factorization": self.factorization,
             "kv_budget": self.kv_budget,
             "kv_numbers_per_token_per_layer": {"source": s.source_cache_numbers, "mla": s.cache_numbers},
@@ -475,6 +538,7 @@ class MLAConversion:
                 shape=self.shape,
                 factorization=self.factorization,
                 statistics=None if self.calibration is None else self.calibration.statistics[layer],
+                query_fit=self.query_fit(layer),
             )
             out_dtype = dtype or weights["q_proj.weight"].dtype
             for key in sorted(new, key=lambda k: (_MLA_PROJ.index(k.split(".")[0]), k)):
@@ -518,18 +582,19 @@ def plan_conversion(
     if shape.is_full_rank:
         factorization = "full-rank"
     need_moments = factorization in fac.CALIBRATED_FACTORIZATIONS
-    need_norms = selection in rs.CALIBRATED_SELECTIONS
-    if (need_moments or need_norms) and calibration is None:
+    need_scores = selection in rs.CALIBRATED_SELECTIONS
+    if (need_moments or need_scores) and calibration is None:
         calibration = calibrate(
             src_dir=src_dir,
             geometry=geometry,
             moments=need_moments,
-            pair_norms=need_norms,
+            pair_norms=selection == "2norm",
+            attention_pairs=selection == "attention",
             files=None if calibration_files is None else [Path(f) for f in calibration_files],
             tokens=calibration_tokens,
             window=calibration_window,
         )
-    elif not (need_moments or need_norms):
+    elif not (need_moments or need_scores):
         calibration = None
     pairs = rs.select_rope_pairs(
         selection,
@@ -537,7 +602,7 @@ def plan_conversion(
         num_kv_heads=geometry.num_kv_heads,
         head_dim=geometry.head_dim,
         rope_pairs=shape.rope_pairs,
-        scores=None if calibration is None else calibration.pair_scores,
+        scores=None if calibration is None else calibration.pair_scores.get(selection),
     )
     return MLAConversion(
         src_dir, index, shape, selection, factorization, pairs, qkv_bias, o_bias, kv_budget, calibration
@@ -587,6 +652,26 @@ def convert_to_mla(
         calibration_tokens=calibration_tokens,
         calibration_window=calibration_window,
     )
+    return write_conversion(
+        plan, dst, dtype=dtype, overwrite=overwrite, max_shard_bytes=max_shard_bytes, start=start
+    )
+
+
+def write_conversion(
+    plan: MLAConversion,
+    dst: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    start: float | None = None,
+) -> Path:
+    """Write a planned conversion atomically: weights, config.json (+ record), side files, model code.
+    The record's `seconds` counts from `start` (perf_counter; default: now)."""
+    start = time.perf_counter() if start is None else start
+    dst = Path(dst).expanduser().resolve()
+    if dst == plan.src_dir.resolve():
+        raise ValueError(f"--output {dst} is the source checkpoint; converters never modify their source.")
     config, record = plan.config(dtype), plan.record()
     record["dtype"] = config.get("dtype")
     with atomic_directory(dst, overwrite=overwrite) as tmp:
@@ -595,7 +680,7 @@ def convert_to_mla(
                 writer.add(name, tensor)
         record["seconds"] = round(time.perf_counter() - start, 2)
         write_config(tmp, add_record(config, record))
-        copy_side_files(src_dir, tmp)
+        copy_side_files(plan.src_dir, tmp)
         copy_model_code(tmp)
     shape = plan.shape
     print(

@@ -11,14 +11,21 @@ low-rank latent. Selections, each `[num_layers][Hkv][r]` lists of sorted pair in
   text, the query norm averaged over the head's group of query heads. ||q_i|| ||k_i|| bounds the pair's
   contribution |q_i . R k_i| to a score whatever the rotation R, and pair norms are rotation-invariant, so
   the un-rotated projections suffice.
+- `attention` (beyond MHA2MLA): per layer and KV head, the r pairs whose loss of rotation would change the
+  attention scores most, measured on calibration text under the source's own attention probabilities
+  (`AttentionPairStats`): for every dropped pair the query rows are also refitted with the complex factor
+  alpha that best reproduces the rotated score term from the un-rotated one (a 2x2 mix of the query rows
+  i and i + d/2, i.e. an average rotation and damping, per query head), and the pairs kept are those whose
+  error remains largest after that fit. Frequency, norm and how far each head looks all enter, which is
+  why it beats `high` and `2norm` by a wide margin (see eval/mla_curve.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-SELECTIONS = ("high", "uniform", "2norm")
-CALIBRATED_SELECTIONS = ("2norm",)
+SELECTIONS = ("high", "uniform", "2norm", "attention")
+CALIBRATED_SELECTIONS = ("2norm", "attention")
 
 PairIndices = list[list[list[int]]]  # [num_layers][Hkv][r], each list strictly ascending
 
@@ -62,15 +69,16 @@ def select_rope_pairs(
     rope_pairs: int,
     scores: dict[int, torch.Tensor] | None = None,
 ) -> PairIndices:
-    """`[num_layers][Hkv][r]` kept pairs. `scores` (layer -> (Hkv, d/2)) is required by `2norm`."""
+    """`[num_layers][Hkv][r]` kept pairs. `scores` (layer -> (Hkv, d/2), larger = keep) is required by
+    the calibrated selections (`2norm`: `PairNormScores.scores()`, `attention`: `AttentionPairStats`)."""
     check_rope_pairs(rope_pairs, head_dim)
     half = head_dim // 2
     if selection in ("high", "uniform"):
         pairs = (high_pairs if selection == "high" else uniform_pairs)(half, rope_pairs)
         return [[list(pairs) for _ in range(num_kv_heads)] for _ in range(num_layers)]
-    if selection == "2norm":
+    if selection in CALIBRATED_SELECTIONS:
         if scores is None or sorted(scores) != list(range(num_layers)):
-            raise ValueError("rope selection '2norm' needs calibration scores for every layer.")
+            raise ValueError(f"rope selection {selection!r} needs calibration scores for every layer.")
         return [top_pairs(scores[i], rope_pairs) for i in range(num_layers)]
     raise ValueError(f"Unknown --rope-selection {selection!r}; choose one of {', '.join(SELECTIONS)}.")
 
@@ -114,3 +122,146 @@ class PairNormScores:
             q_mean = (self.q_sum[layer] / n).reshape(self.num_kv_heads, group, -1).mean(1)  # (Hkv, d/2)
             out[layer] = q_mean * (self.k_sum[layer] / n)  # (Hkv, d/2)
         return out
+
+
+class AttentionPairStats:
+    """Per layer, query head and pair: what removing that pair's rotation does to the attention scores.
+
+    For query t, key s <= t and pair i, the source's score term is y = q'_i . k'_i (both rotated by RoPE at
+    their positions); without rotation it becomes f1 = q_i . k_i; a query-side complex factor alpha = a + jb
+    on the pair (rows i and i + d/2 of q mixed as [[a, -b], [b, a]]) makes it a f1 + b f2 with
+    f2 = q_i . J k_i, J = [[0, 1], [-1, 0]]. A change of the scores that is the same for all keys of a
+    query does nothing (softmax), so what counts is the variance over keys under the source's attention
+    probabilities p_ts. Accumulated (summed over queries): Var_p(y), Var_p(f1), Var_p(f2) and the
+    covariances, per (Hq, d/2). From them:
+      cost without compensation   Var_p(y - f1)
+      cost with the best alpha    Var_p(y) - r^T G^-1 r   (G = Cov_p(f), r = Cov_p(f, y))
+    Every sum over keys is one matmul of the probabilities with per-key products of k and k' (so the whole
+    pass costs about Hq * Tq * T * 14 d/2 multiply-adds per window), Tq = T / `query_stride` queries.
+    """
+
+    NAMES = ("vy", "v11", "v12", "v22", "v1y", "v2y")
+
+    def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int, query_stride: int = 4):
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.query_stride = query_stride
+        self.sums: dict[int, dict[str, torch.Tensor]] = {}
+
+    @torch.inference_mode()
+    def add(self, layer: int, x, cos, sin, w_q, b_q, w_k, b_k, *, window: int | None = None) -> None:
+        """x (T, C) one calibration window's attention input; cos/sin (T, d) of its positions;
+        `window`: sliding-window size of this layer (None: full causal attention)."""
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        half, group = d // 2, hq // hkv
+        x = x.reshape(-1, x.shape[-1]).to(w_q.dtype)  # (T, C)
+        T = x.shape[0]
+        q = torch.nn.functional.linear(x, w_q, b_q).double().view(T, hq, d)  # (T, Hq, d)
+        k = torch.nn.functional.linear(x, w_k, b_k).double().view(T, hkv, d)  # (T, Hkv, d)
+        cos, sin = cos.reshape(T, d).double()[:, None], sin.reshape(T, d).double()[:, None]  # (T, 1, d)
+        rot = lambda v: v * cos + torch.cat((-v[..., half:], v[..., :half]), -1) * sin  # noqa: E731
+        qr, kr = rot(q), rot(k)  # (T, Hq, d), (T, Hkv, d)
+        tq = torch.arange(0, T, self.query_stride)
+        Tq = len(tq)
+        scores = (
+            torch.einsum("tgjd,sgd->gjts", qr[tq].view(Tq, hkv, group, d), kr) * d**-0.5
+        )  # (Hkv, G, Tq, T)
+        s_pos = torch.arange(T)
+        keep = tq[:, None] >= s_pos[None]  # (Tq, T)
+        if window is not None:
+            keep &= tq[:, None] - s_pos[None] < window
+        p = scores.masked_fill(~keep, float("-inf")).softmax(-1)  # (Hkv, G, Tq, T)
+
+        # per-key features of every pair: k (2), k' (2), k k^T (3), k' k'^T (3), k k'^T (4)
+        def pairs(v):  # (T, H, d) -> (T, H, half, 2)
+            return torch.stack((v[..., :half], v[..., half:]), -1)
+
+        kp, kpr = pairs(k), pairs(kr)  # (T, Hkv, half, 2)
+        feats = torch.cat(
+            [
+                kp,
+                kpr,
+                (kp[..., :, None] * kp[..., None, :]).flatten(-2)[..., [0, 1, 3]],
+                (kpr[..., :, None] * kpr[..., None, :]).flatten(-2)[..., [0, 1, 3]],
+                (kp[..., :, None] * kpr[..., None, :]).flatten(-2),
+            ],
+            -1,
+        )  # (T, Hkv, half, 14)
+        e = torch.einsum("gjts,sgif->gjtif", p, feats).reshape(hq, Tq, half, 14)  # (Hq, Tq, half, 14)
+        m_k, m_kr = e[..., 0:2], e[..., 2:4]  # (Hq, Tq, half, 2)
+
+        def sym(v):  # (..., 3) -> (..., 2, 2)
+            return torch.stack(
+                (torch.stack((v[..., 0], v[..., 1]), -1), torch.stack((v[..., 1], v[..., 2]), -1)), -2
+            )
+
+        s_kk, s_rr = sym(e[..., 4:7]), sym(e[..., 7:10])  # (Hq, Tq, half, 2, 2)
+        s_kr = e[..., 10:14].reshape(hq, Tq, half, 2, 2)  # E_p[k k'^T]
+        qa = pairs(q[tq]).transpose(0, 1)  # (Hq, Tq, half, 2)
+        qb = pairs(qr[tq]).transpose(0, 1)  # rotated queries
+        jq = torch.stack((-qa[..., 1], qa[..., 0]), -1)  # J^T q: f2 = q . J k = (J^T q) . k
+
+        def quad(a, s, b):  # a^T s b over the last dims
+            return torch.einsum("...i,...ij,...j->...", a, s, b)
+
+        def dot(a, b):
+            return (a * b).sum(-1)
+
+        f1m, f2m, ym = dot(qa, m_k), dot(jq, m_k), dot(qb, m_kr)  # (Hq, Tq, half)
+        stats = {
+            "vy": quad(qb, s_rr, qb) - ym * ym,
+            "v11": quad(qa, s_kk, qa) - f1m * f1m,
+            "v12": quad(qa, s_kk, jq) - f1m * f2m,
+            "v22": quad(jq, s_kk, jq) - f2m * f2m,
+            "v1y": quad(qa, s_kr, qb) - f1m * ym,
+            "v2y": quad(jq, s_kr, qb) - f2m * ym,
+        }
+        acc = self.sums.setdefault(layer, {n: 0.0 for n in self.NAMES})
+        for n in self.NAMES:
+            acc[n] = acc[n] + stats[n].sum(1)  # (Hq, half)
+
+    def costs(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(cost without compensation, cost with the best alpha, alpha): each (Hq, d/2), alpha complex."""
+        s = self.sums[layer]
+        vy, v11, v12, v22, v1y, v2y = (s[n] for n in self.NAMES)
+        drop = vy - 2 * v1y + v11
+        gram = torch.stack((torch.stack((v11, v12), -1), torch.stack((v12, v22), -1)), -2)  # (Hq, d/2, 2, 2)
+        ridge = 1e-12 * (v11 + v22).clamp_min(1e-300)
+        gram = gram + ridge[..., None, None] * torch.eye(2, dtype=gram.dtype)
+        rhs = torch.stack((v1y, v2y), -1)  # (Hq, d/2, 2)
+        ab = torch.linalg.solve(gram, rhs)  # (Hq, d/2, 2)
+        fitted = (vy - (ab * rhs).sum(-1)).clamp_min(0.0)
+        return drop, fitted, torch.complex(ab[..., 0], ab[..., 1])
+
+    def pair_scores(self, layer: int) -> torch.Tensor:
+        """(Hkv, d/2): the error left after the query fit, summed over each KV head's query heads."""
+        _, fitted, _ = self.costs(layer)
+        group = self.num_heads // self.num_kv_heads
+        return fitted.view(self.num_kv_heads, group, -1).sum(1)
+
+    def query_fit(self, layer: int) -> torch.Tensor:
+        """(Hq, d/2) complex alpha per query head and pair (apply it to the dropped pairs only)."""
+        return self.costs(layer)[2]
+
+
+def apply_query_fit(
+    weight: torch.Tensor, bias: torch.Tensor | None, alpha: torch.Tensor, dropped: list[list[int]], group: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Mix rows (i, i + d/2) of every query head h by [[a, -b], [b, a]], alpha[h, i] = a + jb, for the pairs
+    i in dropped[h // group] (the pairs its KV head no longer rotates). weight (Hq*d, C), bias (Hq*d,)."""
+    hq, half = alpha.shape
+    d = 2 * half
+    w = weight.clone().view(hq, 2, half, -1)  # (Hq, 2, d/2, C): rows i and i + d/2 of each head
+    b = None if bias is None else bias.clone().view(hq, 2, half, 1)
+    for h in range(hq):
+        idx = torch.tensor(dropped[h // group], dtype=torch.long)
+        if idx.numel() == 0:
+            continue
+        a = alpha[h, idx].real.to(weight.dtype)[:, None]  # (n, 1)
+        c = alpha[h, idx].imag.to(weight.dtype)[:, None]
+        for t in (w, b):
+            if t is None:
+                continue
+            r1, r2 = t[h, 0, idx].clone(), t[h, 1, idx].clone()  # (n, C)
+            t[h, 0, idx] = a * r1 - c * r2
+            t[h, 1, idx] = c * r1 + a * r2
+    return w.view(hq * d, -1), None if b is None else b.view(hq * d)

@@ -462,3 +462,166 @@ def test_cli_one_line_errors(tiny_root, tmp_path, capsys):
     assert len(err.splitlines()) == 1 and "rope-pairs" in err and "Traceback" not in err
     assert mla.main(["--model", str(tiny_root / "llama"), "--output", str(tmp_path / "ok")]) == 0
     assert (tmp_path / "ok" / "model.safetensors").exists()
+
+
+# ------------------------------------------------------------------------------ attention-aware selection
+
+
+def _brute_force_pair_stats(q, k, cos, sin, group, stride=1, window=None):
+    """Per (query head, pair): Var_p(y), Cov_p(f, y), Cov_p(f) summed over queries, by explicit loops over
+    keys (y: rotated score term, f = (q.k, q.Jk) un-rotated), p the causal softmax of the full scores."""
+    T, hq, d = q.shape
+    half = d // 2
+
+    def rope(v):  # (T, H, d)
+        c, s = cos[:, None], sin[:, None]
+        return v * c + torch.cat((-v[..., half:], v[..., :half]), -1) * s
+
+    qr, kr = rope(q), rope(k)
+    out = torch.zeros(hq, half, 6, dtype=torch.float64)  # vy, v11, v12, v22, v1y, v2y
+    for h in range(hq):
+        g = h // group
+        for t in range(0, T, stride):
+            keys = [s for s in range(t + 1) if window is None or t - s < window]
+            logits = torch.stack([qr[t, h] @ kr[s, g] for s in keys]) / d**0.5
+            p = logits.softmax(0)
+            for i in range(half):
+                qi, qri = q[t, h, [i, i + half]], qr[t, h, [i, i + half]]
+                f1 = torch.stack([qi @ k[s, g, [i, i + half]] for s in keys])
+                f2 = torch.stack([qi[0] * k[s, g, i + half] - qi[1] * k[s, g, i] for s in keys])
+                y = torch.stack([qri @ kr[s, g, [i, i + half]] for s in keys])
+
+                def cov(a, b, p=p):
+                    return (p * a * b).sum() - (p * a).sum() * (p * b).sum()
+
+                out[h, i] += torch.stack(
+                    [cov(y, y), cov(f1, f1), cov(f1, f2), cov(f2, f2), cov(f1, y), cov(f2, y)]
+                )
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_attention_pair_stats_match_brute_force(window):
+    from conversion.rope_selection import AttentionPairStats
+
+    g = torch.Generator().manual_seed(5)
+    T, C, hq, hkv, d = 9, 10, 4, 2, 6
+    x = torch.randn(T, C, generator=g, dtype=torch.float64)
+    w_q, w_k = torch.randn(hq * d, C, generator=g).double(), torch.randn(hkv * d, C, generator=g).double()
+    b_q, b_k = torch.randn(hq * d, generator=g).double(), torch.randn(hkv * d, generator=g).double()
+    inv = 1.0 / (10.0 ** (torch.arange(0, d, 2).double() / d))
+    ang = torch.arange(T).double()[:, None] * inv  # (T, d/2)
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)  # (T, d)
+    stats = AttentionPairStats(num_heads=hq, num_kv_heads=hkv, head_dim=d, query_stride=2)
+    stats.add(0, x, cos, sin, w_q, b_q, w_k, b_k, window=window)
+    q = (x @ w_q.T + b_q).view(T, hq, d)
+    k = (x @ w_k.T + b_k).view(T, hkv, d)
+    want = _brute_force_pair_stats(q, k, cos, sin, hq // hkv, stride=2, window=window)
+    for j, name in enumerate(stats.NAMES):
+        assert torch.allclose(stats.sums[0][name], want[..., j], rtol=1e-8, atol=1e-9), name
+    # the fitted alpha solves the 2x2 normal equations; the costs follow
+    drop, fitted, alpha = stats.costs(0)
+    vy, v11, v12, v22, v1y, v2y = want.unbind(-1)
+    assert torch.allclose(drop, vy - 2 * v1y + v11)
+    a, b = alpha.real, alpha.imag
+    assert torch.allclose(v11 * a + v12 * b, v1y) and torch.allclose(v12 * a + v22 * b, v2y)
+    assert torch.allclose(fitted, vy - a * v1y - b * v2y) and (fitted <= drop + 1e-9).all()
+
+
+def test_attention_selection_applies_its_query_fit(monkeypatch, tiny_root, tmp_path):
+    """Full rank, r=2 of 4 pairs: the converted model equals the partial-RoPE source whose query rows of the
+    dropped pairs are mixed by the fitted alpha (recomputed here by brute force on the same calibration)."""
+    src = tiny_root / "llama_bias"
+    files, tokens = [tiny_root / "calib.txt"], 64
+    out = mla.convert_to_mla(
+        src=src,
+        dst=tmp_path / "mla",
+        rope_pairs=2,
+        rope_selection="attention",
+        calibration_files=files,
+        calibration_tokens=tokens,
+    )
+    record = json.loads((out / "config.json").read_text())["hf_attn"]["last"]
+    assert record["rope_selection"] == "attention" and record["query_fit"] is True
+    from transformers import AutoTokenizer
+
+    ids = calibration_ids(AutoTokenizer.from_pretrained(src), files, tokens)
+    source = load(src)
+    cfg = source.config
+    d, hkv, hq = cfg.head_dim, cfg.num_key_value_heads, cfg.num_attention_heads
+    half, group = d // 2, hq // hkv
+    inputs = {}
+
+    def keep(module, args, kwargs, i):
+        inputs[i] = (kwargs["hidden_states"][0], *(t[0] for t in kwargs["position_embeddings"]))
+
+    hooks = [
+        layer.self_attn.register_forward_pre_hook(lambda m, a, kw, i=i: keep(m, a, kw, i), with_kwargs=True)
+        for i, layer in enumerate(source.model.layers)
+    ]
+    with torch.no_grad():
+        source(input_ids=ids[None])
+    for h in hooks:
+        h.remove()
+    pairs, alphas = [], []
+    for i, layer in enumerate(source.model.layers):
+        attn = layer.self_attn
+        x, cos, sin = (t.double() for t in inputs[i])
+        q = (x @ attn.q_proj.weight.double().T + attn.q_proj.bias.double()).view(-1, hq, d)
+        k = (x @ attn.k_proj.weight.double().T + attn.k_proj.bias.double()).view(-1, hkv, d)
+        st = _brute_force_pair_stats(q, k, cos, sin, group, stride=4)
+        vy, v11, v12, v22, v1y, v2y = st.unbind(-1)
+        gram = torch.stack([torch.stack([v11, v12], -1), torch.stack([v12, v22], -1)], -2)
+        ab = torch.linalg.solve(gram, torch.stack([v1y, v2y], -1))  # (Hq, d/2, 2)
+        fitted = vy - (ab * torch.stack([v1y, v2y], -1)).sum(-1)  # (Hq, d/2)
+        score = fitted.view(hkv, group, half).sum(1)
+        pairs.append([sorted(row.topk(2).indices.tolist()) for row in score])
+        alphas.append(ab)
+    assert [
+        converted for converted in json.loads((out / "config.json").read_text())["rope_pair_indices"]
+    ] == pairs
+    # reference: mix the source's query rows of dropped pairs by alpha, rotate only the kept pairs
+    with torch.no_grad():
+        for i, layer in enumerate(source.model.layers):
+            for proj in (layer.self_attn.q_proj.weight, layer.self_attn.q_proj.bias):
+                rows = proj.data.view(hq, 2, half, -1)
+                for h in range(hq):
+                    for p in range(half):
+                        if p in pairs[i][h // group]:
+                            continue
+                        a, b = alphas[i][h, p].tolist()
+                        r1, r2 = rows[h, 0, p].clone(), rows[h, 1, p].clone()
+                        rows[h, 0, p], rows[h, 1, p] = a * r1 - b * r2, b * r1 + a * r2
+    patch_partial_rope(monkeypatch, source, pairs)
+    test_ids = ids_batch(T=20)
+    assert_close_logits(logits_of(load(out), test_ids), logits_of(source, test_ids))
+
+
+@pytest.mark.parametrize("biased", [False, True])
+def test_attention_pca_full_rank_is_exact_up_to_key_offsets(biased):
+    """At full width the latent keeps everything: values exactly, keys up to a constant (which softmax
+    ignores); the metric-weighted error can only grow as the rank drops."""
+    g = torch.Generator().manual_seed(2)
+    n, c, hq, hkv, d, dn = 300, 16, 4, 2, 4, 2
+    x = torch.randn(n, c, generator=g, dtype=torch.float64) + 0.7
+    w_k, w_v = torch.randn(hkv * dn, c, generator=g).double(), torch.randn(hkv * d, c, generator=g).double()
+    w_q, w_o = torch.randn(hq * dn, c, generator=g).double(), torch.randn(c, hq * d, generator=g).double()
+    b_k = torch.randn(hkv * dn, generator=g).double() if biased else None
+    b_v = torch.randn(hkv * d, generator=g).double() if biased else None
+    xa = torch.cat([x, torch.ones(n, 1, dtype=torch.float64)], 1)
+    kw = dict(
+        w_k=w_k, b_k=b_k, w_v=w_v, b_v=b_v, w_q=w_q, b_q=None, w_o=w_o, moment=xa.T @ xa, num_kv_heads=hkv
+    )
+    full = fac.attention_pca(rank=hkv * (dn + d), **kw)
+    y = x @ torch.cat([w_k, w_v]).T + (torch.cat([b_k, b_v]) if biased else 0)
+    y_hat = x @ full.reconstruct().T + (full.up_bias if biased else 0)
+    err = y - y_hat
+    tol = 1e-6 * y.abs().max()
+    assert err[:, hkv * dn :].abs().max() < tol  # values exact
+    assert (err[:, : hkv * dn] - err[:1, : hkv * dn]).abs().max() < tol  # keys: up to a constant
+    errors = []
+    for rank in (8, 5, 2):
+        low = fac.attention_pca(rank=rank, **kw)
+        e = y - x @ low.reconstruct().T - (low.up_bias if biased else 0)
+        errors.append((e[:, : hkv * dn].var(0).sum() + e[:, hkv * dn :].pow(2).mean(0).sum()).item())
+    assert errors == sorted(errors)

@@ -1,0 +1,282 @@
+"""The MLA quality curve: KV-cache fraction vs training-free perplexity for the options of conversion.mla.
+
+    python -m eval.mla_curve [--model SRC] [--output-dir results/mla_curve] [--grid default|quick]
+        [--max-tokens 8192] [--context-length 1024] [--calibration-tokens 8192] [--fresh]
+
+Protocol: the source is converted once per grid point (one calibration pass shared by all points: the
+source model over `--calibration-tokens` tokens of the five Austen novels other than *Persuasion*, windows of
+1024); each converted checkpoint is written by the converter itself (`conversion.mla.write_conversion`,
+the same code as `python -m conversion.mla`), loaded with `AutoModelForCausalLM` in fp32 (sdpa) and scored
+with `eval.perplexity.evaluate_perplexity` on the first `--max-tokens` tokens of *Persuasion* (disjoint
+windows of `--context-length`, no special tokens). The source itself is row 0.
+
+Grid sections:
+- `rope`: partial RoPE alone (full-rank latent, so only the removed rotations cost), r pairs x selection.
+- `budget`: at each KV budget, every (selection, factorization) at the budget's default r, and a sweep of r
+  for the default selection / factorization (the allocation between RoPE keys and the latent).
+
+Writes `curve.json` (rows + protocol; resumable: rows already there are skipped unless --fresh) and
+`curve.md` (the tables). Timings are wall seconds on whatever machine ran it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from conversion import mla
+from conversion.checkpoint import AttentionGeometry, read_config, resolve_model_path
+from eval import common
+from eval.corpus import load_corpus, tokenize
+from eval.perplexity import evaluate_perplexity
+
+SELECTIONS = ("high", "uniform", "2norm")
+FACTORIZATIONS = ("weight-svd", "activation")
+BUDGETS = (0.125, 0.25, 0.3, 0.375, 0.5, 0.75)
+
+
+def point(
+    section: str,
+    *,
+    rope_pairs: int,
+    selection: str,
+    factorization: str | None = None,
+    kv_lora_rank: int | None = None,
+    kv_budget: float | None = None,
+) -> dict:
+    return {
+        "section": section,
+        "rope_pairs": rope_pairs,
+        "selection": selection,
+        "factorization": factorization or mla.DEFAULT_FACTORIZATION,
+        "kv_lora_rank": kv_lora_rank,
+        "kv_budget": kv_budget,
+    }
+
+
+def grid(name: str, geometry: AttentionGeometry) -> list[dict]:
+    """The grid points of `name` ("default" or "quick")."""
+    half = geometry.head_dim // 2
+    if name == "quick":
+        r = max(1, half // 4)
+        return [
+            point("rope", rope_pairs=r, selection="high"),
+            point(
+                "budget", rope_pairs=mla.default_rope_pairs(geometry, 0.5), selection="2norm", kv_budget=0.5
+            ),
+        ]
+    if name != "default":
+        raise ValueError(f"Unknown --grid {name!r}; choose default or quick.")
+    points = [
+        point("rope", rope_pairs=r, selection=s)
+        for r in (half // 8, half // 4, half * 3 // 8, half // 2)
+        for s in SELECTIONS
+    ]
+    for budget in BUDGETS:
+        r0 = mla.default_rope_pairs(geometry, budget)
+        for s in SELECTIONS:
+            for f in FACTORIZATIONS:
+                points.append(point("budget", rope_pairs=r0, selection=s, factorization=f, kv_budget=budget))
+        numbers = int(budget * 2 * geometry.kv_dim)
+        for r in sorted({max(1, r0 // 2), r0 * 3 // 4, r0 * 5 // 4, r0 * 3 // 2}):
+            if 1 <= r <= half and r != r0 and numbers - 2 * geometry.num_kv_heads * r >= 8:
+                points.append(
+                    point("budget", rope_pairs=r, selection=mla.DEFAULT_ROPE_SELECTION, kv_budget=budget)
+                )
+    return points
+
+
+def key(p: dict) -> str:
+    return json.dumps(
+        {
+            k: p[k]
+            for k in ("section", "rope_pairs", "selection", "factorization", "kv_lora_rank", "kv_budget")
+        },
+        sort_keys=True,
+    )
+
+
+def evaluate_checkpoint(path: Path, ids: torch.Tensor, context_length: int) -> dict:
+    model = common.load_causal_lm(str(path), attn_implementation="sdpa", dtype=torch.float32)
+    res = evaluate_perplexity(model, ids, context_length=context_length, progress=False)
+    return {
+        "perplexity": res.perplexity,
+        "nll_sum": res.nll_sum,
+        "tokens_scored": res.tokens_scored,
+        "windows": res.windows,
+        "eval_seconds": round(res.seconds, 1),
+    }
+
+
+def run_curve(
+    *,
+    model: str | None,
+    output_dir: Path,
+    grid_name: str = "default",
+    max_tokens: int = 8192,
+    context_length: int = 1024,
+    calibration_tokens: int = 8192,
+    fresh: bool = False,
+) -> dict:
+    src_dir = resolve_model_path(model)
+    geometry = AttentionGeometry.from_config(read_config(src_dir))
+    output_dir.mkdir(parents=True, exist_ok=True)
+    out_json = output_dir / "curve.json"
+
+    corpus = load_corpus()
+    ids = tokenize(common.load_tokenizer(str(src_dir)), corpus)[:max_tokens]
+    protocol = {
+        "model": str(src_dir),
+        "model_hash": common.model_hash(str(src_dir)),
+        "corpus": corpus.name,
+        "corpus_sha256": corpus.sha256,
+        "tokens": int(ids.numel()),
+        "context_length": context_length,
+        "stride": context_length,
+        "calibration_tokens": calibration_tokens,
+        "dtype": "float32",
+    }
+    record = {"protocol": protocol, "rows": []}
+    if out_json.exists() and not fresh:
+        old = json.loads(out_json.read_text())
+        if old.get("protocol", {}) | {"calibration": None} == protocol | {"calibration": None}:
+            record = old
+    done = {r["key"] for r in record["rows"]}
+
+    def save() -> None:
+        out_json.write_text(json.dumps(record, indent=2) + "\n")
+        (output_dir / "curve.md").write_text(markdown(record))
+
+    if "source" not in done:
+        row = {
+            "key": "source",
+            "section": "source",
+            "kv_fraction": 1.0,
+            "cache_numbers": 2 * geometry.kv_dim,
+            **evaluate_checkpoint(src_dir, ids, context_length),
+        }
+        record["rows"].append(row)
+        save()
+        print(f"source: ppl {row['perplexity']:.2f}", flush=True)
+
+    points = [p for p in grid(grid_name, geometry) if key(p) not in done]
+    calibration = None
+    if points:
+        start = time.perf_counter()
+        calibration = mla.calibrate(src_dir=src_dir, geometry=geometry, tokens=calibration_tokens)
+        protocol["calibration"] = {**calibration.record, "seconds": round(time.perf_counter() - start, 1)}
+        record["protocol"] = protocol
+    for i, p in enumerate(points):
+        start = time.perf_counter()
+        plan = mla.plan_conversion(
+            src=src_dir,
+            kv_lora_rank=p["kv_lora_rank"],
+            kv_budget=p["kv_budget"],
+            rope_pairs=p["rope_pairs"],
+            rope_selection=p["selection"],
+            factorization=p["factorization"],
+            calibration=calibration,
+        )
+        tmp = Path(tempfile.mkdtemp(prefix="mla_curve_", dir=output_dir))
+        try:
+            path = mla.write_conversion(plan, tmp / "ckpt", start=start)
+            convert_seconds = round(time.perf_counter() - start, 1)
+            result = evaluate_checkpoint(path, ids, context_length)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        shape = plan.shape
+        row = {
+            "key": key(p),
+            **p,
+            "kv_lora_rank": shape.kv_lora_rank,
+            "factorization": plan.factorization,
+            "selection": plan.selection,
+            "cache_numbers": shape.cache_numbers,
+            "kv_fraction": round(shape.kv_fraction, 4),
+            "convert_seconds": convert_seconds,
+            **result,
+        }
+        record["rows"].append(row)
+        save()
+        print(
+            f"[{i + 1}/{len(points)}] {row['section']} r={shape.rope_pairs} d_c={shape.kv_lora_rank} "
+            f"{plan.selection}/{plan.factorization} ({100 * shape.kv_fraction:.1f}%): "
+            f"ppl {row['perplexity']:.2f}",
+            flush=True,
+        )
+    save()
+    return record
+
+
+def markdown(record: dict) -> str:
+    p = record["protocol"]
+    rows = record["rows"]
+    source = next((r for r in rows if r["section"] == "source"), None)
+    lines = [
+        f"Model `{Path(p['model']).name}` (weights sha256 {str(p['model_hash'])[:12]}), corpus {p['corpus']} "
+        f"(sha256 {p['corpus_sha256'][:12]}), first {p['tokens']} tokens, disjoint windows of "
+        f"{p['context_length']}, fp32, training-free; calibration: {p['calibration_tokens']} tokens of the other "
+        f"five novels." + (f" Source perplexity {source['perplexity']:.2f}." if source else ""),
+        "",
+        "| section | KV fraction | numbers/token/layer | r | d_c | selection | factorization | perplexity |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    order = {"source": 0, "rope": 1, "budget": 2}
+    for r in sorted(
+        rows,
+        key=lambda r: (
+            order[r["section"]],
+            r.get("kv_budget") or 0,
+            r["kv_fraction"],
+            r.get("rope_pairs") or 0,
+            r.get("selection") or "",
+            r.get("factorization") or "",
+        ),
+    ):
+        if r["section"] == "source":
+            lines.append(
+                f"| source | 1.000 | {r['cache_numbers']} | all | - | - | - | {r['perplexity']:.2f} |"
+            )
+            continue
+        lines.append(
+            f"| {r['section']}{' ' + str(r['kv_budget']) if r.get('kv_budget') else ''} | {r['kv_fraction']:.3f} | "
+            f"{r['cache_numbers']} | {r['rope_pairs']} | {r['kv_lora_rank']} | {r['selection']} | "
+            f"{r['factorization']} | {r['perplexity']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eval.mla_curve", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="checkpoint dir or hub id (default: embedded SmolLM2)")
+    parser.add_argument("--output-dir", default="results/mla_curve")
+    parser.add_argument("--grid", default="default", choices=("default", "quick"))
+    parser.add_argument("--max-tokens", type=int, default=8192)
+    parser.add_argument("--context-length", type=int, default=1024)
+    parser.add_argument("--calibration-tokens", type=int, default=8192)
+    parser.add_argument("--fresh", action="store_true", help="ignore rows of an earlier run")
+    args = parser.parse_args(argv)
+    try:
+        run_curve(
+            model=args.model,
+            output_dir=Path(args.output_dir),
+            grid_name=args.grid,
+            max_tokens=args.max_tokens,
+            context_length=args.context_length,
+            calibration_tokens=args.calibration_tokens,
+            fresh=args.fresh,
+        )
+    except (ValueError, OSError) as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
