@@ -12,6 +12,11 @@ heads)] (W rows, C columns) with bias b (or None), and find `down` (rank, C), `u
   is larger takes the whole latent). With D = diag(s) and U_r the top-r eigenvectors of E[D z z^T D]:
   down = U_r^T D W, up = D^-1 U_r, up_bias = b (the bias is added after the latent, so it stays exact).
   Minimises the (scaled) activation error E||D (z - up down x)||^2.
+- `attention_pca` (beyond both): PCA in the metric of what attention computes. Key errors count through the
+  scores of the queries that read them (weighted by the group's E[q q^T] / d, keys centred since a constant
+  key offset cancels in softmax), value errors through the output projection (weighted by O_h^T O_h of the
+  group's heads); keys are scaled by the spread of their group's value outputs. The decoders are the
+  least-squares ones given the latent. Clearly best on SmolLM2 (see eval/mla_curve.py).
 
 All arithmetic in float64; the caller casts.
 """

@@ -61,8 +61,9 @@ from conversion.checkpoint import (
 )
 from hf_attn.files import atomic_directory, checkpoint_hash
 
-DEFAULT_ROPE_SELECTION = "2norm"
-DEFAULT_FACTORIZATION = "activation"
+DEFAULT_ROPE_SELECTION = "attention"
+DEFAULT_FACTORIZATION = "attention"
+DEFAULT_ROPE_SHARE = 0.5  # of a --kv-budget's numbers per token go to the RoPE keys (see default_rope_pairs)
 DEFAULT_CALIBRATION_TOKENS = 8192
 _PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLA_PROJ = ("q_proj", "k_rope_proj", "kv_down_proj", "k_up_proj", "v_up_proj", "o_proj")
@@ -113,15 +114,19 @@ class MLAShape:
         return self.cache_numbers / self.source_cache_numbers
 
 
-def default_rope_pairs(geometry: AttentionGeometry, kv_budget: float | None) -> int:
-    """r when --rope-pairs is not given: every pair without a budget; with one, the share of the cache
-    that the measured curve favours (see eval/mla_curve.py and the README): RoPE keys take about a quarter
-    of the budget, rounded to whole pairs, at least one pair per KV head."""
+def default_rope_pairs(
+    geometry: AttentionGeometry, kv_budget: float | None, share: float | None = None
+) -> int:
+    """r when --rope-pairs is not given: every pair without a budget; with one, the RoPE keys take `share`
+    of the budget's numbers (default DEFAULT_ROPE_SHARE, from the measured curve: eval/mla_curve.py),
+    rounded to whole pairs per KV head, at least one, and leaving at least 1/8 of the budget to the latent."""
     half = geometry.head_dim // 2
     if kv_budget is None:
         return half
-    numbers = int(kv_budget * 2 * geometry.kv_dim)
-    r = round(0.25 * numbers / (2 * geometry.num_kv_heads))
+    share = DEFAULT_ROPE_SHARE if share is None else share
+    numbers = int(kv_budget * 2 * geometry.kv_dim + 1e-9)
+    per_pair = 2 * geometry.num_kv_heads
+    r = min(round(share * numbers / per_pair), int(numbers * 7 / 8) // per_pair)
     return max(1, min(half, r))
 
 

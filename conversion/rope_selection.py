@@ -26,6 +26,7 @@ import torch
 
 SELECTIONS = ("high", "uniform", "2norm", "attention")
 CALIBRATED_SELECTIONS = ("2norm", "attention")
+QUERY_STRIDE = 32  # `attention` statistics use every 32nd query of each calibration window (all keys)
 
 PairIndices = list[list[list[int]]]  # [num_layers][Hkv][r], each list strictly ascending
 
@@ -142,7 +143,7 @@ class AttentionPairStats:
 
     NAMES = ("vy", "v11", "v12", "v22", "v1y", "v2y")
 
-    def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int, query_stride: int = 4):
+    def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int, query_stride: int = QUERY_STRIDE):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.query_stride = query_stride
         self.sums: dict[int, dict[str, torch.Tensor]] = {}
@@ -155,69 +156,78 @@ class AttentionPairStats:
         half, group = d // 2, hq // hkv
         x = x.reshape(-1, x.shape[-1]).to(w_q.dtype)  # (T, C)
         T = x.shape[0]
-        q = torch.nn.functional.linear(x, w_q, b_q).double().view(T, hq, d)  # (T, Hq, d)
-        k = torch.nn.functional.linear(x, w_k, b_k).double().view(T, hkv, d)  # (T, Hkv, d)
-        cos, sin = cos.reshape(T, d).double()[:, None], sin.reshape(T, d).double()[:, None]  # (T, 1, d)
-        rot = lambda v: v * cos + torch.cat((-v[..., half:], v[..., :half]), -1) * sin  # noqa: E731
-        qr, kr = rot(q), rot(k)  # (T, Hq, d), (T, Hkv, d)
         tq = torch.arange(0, T, self.query_stride)
         Tq = len(tq)
-        scores = (
-            torch.einsum("tgjd,sgd->gjts", qr[tq].view(Tq, hkv, group, d), kr) * d**-0.5
-        )  # (Hkv, G, Tq, T)
+        q = torch.nn.functional.linear(x[tq], w_q, b_q).double().view(Tq, hq, 2, half)  # (Tq, Hq, 2, d/2)
+        k = torch.nn.functional.linear(x, w_k, b_k).double().view(T, hkv, 2, half)  # (T, Hkv, 2, d/2)
+        c = cos.reshape(T, d)[:, None, :half].double()  # (T, 1, d/2): rotate-half uses one angle per pair
+        s = sin.reshape(T, d)[:, None, :half].double()
+
+        def rotate(v, c, s):  # (N, H, 2, d/2): pair i = (v[:, :, 0, i], v[:, :, 1, i])
+            v1, v2 = v[:, :, 0], v[:, :, 1]
+            return v1 * c - v2 * s, v2 * c + v1 * s
+
+        q1, q2 = q[:, :, 0], q[:, :, 1]  # (Tq, Hq, d/2)
+        p1, p2 = rotate(q, c[tq], s[tq])  # rotated queries
+        k1, k2 = k[:, :, 0], k[:, :, 1]  # (T, Hkv, d/2)
+        r1, r2 = rotate(k, c, s)  # rotated keys
+        qr = torch.stack((p1, p2), 2).view(Tq, hkv, group, d)  # (Tq, Hkv, G, d) in pair-blocked order
+        kr = torch.stack((r1, r2), 2).view(T, hkv, d)  # (T, Hkv, d), same order: dot products agree
+        scores = torch.einsum("tgjd,sgd->gjts", qr, kr) * d**-0.5  # (Hkv, G, Tq, T)
         s_pos = torch.arange(T)
         keep = tq[:, None] >= s_pos[None]  # (Tq, T)
         if window is not None:
             keep &= tq[:, None] - s_pos[None] < window
         p = scores.masked_fill(~keep, float("-inf")).softmax(-1)  # (Hkv, G, Tq, T)
 
-        # per-key features of every pair: k (2), k' (2), k k^T (3), k' k'^T (3), k k'^T (4)
-        def pairs(v):  # (T, H, d) -> (T, H, half, 2)
-            return torch.stack((v[..., :half], v[..., half:]), -1)
-
-        kp, kpr = pairs(k), pairs(kr)  # (T, Hkv, half, 2)
-        feats = torch.cat(
-            [
-                kp,
-                kpr,
-                (kp[..., :, None] * kp[..., None, :]).flatten(-2)[..., [0, 1, 3]],
-                (kpr[..., :, None] * kpr[..., None, :]).flatten(-2)[..., [0, 1, 3]],
-                (kp[..., :, None] * kpr[..., None, :]).flatten(-2),
-            ],
+        # per-key features of every pair, averaged under p: k, k' and the products the variances need
+        feats = torch.stack(
+            (
+                k1,
+                k2,
+                r1,
+                r2,
+                k1 * k1,
+                k1 * k2,
+                k2 * k2,
+                r1 * r1,
+                r1 * r2,
+                r2 * r2,
+                k1 * r1,
+                k1 * r2,
+                k2 * r1,
+                k2 * r2,
+            ),
             -1,
-        )  # (T, Hkv, half, 14)
-        e = torch.einsum("gjts,sgif->gjtif", p, feats).reshape(hq, Tq, half, 14)  # (Hq, Tq, half, 14)
-        m_k, m_kr = e[..., 0:2], e[..., 2:4]  # (Hq, Tq, half, 2)
+        )  # (T, Hkv, d/2, 14)
+        e = (
+            torch.einsum("gjts,sgif->gjtif", p, feats).reshape(hq, Tq, half, 14).unbind(-1)
+        )  # 14 x (Hq, Tq, d/2)
+        m1, m2, n1, n2, a11, a12, a22, b11, b12, b22, c11, c12, c21, c22 = e
+        # queries as (Hq, Tq, d/2); f1 = q . k, f2 = q . J k = q1 k2 - q2 k1 = u . k with u = (-q2, q1); y = q' . k'
+        q1, q2 = q1.transpose(0, 1), q2.transpose(0, 1)
+        p1, p2 = p1.transpose(0, 1), p2.transpose(0, 1)
+        u1, u2 = -q2, q1
+        f1m, f2m, ym = q1 * m1 + q2 * m2, u1 * m1 + u2 * m2, p1 * n1 + p2 * n2
 
-        def sym(v):  # (..., 3) -> (..., 2, 2)
-            return torch.stack(
-                (torch.stack((v[..., 0], v[..., 1]), -1), torch.stack((v[..., 1], v[..., 2]), -1)), -2
-            )
+        def kk(a, b):  # a^T E[k k^T] b
+            return a[0] * b[0] * a11 + (a[0] * b[1] + a[1] * b[0]) * a12 + a[1] * b[1] * a22
 
-        s_kk, s_rr = sym(e[..., 4:7]), sym(e[..., 7:10])  # (Hq, Tq, half, 2, 2)
-        s_kr = e[..., 10:14].reshape(hq, Tq, half, 2, 2)  # E_p[k k'^T]
-        qa = pairs(q[tq]).transpose(0, 1)  # (Hq, Tq, half, 2)
-        qb = pairs(qr[tq]).transpose(0, 1)  # rotated queries
-        jq = torch.stack((-qa[..., 1], qa[..., 0]), -1)  # J^T q: f2 = q . J k = (J^T q) . k
+        def kr_(a, b):  # a^T E[k k'^T] b
+            return a[0] * b[0] * c11 + a[0] * b[1] * c12 + a[1] * b[0] * c21 + a[1] * b[1] * c22
 
-        def quad(a, s, b):  # a^T s b over the last dims
-            return torch.einsum("...i,...ij,...j->...", a, s, b)
-
-        def dot(a, b):
-            return (a * b).sum(-1)
-
-        f1m, f2m, ym = dot(qa, m_k), dot(jq, m_k), dot(qb, m_kr)  # (Hq, Tq, half)
+        qa, ua, pa = (q1, q2), (u1, u2), (p1, p2)
         stats = {
-            "vy": quad(qb, s_rr, qb) - ym * ym,
-            "v11": quad(qa, s_kk, qa) - f1m * f1m,
-            "v12": quad(qa, s_kk, jq) - f1m * f2m,
-            "v22": quad(jq, s_kk, jq) - f2m * f2m,
-            "v1y": quad(qa, s_kr, qb) - f1m * ym,
-            "v2y": quad(jq, s_kr, qb) - f2m * ym,
+            "vy": p1 * p1 * b11 + 2 * p1 * p2 * b12 + p2 * p2 * b22 - ym * ym,
+            "v11": kk(qa, qa) - f1m * f1m,
+            "v12": kk(qa, ua) - f1m * f2m,
+            "v22": kk(ua, ua) - f2m * f2m,
+            "v1y": kr_(qa, pa) - f1m * ym,
+            "v2y": kr_(ua, pa) - f2m * ym,
         }
         acc = self.sums.setdefault(layer, {n: 0.0 for n in self.NAMES})
         for n in self.NAMES:
-            acc[n] = acc[n] + stats[n].sum(1)  # (Hq, half)
+            acc[n] = acc[n] + stats[n].sum(1)  # (Hq, d/2)
 
     def costs(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(cost without compensation, cost with the best alpha, alpha): each (Hq, d/2), alpha complex."""

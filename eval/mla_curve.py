@@ -37,9 +37,11 @@ from eval import common
 from eval.corpus import load_corpus, tokenize
 from eval.perplexity import evaluate_perplexity
 
-SELECTIONS = ("high", "uniform", "2norm")
-FACTORIZATIONS = ("weight-svd", "activation")
+SELECTIONS = ("high", "uniform", "2norm", "attention")
+FACTORIZATIONS = ("weight-svd", "activation", "attention")
 BUDGETS = (0.125, 0.25, 0.3, 0.375, 0.5, 0.75)
+COMPARE_BUDGETS = (0.3, 0.5)  # every selection x factorization at these budgets (the issue's targets)
+ROPE_SHARES = (0.25, 0.375, 0.5, 0.625, 0.75)  # the allocation sweep: share of the budget for RoPE keys
 
 
 def point(
@@ -62,14 +64,16 @@ def point(
 
 
 def grid(name: str, geometry: AttentionGeometry) -> list[dict]:
-    """The grid points of `name` ("default" or "quick")."""
+    """The grid points of `name` ("default" or "quick"), without duplicates, in run order."""
     half = geometry.head_dim // 2
     if name == "quick":
-        r = max(1, half // 4)
         return [
-            point("rope", rope_pairs=r, selection="high"),
+            point("rope", rope_pairs=max(1, half // 4), selection="high"),
             point(
-                "budget", rope_pairs=mla.default_rope_pairs(geometry, 0.5), selection="2norm", kv_budget=0.5
+                "budget",
+                rope_pairs=mla.default_rope_pairs(geometry, 0.5),
+                selection="attention",
+                kv_budget=0.5,
             ),
         ]
     if name != "default":
@@ -79,18 +83,19 @@ def grid(name: str, geometry: AttentionGeometry) -> list[dict]:
         for r in (half // 8, half // 4, half * 3 // 8, half // 2)
         for s in SELECTIONS
     ]
-    for budget in BUDGETS:
-        r0 = mla.default_rope_pairs(geometry, budget)
+    for budget in BUDGETS:  # allocation sweep with the default selection / factorization
+        for share in ROPE_SHARES:
+            r = mla.default_rope_pairs(geometry, budget, share)
+            points.append(
+                point("budget", rope_pairs=r, selection=mla.DEFAULT_ROPE_SELECTION, kv_budget=budget)
+            )
+    for budget in COMPARE_BUDGETS:  # every option at the default allocation
+        r = mla.default_rope_pairs(geometry, budget)
         for s in SELECTIONS:
             for f in FACTORIZATIONS:
-                points.append(point("budget", rope_pairs=r0, selection=s, factorization=f, kv_budget=budget))
-        numbers = int(budget * 2 * geometry.kv_dim)
-        for r in sorted({max(1, r0 // 2), r0 * 3 // 4, r0 * 5 // 4, r0 * 3 // 2}):
-            if 1 <= r <= half and r != r0 and numbers - 2 * geometry.num_kv_heads * r >= 8:
-                points.append(
-                    point("budget", rope_pairs=r, selection=mla.DEFAULT_ROPE_SELECTION, kv_budget=budget)
-                )
-    return points
+                points.append(point("budget", rope_pairs=r, selection=s, factorization=f, kv_budget=budget))
+    unique = {key(p): p for p in points}
+    return list(unique.values())
 
 
 def key(p: dict) -> str:
@@ -222,8 +227,8 @@ def markdown(record: dict) -> str:
     lines = [
         f"Model `{Path(p['model']).name}` (weights sha256 {str(p['model_hash'])[:12]}), corpus {p['corpus']} "
         f"(sha256 {p['corpus_sha256'][:12]}), first {p['tokens']} tokens, disjoint windows of "
-        f"{p['context_length']}, fp32, training-free; calibration: {p['calibration_tokens']} tokens of the other "
-        f"five novels." + (f" Source perplexity {source['perplexity']:.2f}." if source else ""),
+        f"{p['context_length']}, fp32, training-free; calibration: {p['calibration_tokens']} tokens of the "
+        f"other five novels." + (f" Source perplexity {source['perplexity']:.2f}." if source else ""),
         "",
         "| section | KV fraction | numbers/token/layer | r | d_c | selection | factorization | perplexity |",
         "|---|---|---|---|---|---|---|---|",
@@ -246,7 +251,8 @@ def markdown(record: dict) -> str:
             )
             continue
         lines.append(
-            f"| {r['section']}{' ' + str(r['kv_budget']) if r.get('kv_budget') else ''} | {r['kv_fraction']:.3f} | "
+            f"| {r['section']}{' ' + str(r['kv_budget']) if r.get('kv_budget') else ''} | "
+            f"{r['kv_fraction']:.3f} | "
             f"{r['cache_numbers']} | {r['rope_pairs']} | {r['kv_lora_rank']} | {r['selection']} | "
             f"{r['factorization']} | {r['perplexity']:.2f} |"
         )

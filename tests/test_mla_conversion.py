@@ -19,6 +19,7 @@ from transformers.models.llama.modeling_llama import rotate_half
 
 from conversion import factorization as fac
 from conversion import mla
+from conversion import rope_selection as rs
 from conversion.calibration import calibration_ids
 from conversion.checkpoint import AttentionGeometry
 from hf_attn.files import checkpoint_hash, sha256_file
@@ -569,7 +570,7 @@ def test_attention_selection_applies_its_query_fit(monkeypatch, tiny_root, tmp_p
         x, cos, sin = (t.double() for t in inputs[i])
         q = (x @ attn.q_proj.weight.double().T + attn.q_proj.bias.double()).view(-1, hq, d)
         k = (x @ attn.k_proj.weight.double().T + attn.k_proj.bias.double()).view(-1, hkv, d)
-        st = _brute_force_pair_stats(q, k, cos, sin, group, stride=4)
+        st = _brute_force_pair_stats(q, k, cos, sin, group, stride=rs.QUERY_STRIDE)
         vy, v11, v12, v22, v1y, v2y = st.unbind(-1)
         gram = torch.stack([torch.stack([v11, v12], -1), torch.stack([v12, v22], -1)], -2)
         ab = torch.linalg.solve(gram, torch.stack([v1y, v2y], -1))  # (Hq, d/2, 2)
