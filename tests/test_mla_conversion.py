@@ -220,7 +220,12 @@ def test_2norm_keeps_pairs_of_largest_mean_norm_product(tiny_root, tmp_path, smo
     src = tiny_root / "qwen2"
     files, tokens = [tiny_root / "calib.txt"], 300
     out = mla.convert_to_mla(
-        src=src, dst=tmp_path / "mla", rope_pairs=2, calibration_files=files, calibration_tokens=tokens
+        src=src,
+        dst=tmp_path / "mla",
+        rope_pairs=2,
+        rope_selection="2norm",
+        calibration_files=files,
+        calibration_tokens=tokens,
     )
     got = json.loads((out / "config.json").read_text())["rope_pair_indices"]
     # independent: hook the source's attention inputs over the same 1024-token windows
