@@ -56,7 +56,9 @@ def test_rows_are_consistent(first_run):
 
 def test_second_run_reuses_the_cache(first_run):
     root, _ = first_run
-    record = run_study(profile="quick", results=root / "results2", store=root / "store", overrides=TINY)
+    # Same results directory: finished rows resume and no checkpoint is converted or healed again.
+    record = run_study(profile="quick", results=root / "results", store=root / "store", overrides=TINY)
+    assert all(r.get("resumed") for r in record["rows"])
     assert record["counts"]["converted"] == 0
     assert record["counts"]["healed"] == 0
     assert record["counts"]["reused"] > 0
