@@ -1,7 +1,7 @@
 """MHA/GQA -> MLA: a Llama / Mistral / Qwen2 checkpoint as the `llama_mla` model type (MHA2MLA, TransMLA).
 
     python -m conversion.mla --model SRC --output DST [--kv-lora-rank N | --kv-budget F] [--rope-pairs R]
-        [--rope-selection high|uniform|2norm] [--factorization weight-svd|activation]
+        [--rope-selection high|uniform|2norm|attention] [--factorization weight-svd|activation|attention]
         [--calibration-text FILE ...] [--calibration-tokens N] [--dtype float32|bfloat16] [--overwrite]
 
 Notation per layer: C hidden size, Hq / Hkv query / KV heads, d head_dim, G = Hq / Hkv, r RoPE pairs kept per
@@ -9,15 +9,21 @@ KV head, d_c = kv_lora_rank. The output follows the checkpoint contract of `hf_a
 
 1. Partial RoPE (`conversion.rope_selection`): each KV head g keeps RoPE on r pairs P_g; its q/k rows are
    permuted to [rope (2r) | nope (d - 2r)] (query heads of group g with g's order; exact, q.k is unchanged).
-   Removing the rotation from the other d/2 - r pairs is the first lossy step (none if r = d/2).
+   Removing the rotation from the other d/2 - r pairs is the first lossy step (none if r = d/2). With the
+   `attention` selection the query rows of the dropped pairs are also refitted (a 2x2 mix per pair and query
+   head) to best reproduce the rotated scores on calibration text.
 2. Joint low rank (`conversion.factorization`): the stacked W = [k_nope rows of all KV heads; v rows of all
    KV heads], Hkv (d - 2r) + Hkv d rows, becomes up (down x) with the latent c = down x of width d_c; the
-   exact identity construction when d_c is that full width, else `weight-svd` or `activation` (calibrated).
-3. q_proj keeps the source rows (permuted), o_proj is unchanged; everything outside attention is copied.
+   exact identity construction when d_c is that full width, else `weight-svd`, `activation` (balanced PCA
+   of the activations) or `attention` (PCA in the metric of scores and outputs, least-squares decoders).
+3. q_proj keeps the source rows (permuted, refitted on dropped pairs), o_proj is unchanged; everything
+   outside attention is copied.
 
 Cache per token and layer: d_c + Hkv 2r numbers instead of the source's 2 Hkv d. `--kv-budget F` picks d_c
-(and r, unless given) so that this is at most F times the source's. With every pair kept at full rank the
-converted model reproduces the source's logits (tests/test_mla_conversion.py).
+(and r, unless given: RoPE keys take half the budget, the measured optimum) so that this is at most F times
+the source's. With every pair kept at full rank the converted model reproduces the source's logits
+(tests/test_mla_conversion.py). Calibration (one fp32 pass of the source over --calibration-tokens tokens,
+default 8192 of the five Austen novels other than Persuasion) runs only when an option needs it.
 
 Safety: the source is never modified; the output appears atomically (hf_attn.files.atomic_directory) with
 config.json carrying the conversion record (config["hf_attn"]), `auto_map` and the model type's code (so

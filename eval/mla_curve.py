@@ -220,43 +220,135 @@ def run_curve(
     return record
 
 
+def _ppl(row: dict | None) -> str:
+    return "-" if row is None else f"{row['perplexity']:.1f}"
+
+
 def markdown(record: dict) -> str:
+    """Tables of a curve record: partial RoPE alone, the allocation sweep, the option comparison, all rows."""
     p = record["protocol"]
-    rows = record["rows"]
-    source = next((r for r in rows if r["section"] == "source"), None)
+    rows = [r for r in record["rows"] if r["section"] != "source"]
+    source = next((r for r in record["rows"] if r["section"] == "source"), None)
+    calib = p.get("calibration") or {}
     lines = [
         f"Model `{Path(p['model']).name}` (weights sha256 {str(p['model_hash'])[:12]}), corpus {p['corpus']} "
         f"(sha256 {p['corpus_sha256'][:12]}), first {p['tokens']} tokens, disjoint windows of "
         f"{p['context_length']}, fp32, training-free; calibration: {p['calibration_tokens']} tokens of the "
-        f"other five novels." + (f" Source perplexity {source['perplexity']:.2f}." if source else ""),
+        f"other five novels (one pass, {calib.get('seconds', '?')} s)."
+        + (
+            f" Source: {source['perplexity']:.2f} at {source['cache_numbers']} numbers/token/layer."
+            if source
+            else ""
+        ),
         "",
-        "| section | KV fraction | numbers/token/layer | r | d_c | selection | factorization | perplexity |",
-        "|---|---|---|---|---|---|---|---|",
     ]
-    order = {"source": 0, "rope": 1, "budget": 2}
+    rope = [r for r in rows if r["section"] == "rope"]
+    if rope:
+        sels = [s for s in SELECTIONS if any(r["selection"] == s for r in rope)]
+        lines += [
+            "**Partial RoPE alone** (latent at full rank, so nothing saved: the cost of removing rotations)",
+            "",
+            "| r pairs kept | " + " | ".join(sels) + " |",
+            "|---|" + "---|" * len(sels),
+        ]
+        for r_ in sorted({r["rope_pairs"] for r in rope}):
+            cells = [
+                _ppl(next((r for r in rope if r["rope_pairs"] == r_ and r["selection"] == s), None))
+                for s in sels
+            ]
+            lines.append(f"| {r_} | " + " | ".join(cells) + " |")
+        lines.append("")
+    sweep = [
+        r
+        for r in rows
+        if r["section"] == "budget"
+        and r["selection"] == mla.DEFAULT_ROPE_SELECTION
+        and r["factorization"] == mla.DEFAULT_FACTORIZATION
+    ]
+    if sweep:
+        lines += [
+            f"**Allocation sweep** ({mla.DEFAULT_ROPE_SELECTION} selection, {mla.DEFAULT_FACTORIZATION} "
+            "factorization): perplexity for r RoPE pairs per KV head, the latent taking the rest of the "
+            "budget (RoPE share of the cached numbers in brackets; * = the default r for that budget)",
+            "",
+            "| KV budget | numbers/token/layer | perplexity at r (RoPE share) |",
+            "|---|---|---|",
+        ]
+        geometry = _geometry(p)
+        for budget in sorted({r["kv_budget"] for r in sweep}):
+            here = sorted((r for r in sweep if r["kv_budget"] == budget), key=lambda r: r["rope_pairs"])
+            default_r = mla.default_rope_pairs(geometry, budget)
+            best = min(r["perplexity"] for r in here)
+            cells = []
+            for r in here:
+                share = 2 * geometry.num_kv_heads * r["rope_pairs"] / r["cache_numbers"]
+                value = f"**{r['perplexity']:.1f}**" if r["perplexity"] == best else f"{r['perplexity']:.1f}"
+                cells.append(
+                    f"r={r['rope_pairs']}{'*' if r['rope_pairs'] == default_r else ''} ({share:.0%}): {value}"
+                )
+            numbers = here[0]["cache_numbers"]
+            lines.append(
+                f"| {budget:g} ({numbers / (2 * geometry.kv_dim):.1%}) | {numbers} | "
+                + "; ".join(cells)
+                + " |"
+            )
+        lines.append("")
+    for budget in COMPARE_BUDGETS:
+        here = [r for r in rows if r["section"] == "budget" and r["kv_budget"] == budget]
+        default_r = mla.default_rope_pairs(_geometry(p), budget)
+        here = [r for r in here if r["rope_pairs"] == default_r]
+        if not here:
+            continue
+        facs = [f for f in FACTORIZATIONS if any(r["factorization"] == f for r in here)]
+        lines += [
+            f"**Options at a {budget:g} KV budget** (r={default_r}, d_c={here[0]['kv_lora_rank']}, "
+            f"{here[0]['cache_numbers']} numbers/token/layer = {here[0]['kv_fraction']:.1%})",
+            "",
+            "| selection \\ factorization | " + " | ".join(facs) + " |",
+            "|---|" + "---|" * len(facs),
+        ]
+        for s in SELECTIONS:
+            cells = [
+                _ppl(next((r for r in here if r["selection"] == s and r["factorization"] == f), None))
+                for f in facs
+            ]
+            if any(c != "-" for c in cells):
+                lines.append(f"| {s} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines += [
+        "**All rows**",
+        "",
+        "| section | KV fraction | numbers/token/layer | r | d_c | selection | factorization | perplexity "
+        "| convert s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    if source:
+        lines.append(
+            f"| source | 1.000 | {source['cache_numbers']} | all | - | - | - | {source['perplexity']:.2f} "
+            "| - |"
+        )
+    order = {"rope": 1, "budget": 2}
     for r in sorted(
         rows,
         key=lambda r: (
             order[r["section"]],
             r.get("kv_budget") or 0,
-            r["kv_fraction"],
-            r.get("rope_pairs") or 0,
-            r.get("selection") or "",
-            r.get("factorization") or "",
+            r["rope_pairs"],
+            r["selection"],
+            r["factorization"],
         ),
     ):
-        if r["section"] == "source":
-            lines.append(
-                f"| source | 1.000 | {r['cache_numbers']} | all | - | - | - | {r['perplexity']:.2f} |"
-            )
-            continue
+        budget = f" {r['kv_budget']:g}" if r.get("kv_budget") else ""
         lines.append(
-            f"| {r['section']}{' ' + str(r['kv_budget']) if r.get('kv_budget') else ''} | "
-            f"{r['kv_fraction']:.3f} | "
-            f"{r['cache_numbers']} | {r['rope_pairs']} | {r['kv_lora_rank']} | {r['selection']} | "
-            f"{r['factorization']} | {r['perplexity']:.2f} |"
+            f"| {r['section']}{budget} | {r['kv_fraction']:.3f} | {r['cache_numbers']} | {r['rope_pairs']} | "
+            f"{r['kv_lora_rank']} | {r['selection']} | {r['factorization']} | {r['perplexity']:.2f} | "
+            f"{r.get('convert_seconds', '-')} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _geometry(protocol: dict) -> AttentionGeometry:
+    return AttentionGeometry.from_config(read_config(protocol["model"]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -268,7 +360,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context-length", type=int, default=1024)
     parser.add_argument("--calibration-tokens", type=int, default=8192)
     parser.add_argument("--fresh", action="store_true", help="ignore rows of an earlier run")
+    parser.add_argument("--report-only", action="store_true", help="rewrite curve.md from curve.json")
     args = parser.parse_args(argv)
+    if args.report_only:
+        out = Path(args.output_dir)
+        (out / "curve.md").write_text(markdown(json.loads((out / "curve.json").read_text())))
+        return 0
     try:
         run_curve(
             model=args.model,

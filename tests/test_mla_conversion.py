@@ -631,3 +631,18 @@ def test_attention_pca_full_rank_is_exact_up_to_key_offsets(biased):
         e = y - x @ low.reconstruct().T - (low.up_bias if biased else 0)
         errors.append((e[:, : hkv * dn].var(0).sum() + e[:, hkv * dn :].pow(2).mean(0).sum()).item())
     assert errors == sorted(errors)
+
+
+def test_curve_grid_points_are_valid_and_within_budget():
+    from eval.mla_curve import grid, key
+
+    points = grid("default", SMOL)
+    assert len({key(p) for p in points}) == len(points)
+    for p in points:
+        shape = mla.plan_shape(
+            SMOL, kv_lora_rank=p["kv_lora_rank"], kv_budget=p["kv_budget"], rope_pairs=p["rope_pairs"]
+        )
+        if p["kv_budget"] is None:
+            assert shape.is_full_rank  # the partial-RoPE section keeps the whole latent
+        else:
+            assert shape.kv_fraction <= p["kv_budget"] and shape.kv_lora_rank >= 1
