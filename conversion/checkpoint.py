@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from eval.common import dtype_name, parse_dtype
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 CONFIG_NAME = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -390,24 +392,7 @@ def add_record(config: dict, record: dict) -> dict:
 
 def torch_dtype(name: str | None) -> torch.dtype | None:
     """CLI --dtype value ("float32", "bf16", ...) -> torch dtype; None keeps the source dtype."""
-    if name is None:
-        return None
-    aliases = {
-        "fp32": "float32",
-        "fp16": "float16",
-        "bf16": "bfloat16",
-        "half": "float16",
-        "float": "float32",
-    }
-    dtype = getattr(torch, aliases.get(name, name), None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"Unknown --dtype {name!r}; use float32, bfloat16 or float16.")
-    return dtype
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """torch.bfloat16 -> "bfloat16" (the spelling config.json uses)."""
-    return str(dtype).removeprefix("torch.")
+    return None if name is None else parse_dtype(name)
 
 
 # --------------------------------------------------------------------------------------------- validation

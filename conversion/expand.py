@@ -11,7 +11,6 @@ Streams tensor by tensor: memory is one tensor.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from conversion import cli
 from conversion.checkpoint import (
     DEFAULT_MAX_SHARD_BYTES,
     AttentionGeometry,
@@ -135,24 +135,11 @@ def expand_checkpoint(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m conversion.expand", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=None, help="checkpoint dir or hub id (default: embedded SmolLM2)")
-    parser.add_argument("--output", required=True, help="directory of the expanded checkpoint")
+    parser = cli.converter_parser("python -m conversion.expand", __doc__, output_help="output checkpoint dir")
     parser.add_argument("--num-kv-heads", type=int, default=None, help="target KV heads (default: MHA)")
-    parser.add_argument("--dtype", default=None, help="cast floating weights (float32, bfloat16, float16)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    cli.add_write_arguments(parser)
     args = parser.parse_args(argv)
-    try:
-        expand_checkpoint(
-            src=args.model,
-            dst=args.output,
-            num_kv_heads=args.num_kv_heads,
-            dtype=args.dtype,
-            overwrite=args.overwrite,
-        )
-    except (ValueError, OSError, KeyError) as err:
-        parser.exit(2, f"{parser.prog}: error: {err}\n")
-    return 0
+    return cli.run(parser.prog, expand_checkpoint, args, num_kv_heads=args.num_kv_heads)
 
 
 if __name__ == "__main__":

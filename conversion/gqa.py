@@ -41,7 +41,6 @@ tensors are then fitted and streamed to the output like the mean method's.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from collections.abc import Iterator
@@ -52,6 +51,7 @@ import torch
 from tqdm.auto import tqdm
 
 from conversion import calibration as cal
+from conversion import cli
 from conversion.checkpoint import (
     DEFAULT_MAX_SHARD_BYTES,
     AttentionGeometry,
@@ -557,38 +557,20 @@ def convert_gqa(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m conversion.gqa", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=None, help="checkpoint dir or hub id (default: embedded SmolLM2)")
+    parser = cli.converter_parser("python -m conversion.gqa", __doc__, output_help="converted checkpoint dir")
     parser.add_argument("--num-kv-heads", type=int, required=True, help="G, the KV heads after pooling")
-    parser.add_argument("--output", required=True, help="directory of the converted checkpoint")
     parser.add_argument("--method", choices=METHODS, default="mean")
-    parser.add_argument(
-        "--calibration-text",
-        nargs="+",
-        default=None,
-        metavar="FILE",
-        help="calibration text files (default: the five Austen novels other than Persuasion)",
-    )
-    parser.add_argument("--calibration-tokens", type=int, default=cal.DEFAULT_CALIBRATION_TOKENS)
-    parser.add_argument("--calibration-window", type=int, default=cal.DEFAULT_WINDOW)
-    parser.add_argument("--dtype", default=None, help="cast floating weights (float32, bfloat16, float16)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    cli.add_calibration_arguments(parser, default_tokens=cal.DEFAULT_CALIBRATION_TOKENS)
+    cli.add_write_arguments(parser)
     args = parser.parse_args(argv)
-    try:
-        convert_gqa(
-            src=args.model,
-            dst=args.output,
-            num_kv_heads=args.num_kv_heads,
-            method=args.method,
-            calibration_files=args.calibration_text,
-            calibration_tokens=args.calibration_tokens,
-            calibration_window=args.calibration_window,
-            dtype=args.dtype,
-            overwrite=args.overwrite,
-        )
-    except (ValueError, OSError, KeyError) as err:
-        parser.exit(2, f"{parser.prog}: error: {err}\n")
-    return 0
+    return cli.run(
+        parser.prog,
+        convert_gqa,
+        args,
+        num_kv_heads=args.num_kv_heads,
+        method=args.method,
+        **cli.calibration_options(args),
+    )
 
 
 if __name__ == "__main__":

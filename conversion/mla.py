@@ -32,7 +32,6 @@ config.json carrying the conversion record (config["hf_attn"]), `auto_map` and t
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import sys
 import time
@@ -44,6 +43,7 @@ import torch
 from tqdm.auto import tqdm
 
 from conversion import calibration as cal
+from conversion import cli
 from conversion import factorization as fac
 from conversion import rope_selection as rs
 from conversion.checkpoint import (
@@ -703,50 +703,29 @@ def write_conversion(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m conversion.mla", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=None, help="checkpoint dir or hub id (default: embedded SmolLM2)")
-    parser.add_argument("--output", required=True, help="directory of the converted checkpoint")
+    parser = cli.converter_parser("python -m conversion.mla", __doc__, output_help="converted checkpoint dir")
     ranks = parser.add_mutually_exclusive_group()
     ranks.add_argument("--kv-lora-rank", type=int, default=None, help="d_c, width of the cached latent")
     ranks.add_argument(
-        "--kv-budget",
-        type=float,
-        default=None,
-        help="cache size as a fraction of the source's (picks d_c, r)",
+        "--kv-budget", type=float, default=None, help="cache fraction of the source's (picks d_c, r)"
     )
     parser.add_argument("--rope-pairs", type=int, default=None, help="r, RoPE pairs kept per KV head")
     parser.add_argument("--rope-selection", choices=rs.SELECTIONS, default=DEFAULT_ROPE_SELECTION)
     parser.add_argument("--factorization", choices=fac.FACTORIZATIONS, default=DEFAULT_FACTORIZATION)
-    parser.add_argument(
-        "--calibration-text",
-        nargs="+",
-        default=None,
-        metavar="FILE",
-        help="calibration text files (default: the five Austen novels other than Persuasion)",
-    )
-    parser.add_argument("--calibration-tokens", type=int, default=DEFAULT_CALIBRATION_TOKENS)
-    parser.add_argument("--calibration-window", type=int, default=cal.DEFAULT_WINDOW)
-    parser.add_argument("--dtype", default=None, help="cast floating weights (float32, bfloat16, float16)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    cli.add_calibration_arguments(parser, default_tokens=DEFAULT_CALIBRATION_TOKENS)
+    cli.add_write_arguments(parser)
     args = parser.parse_args(argv)
-    try:
-        convert_to_mla(
-            src=args.model,
-            dst=args.output,
-            kv_lora_rank=args.kv_lora_rank,
-            kv_budget=args.kv_budget,
-            rope_pairs=args.rope_pairs,
-            rope_selection=args.rope_selection,
-            factorization=args.factorization,
-            calibration_files=args.calibration_text,
-            calibration_tokens=args.calibration_tokens,
-            calibration_window=args.calibration_window,
-            dtype=args.dtype,
-            overwrite=args.overwrite,
-        )
-    except (ValueError, OSError, KeyError) as err:
-        parser.exit(2, f"{parser.prog}: error: {err}\n")
-    return 0
+    return cli.run(
+        parser.prog,
+        convert_to_mla,
+        args,
+        kv_lora_rank=args.kv_lora_rank,
+        kv_budget=args.kv_budget,
+        rope_pairs=args.rope_pairs,
+        rope_selection=args.rope_selection,
+        factorization=args.factorization,
+        **cli.calibration_options(args),
+    )
 
 
 if __name__ == "__main__":

@@ -204,7 +204,7 @@ class AttentionPairStats:
             torch.einsum("gjts,sgif->gjtif", p, feats).reshape(hq, Tq, half, 14).unbind(-1)
         )  # 14 x (Hq, Tq, d/2)
         m1, m2, n1, n2, a11, a12, a22, b11, b12, b22, c11, c12, c21, c22 = e
-        # queries as (Hq, Tq, d/2); f1 = q . k, f2 = q . J k = q1 k2 - q2 k1 = u . k with u = (-q2, q1); y = q' . k'
+        # queries as (Hq, Tq, d/2); f1 = q . k, f2 = q . J k = q1 k2 - q2 k1 = u . k, u = (-q2, q1); y = q'.k'
         q1, q2 = q1.transpose(0, 1), q2.transpose(0, 1)
         p1, p2 = p1.transpose(0, 1), p2.transpose(0, 1)
         u1, u2 = -q2, q1

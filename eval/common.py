@@ -19,21 +19,23 @@ from hf_attn import assets
 from hf_attn.files import checkpoint_hash
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _VERSIONED = ("torch", "transformers", "accelerate", "datasets", "tokenizers", "safetensors", "hf-attn")
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    """`"float32" | "bfloat16" | "float16"` (or a torch.dtype) -> torch.dtype."""
+    """`--dtype` value ("float32", "bf16", ...) or a torch.dtype -> one of the supported torch dtypes."""
     if isinstance(name, torch.dtype):
         if name not in DTYPES.values():
             raise ValueError(f"Unsupported dtype {name}; choose one of {list(DTYPES)}")
         return name
-    if name not in DTYPES:
-        raise ValueError(f"Unknown dtype {name!r}; choose one of {list(DTYPES)}")
-    return DTYPES[name]
+    if DTYPE_ALIASES.get(name, name) not in DTYPES:
+        raise ValueError(f"Unknown --dtype {name!r}; choose one of {list(DTYPES)}")
+    return DTYPES[DTYPE_ALIASES.get(name, name)]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16" (the spelling config.json uses)."""
     return str(dtype).removeprefix("torch.")
 
 

@@ -1,0 +1,60 @@
+"""The command-line layer shared by the converters (`python -m conversion.expand | gqa | mla`).
+
+Converters are keyword-only functions; their `main(argv)` only builds a parser from these pieces and calls
+`run`, which turns a user mistake into a one-line error and exit status 2 (no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from conversion import calibration as cal
+from eval.common import fail
+
+USER_ERRORS = (ValueError, OSError, KeyError)
+
+
+def converter_parser(prog: str, doc: str, *, output_help: str) -> argparse.ArgumentParser:
+    """A parser with --model (default: the embedded SmolLM2) and --output; described by `doc`'s first line."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0])
+    parser.add_argument("--model", default=None, help="checkpoint dir or hub id (default: embedded SmolLM2)")
+    parser.add_argument("--output", required=True, help=output_help)
+    return parser
+
+
+def add_calibration_arguments(parser: argparse.ArgumentParser, *, default_tokens: int) -> None:
+    """--calibration-text FILE..., --calibration-tokens N, --calibration-window N."""
+    parser.add_argument(
+        "--calibration-text",
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="calibration text files (default: the five Austen novels other than Persuasion)",
+    )
+    parser.add_argument("--calibration-tokens", type=int, default=default_tokens)
+    parser.add_argument("--calibration-window", type=int, default=cal.DEFAULT_WINDOW)
+
+
+def add_write_arguments(parser: argparse.ArgumentParser) -> None:
+    """--dtype (cast of the written weights) and --overwrite."""
+    parser.add_argument("--dtype", default=None, help="cast floating weights (float32, bfloat16, float16)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
+
+
+def calibration_options(args: argparse.Namespace) -> dict:
+    """The converter keywords of `add_calibration_arguments`."""
+    return {
+        "calibration_files": args.calibration_text,
+        "calibration_tokens": args.calibration_tokens,
+        "calibration_window": args.calibration_window,
+    }
+
+
+def run(prog: str, convert: Callable, args: argparse.Namespace, **options) -> int:
+    """convert(src=--model, dst=--output, dtype=--dtype, overwrite=--overwrite, **options); 0, or exit 2."""
+    try:
+        convert(src=args.model, dst=args.output, dtype=args.dtype, overwrite=args.overwrite, **options)
+    except USER_ERRORS as err:
+        fail(prog, err)
+    return 0
