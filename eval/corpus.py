@@ -98,8 +98,27 @@ def load_corpus(
     return Corpus.from_text(text, "+".join(p.name for p in paths))
 
 
+_TOKENIZED: dict[tuple[str, str], torch.Tensor] = {}  # (tokenizer sha256, text sha256) -> ids, this process
+_TOKENIZED_MAX = 4
+
+
 def tokenize(tokenizer, corpus_or_text: Corpus | str) -> torch.Tensor:
-    """The whole text as one LongTensor (N,) of token ids, without special tokens."""
+    """The whole text as one LongTensor (N,) of token ids, without special tokens.
+
+    Remembered within the process for fast tokenizers (keyed by the sha256 of the tokenizer's serialization
+    and of the text): the study evaluates and heals many checkpoints that share SmolLM2's tokenizer."""
     text = corpus_or_text.text if isinstance(corpus_or_text, Corpus) else corpus_or_text
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    key = None
+    if backend is not None:
+        sha = lambda s: hashlib.sha256(s.encode()).hexdigest()  # noqa: E731
+        key = (sha(backend.to_str()), sha(text))
+        if key in _TOKENIZED:
+            return _TOKENIZED[key].clone()
     ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
-    return torch.tensor(ids, dtype=torch.long)
+    ids = torch.tensor(ids, dtype=torch.long)
+    if key is not None:
+        while len(_TOKENIZED) >= _TOKENIZED_MAX:
+            _TOKENIZED.pop(next(iter(_TOKENIZED)))
+        _TOKENIZED[key] = ids.clone()
+    return ids

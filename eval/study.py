@@ -114,8 +114,13 @@ class Progress:
 # ----------------------------------------------------------------------------------------- the steps
 
 
-def convert(variant: Variant, *, source: Path, dst: Path, settings: Settings) -> None:
-    """Write the converted checkpoint of `variant` to `dst` (atomically, by the converter)."""
+def convert(
+    variant: Variant, *, source: Path, dst: Path, settings: Settings, shared: dict | None = None
+) -> None:
+    """Write the converted checkpoint of `variant` to `dst` (atomically, by the converter).
+
+    `shared` (a dict kept across calls) holds the MLA calibration pass, which does not depend on the ranks:
+    every MLA variant of a study reuses it."""
     opts = dict(variant.options)
     if variant.kind == "expand":
         from conversion.expand import expand_checkpoint
@@ -127,10 +132,21 @@ def convert(variant: Variant, *, source: Path, dst: Path, settings: Settings) ->
         opts.setdefault("calibration_tokens", settings.calibration_tokens)  # used by calibrated methods only
         convert_gqa(src=source, dst=dst, **opts)
     elif variant.kind == "mla":
-        from conversion.mla import convert_to_mla
+        from conversion import mla
+        from conversion.checkpoint import AttentionGeometry, read_config
 
         opts.setdefault("calibration_tokens", settings.calibration_tokens)
-        convert_to_mla(src=source, dst=dst, **opts)
+        shared = {} if shared is None else shared
+        files = opts.get("calibration_files")
+        key = ("mla", str(source), opts["calibration_tokens"], json.dumps(files, default=str))
+        if key not in shared:
+            shared[key] = mla.calibrate(
+                src_dir=source,
+                geometry=AttentionGeometry.from_config(read_config(source)),
+                files=None if files is None else [Path(f) for f in files],
+                tokens=opts["calibration_tokens"],
+            )
+        mla.write_conversion(mla.plan_conversion(src=source, calibration=shared[key], **opts), dst)
     else:  # pragma: no cover - load_config validates kinds
         raise AssertionError(variant.kind)
 
@@ -195,6 +211,7 @@ class Study:
         self.source = assets.smollm2_dir()
         self.source_hash = checkpoint_hash(self.source)
         self.counts = {"converted": 0, "healed": 0, "reused": 0}
+        self.shared: dict = {}  # calibration passes shared by conversions (see `convert`)
 
     # -- cached artefacts
     def _checkpoint(self, name: str, key: str, build) -> tuple[Path, float, bool]:
@@ -238,7 +255,11 @@ class Study:
                     path, conv_s, cached = self.source, 0.0, True
                 else:
                     path, conv_s, cached = self._checkpoint(
-                        v.name, conv_key, lambda dst, v=v: convert(v, source=self.source, dst=dst, settings=s)
+                        v.name,
+                        conv_key,
+                        lambda dst, v=v: convert(
+                            v, source=self.source, dst=dst, settings=s, shared=self.shared
+                        ),
                     )
                     self.counts["converted"] += not cached
                 progress.step(f"{v.name}: evaluate")
@@ -364,6 +385,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these variants")
     parser.add_argument("--fresh", action="store_true", help="rebuild cached checkpoints and rows")
     args = parser.parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one progress line per study step instead of a bar per model load
     try:
         record = run_study(
             profile=args.profile, config=args.config, results=args.results, only=args.only, fresh=args.fresh

@@ -466,8 +466,20 @@ def test_cli_one_line_errors(tiny_root, tmp_path, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "rope-pairs" in err and "Traceback" not in err
-    assert mla.main(["--model", str(tiny_root / "llama"), "--output", str(tmp_path / "ok")]) == 0
+    assert (
+        mla.main(["--model", str(tiny_root / "llama"), "--output", str(tmp_path / "ok"), "--rope-pairs", "4"])
+        == 0
+    )
     assert (tmp_path / "ok" / "model.safetensors").exists()
+
+
+def test_cli_default_is_half_the_cache(tiny_root, tmp_path):
+    calib = ["--calibration-text", str(tiny_root / "calib.txt"), "--calibration-tokens", "64"]
+    assert mla.main(["--model", str(tiny_root / "llama"), "--output", str(tmp_path / "o"), *calib]) == 0
+    cfg = json.loads((tmp_path / "o" / "config.json").read_text())
+    numbers = cfg["kv_lora_rank"] + cfg["num_key_value_heads"] * 2 * cfg["rope_pairs"]
+    assert numbers == 2 * 2 * 8 // 2  # half of the source's 2 Hkv d
+    assert cfg["hf_attn"]["last"]["kv_budget"] == mla.DEFAULT_KV_BUDGET == 0.5
 
 
 # ------------------------------------------------------------------------------ attention-aware selection

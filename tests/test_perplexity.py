@@ -250,3 +250,16 @@ def test_bad_input_cli_no_traceback(case, bad_inputs):
     assert "Traceback" not in res.stderr
     for part in (message,) if isinstance(message, str) else message:
         assert part in res.stderr.strip().splitlines()[-1]
+
+
+def test_tokenize_remembers_per_tokenizer_and_text(smollm2_path):
+    """The in-process memo gives the tokenizer's own ids, a copy each time, never another tokenizer's."""
+    text = "Sir Walter Elliot, of Kellynch Hall, in Somersetshire, was a man who never took up any book."
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    reference = tok(text, add_special_tokens=False)["input_ids"]
+    first = tokenize(tok, text)
+    first[0] = -1  # a caller may change its copy
+    assert tokenize(tok, text).tolist() == reference
+    other = AutoTokenizer.from_pretrained(smollm2_path)
+    other.add_tokens(["Kellynch"])  # a different tokenizer: its own ids, not the remembered ones
+    assert tokenize(other, text).tolist() == other(text, add_special_tokens=False)["input_ids"] != reference
