@@ -103,13 +103,14 @@ def plot_pareto(record: dict, path: Path) -> None:
         ax.scatter(
             r["kv_bytes_per_token"] / 1024, r["perplexity"], marker=marker, color=color, s=50, zorder=3
         )
-        ax.annotate(
-            r["name"],
-            (r["kv_bytes_per_token"] / 1024, r["perplexity"]),
-            fontsize=8,
-            xytext=(5, 3),
-            textcoords="offset points",
-        )
+        if not r["healed"] or r["variant"] not in ok:  # a healed point is named by its arrow's tail
+            ax.annotate(
+                r["name"],
+                (r["kv_bytes_per_token"] / 1024, r["perplexity"]),
+                fontsize=8,
+                xytext=(5, 3),
+                textcoords="offset points",
+            )
         healed = ok.get(r["name"] + "+healed")
         if not r["healed"] and healed:
             ax.annotate(
@@ -119,7 +120,7 @@ def plot_pareto(record: dict, path: Path) -> None:
                 arrowprops={"arrowstyle": "->", "color": "0.6"},
             )
     ax.scatter([], [], marker="o", color="tab:blue", label="converted (training-free)")
-    ax.scatter([], [], marker="^", color="tab:green", label="after healing")
+    ax.scatter([], [], marker="^", color="tab:green", label="after healing (arrow from before)")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("KV cache, KiB per token (fp32, all layers, measured)")
@@ -131,6 +132,13 @@ def plot_pareto(record: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def _resumed_note(record: dict) -> str:
+    resumed = sum(bool(r.get("resumed")) for r in record["rows"])
+    if not resumed:
+        return ""
+    return f" ({resumed} of {len(record['rows'])} rows resumed from an earlier run, their time not included)"
 
 
 def write_report(record: dict, results: Path) -> None:
@@ -148,7 +156,7 @@ def write_report(record: dict, results: Path) -> None:
         f"five other novels (one pass shared by the MLA variants, counted in the first one's Convert s). "
         f"KV bytes per token are measured from a real cache (fp32, all 30 layers). Decode: tokens/s of "
         f"greedy decoding with a real cache, so it is noisy on a shared machine. "
-        f"Wall time {record['wall_seconds'] / 60:.1f} min.",
+        f"Wall time {record['wall_seconds'] / 60:.1f} min{_resumed_note(record)}.",
         "",
         format_table(record),
         "",
