@@ -268,16 +268,12 @@ def load_model(
     path: Path, *, attn_implementation: str | None, trust_remote_code: bool, gradient_checkpointing: bool
 ):
     """The checkpoint as float32 master weights, in train mode."""
-    from transformers import AutoModelForCausalLM
-
-    common.check_attn_implementation(attn_implementation)
-    try:
-        kwargs = {"dtype": torch.float32, "trust_remote_code": trust_remote_code}
-        if attn_implementation is not None:
-            kwargs["attn_implementation"] = attn_implementation
-        model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
-    except (OSError, ValueError, KeyError) as err:
-        raise ValueError(f"Could not load {path} as a causal LM: {common._one_line(err)}") from err
+    model = common.load_causal_lm(
+        path,
+        attn_implementation=attn_implementation,
+        dtype=torch.float32,
+        trust_remote_code=trust_remote_code,
+    )
     if gradient_checkpointing:
         if not model.supports_gradient_checkpointing:
             raise ValueError(f"{type(model).__name__} does not support --gradient-checkpointing")

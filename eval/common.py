@@ -74,18 +74,19 @@ def _one_line(err: BaseException) -> str:
     return text[0] if text else type(err).__name__
 
 
-def load_config(model: str | Path):
+def load_config(model: str | Path, *, trust_remote_code: bool = False):
     """AutoConfig of a causal LM, or ValueError if the path/id is not one."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     try:
-        config = AutoConfig.from_pretrained(str(model))
+        config = AutoConfig.from_pretrained(str(model), trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as err:
         raise ValueError(
             f"{model} is not a causal LM checkpoint (no usable config.json: {_one_line(err)})"
         ) from err
-    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+    remote = trust_remote_code and "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
+    if not remote and type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         raise ValueError(
             f"{model} is not a causal LM: model type {config.model_type!r} has no AutoModelForCausalLM class"
         )
@@ -98,14 +99,15 @@ def load_causal_lm(
     attn_implementation: str | None = None,
     dtype: str | torch.dtype = torch.float32,
     device_map: str | dict | None = None,
+    trust_remote_code: bool = False,
 ):
     """`AutoModelForCausalLM.from_pretrained` in eval mode, with one-line ValueErrors for user mistakes."""
     from transformers import AutoModelForCausalLM
 
     check_attn_implementation(attn_implementation)
     dtype = parse_dtype(dtype)
-    load_config(model)
-    kwargs = {"dtype": dtype}
+    load_config(model, trust_remote_code=trust_remote_code)
+    kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     if device_map is not None:
