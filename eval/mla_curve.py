@@ -16,7 +16,8 @@ Grid sections:
   for the default selection / factorization (the allocation between RoPE keys and the latent).
 
 Writes `curve.json` (rows + protocol; resumable: rows already there are skipped unless --fresh) and
-`curve.md` (the tables). Timings are wall seconds on whatever machine ran it.
+`curve.md` (the tables) and `curve.png` (KV fraction vs perplexity for every option). Timings are wall
+seconds on whatever machine ran it.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from eval.perplexity import evaluate_perplexity
 SELECTIONS = ("high", "uniform", "2norm", "attention")
 FACTORIZATIONS = ("weight-svd", "activation", "attention")
 BUDGETS = (0.125, 0.25, 0.3, 0.375, 0.5, 0.75)
-COMPARE_BUDGETS = (0.3, 0.5)  # every selection x factorization at these budgets (the issue's targets)
+COMPARE_BUDGETS = BUDGETS  # every selection x factorization at every budget (the default allocation)
 ROPE_SHARES = (0.25, 0.375, 0.5, 0.625, 0.75)  # the allocation sweep: share of the budget for RoPE keys
 
 
@@ -217,6 +218,7 @@ def run_curve(
             flush=True,
         )
     save()
+    plot_curve(record, output_dir / "curve.png")
     return record
 
 
@@ -293,27 +295,26 @@ def markdown(record: dict) -> str:
                 + " |"
             )
         lines.append("")
-    for budget in COMPARE_BUDGETS:
-        here = [r for r in rows if r["section"] == "budget" and r["kv_budget"] == budget]
-        default_r = mla.default_rope_pairs(_geometry(p), budget)
-        here = [r for r in here if r["rope_pairs"] == default_r]
-        if not here:
-            continue
-        facs = [f for f in FACTORIZATIONS if any(r["factorization"] == f for r in here)]
+    options = _options_at_default_allocation(rows, _geometry(p))
+    if options:
+        budgets = sorted({b for by_budget in options.values() for b in by_budget})
+        best = {b: min(o[b]["perplexity"] for o in options.values() if b in o) for b in budgets}
         lines += [
-            f"**Options at a {budget:g} KV budget** (r={default_r}, d_c={here[0]['kv_lora_rank']}, "
-            f"{here[0]['cache_numbers']} numbers/token/layer = {here[0]['kv_fraction']:.1%})",
+            "**Every option across budgets** (selection / factorization; at each budget the default r, the "
+            "latent taking the rest; best per budget in bold)",
             "",
-            "| selection \\ factorization | " + " | ".join(facs) + " |",
-            "|---|" + "---|" * len(facs),
+            "| selection / factorization | "
+            + " | ".join(f"{b:g} ({options_fraction(options, b):.1%})" for b in budgets)
+            + " |",
+            "|---|" + "---:|" * len(budgets),
         ]
-        for s in SELECTIONS:
-            cells = [
-                _ppl(next((r for r in here if r["selection"] == s and r["factorization"] == f), None))
-                for f in facs
-            ]
-            if any(c != "-" for c in cells):
-                lines.append(f"| {s} | " + " | ".join(cells) + " |")
+        for (sel, fac), by_budget in options.items():
+            cells = []
+            for b in budgets:
+                row = by_budget.get(b)
+                cell = _ppl(row)
+                cells.append(f"**{cell}**" if row and row["perplexity"] == best[b] else cell)
+            lines.append(f"| {sel} / {fac} | " + " | ".join(cells) + " |")
         lines.append("")
     lines += [
         "**All rows**",
@@ -347,6 +348,83 @@ def markdown(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _options_at_default_allocation(rows: list[dict], geometry: AttentionGeometry) -> dict:
+    """{(selection, factorization): {kv_budget: row}} of the budget rows at each budget's default r."""
+    out: dict = {}
+    for sel in SELECTIONS:
+        for fac in FACTORIZATIONS:
+            by_budget = {
+                r["kv_budget"]: r
+                for r in rows
+                if r["section"] == "budget"
+                and r["selection"] == sel
+                and r["factorization"] == fac
+                and r["rope_pairs"] == mla.default_rope_pairs(geometry, r["kv_budget"])
+            }
+            if by_budget:
+                out[(sel, fac)] = by_budget
+    return out
+
+
+def options_fraction(options: dict, budget: float) -> float:
+    """The KV fraction actually reached at `budget` (rounding to whole numbers per token and layer)."""
+    return next(o[budget]["kv_fraction"] for o in options.values() if budget in o)
+
+
+def plot_curve(record: dict, path: Path) -> None:
+    """KV fraction vs perplexity: one line per selection / factorization, the best allocation, the source."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    p = record["protocol"]
+    rows = [r for r in record["rows"] if r["section"] == "budget"]
+    options = _options_at_default_allocation(rows, _geometry(p))
+    colors = dict(zip(SELECTIONS, ("tab:orange", "tab:gray", "tab:blue", "tab:green"), strict=True))
+    styles = dict(zip(FACTORIZATIONS, (":", "--", "-"), strict=True))
+    fig, ax = plt.subplots(figsize=(10, 5.5), dpi=120)
+    for (sel, fac), by_budget in options.items():
+        pts = sorted((r["kv_fraction"], r["perplexity"]) for r in by_budget.values())
+        ax.plot(
+            *zip(*pts, strict=True),
+            styles[fac],
+            marker="o",
+            ms=3.5,
+            color=colors[sel],
+            label=f"{sel} / {fac}",
+        )
+    best: dict[float, dict] = {}
+    for r in rows:
+        if r["kv_budget"] not in best or r["perplexity"] < best[r["kv_budget"]]["perplexity"]:
+            best[r["kv_budget"]] = r
+    pts = sorted((r["kv_fraction"], r["perplexity"]) for r in best.values())
+    ax.plot(*zip(*pts, strict=True), "k", lw=0.8, marker="*", ms=7, label="best of every row at that budget")
+    source = next((r for r in record["rows"] if r["section"] == "source"), None)
+    if source:
+        ax.axhline(
+            source["perplexity"], color="0.3", lw=0.8, ls="-.", label=f"source ({source['perplexity']:.2f})"
+        )
+    ax.set_yscale("log")
+    ax.set_xlabel("KV cache, fraction of the source's bytes per token")
+    ax.set_ylabel("perplexity, training-free (lower is better)")
+    ax.set_title(f"MLA conversion of {Path(p['model']).name}: the KV / quality curve", fontsize=11)
+    ax.text(
+        0.01,
+        0.01,
+        f"{p['corpus']}, first {p['tokens']} tokens, disjoint {p['context_length']}-token windows, fp32; "
+        f"calibration {p['calibration_tokens']} tokens of the other novels",
+        transform=ax.transAxes,
+        fontsize=6.5,
+        color="0.4",
+    )
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def _geometry(protocol: dict) -> AttentionGeometry:
     return AttentionGeometry.from_config(read_config(protocol["model"]))
 
@@ -360,11 +438,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context-length", type=int, default=1024)
     parser.add_argument("--calibration-tokens", type=int, default=8192)
     parser.add_argument("--fresh", action="store_true", help="ignore rows of an earlier run")
-    parser.add_argument("--report-only", action="store_true", help="rewrite curve.md from curve.json")
+    parser.add_argument("--report-only", action="store_true", help="rewrite curve.md/.png from curve.json")
     args = parser.parse_args(argv)
     if args.report_only:
         out = Path(args.output_dir)
-        (out / "curve.md").write_text(markdown(json.loads((out / "curve.json").read_text())))
+        record = json.loads((out / "curve.json").read_text())
+        (out / "curve.md").write_text(markdown(record))
+        plot_curve(record, out / "curve.png")
         return 0
     try:
         run_curve(

@@ -658,3 +658,50 @@ def test_curve_grid_points_are_valid_and_within_budget():
             assert shape.is_full_rank  # the partial-RoPE section keeps the whole latent
         else:
             assert shape.kv_fraction <= p["kv_budget"] and shape.kv_lora_rank >= 1
+
+
+def test_curve_report_tables_and_plot(tmp_path, smollm2_path):
+    """The options table reads each budget's default-r rows only, bolds the best, and the plot is written."""
+    from eval.mla_curve import markdown, plot_curve
+
+    def row(budget, r, sel, fac, ppl):
+        shape = mla.plan_shape(SMOL, kv_budget=budget, rope_pairs=r)
+        return {
+            "section": "budget",
+            "kv_budget": budget,
+            "rope_pairs": r,
+            "kv_lora_rank": shape.kv_lora_rank,
+            "selection": sel,
+            "factorization": fac,
+            "cache_numbers": shape.cache_numbers,
+            "kv_fraction": shape.kv_fraction,
+            "perplexity": ppl,
+        }
+
+    r30, r50 = mla.default_rope_pairs(SMOL, 0.3), mla.default_rope_pairs(SMOL, 0.5)
+    rows = [
+        row(0.3, r30, "attention", "attention", 90.0),
+        row(0.3, r30, "high", "activation", 180.0),
+        row(0.3, r30 - 2, "high", "activation", 1.0),  # not the default r: an allocation-sweep row
+        row(0.5, r50, "attention", "attention", 52.0),
+        row(0.5, r50, "high", "activation", 65.0),
+    ]
+    protocol = {
+        "model": str(smollm2_path),
+        "model_hash": "0" * 64,
+        "corpus": "persuasion.txt",
+        "corpus_sha256": "0" * 64,
+        "tokens": 8192,
+        "context_length": 1024,
+        "calibration_tokens": 8192,
+    }
+    record = {
+        "protocol": protocol,
+        "rows": [{"section": "source", "perplexity": 32.87, "cache_numbers": 384}, *rows],
+    }
+    text = markdown(record)
+    table = text[text.index("**Every option") : text.index("**All rows**")]
+    assert "| attention / attention | **90.0** | **52.0** |" in table
+    assert "| high / activation | 180.0 | 65.0 |" in table  # the r30 - 2 row (1.0) belongs to the sweep
+    plot_curve(record, tmp_path / "curve.png")
+    assert (tmp_path / "curve.png").stat().st_size > 10_000
