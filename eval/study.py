@@ -137,14 +137,15 @@ def convert(
 
         opts.setdefault("calibration_tokens", settings.calibration_tokens)
         shared = {} if shared is None else shared
-        files = opts.get("calibration_files")
-        key = ("mla", str(source), opts["calibration_tokens"], json.dumps(files, default=str))
+        files, window = opts.get("calibration_files"), opts.get("calibration_window", mla.cal.DEFAULT_WINDOW)
+        key = ("mla", str(source), opts["calibration_tokens"], window, json.dumps(files, default=str))
         if key not in shared:
             shared[key] = mla.calibrate(
                 src_dir=source,
                 geometry=AttentionGeometry.from_config(read_config(source)),
                 files=None if files is None else [Path(f) for f in files],
                 tokens=opts["calibration_tokens"],
+                window=window,
             )
         mla.write_conversion(mla.plan_conversion(src=source, calibration=shared[key], **opts), dst)
     else:  # pragma: no cover - load_config validates kinds
