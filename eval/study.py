@@ -1,6 +1,7 @@
 """The main job: one command runs the whole study on the embedded default and writes a readable report.
 
     python -m eval.study [--profile default|quick] [--config FILE] [--results DIR] [--only NAME ...] [--fresh]
+                         [--discard-checkpoints]
 
 For every variant in the config (`eval/study.toml`): convert the source (GQA/MQA pooling, MLA factorization,
 exact MHA expansion), evaluate it, heal it for a fixed wall-clock budget and evaluate it again. Every row
@@ -12,7 +13,9 @@ Re-runs are cheap and safe:
   settings (source weights hash, converter options, calibration tokens, healing recipe), so a second run does
   not convert or heal again (`--fresh` rebuilds);
 - each finished row is stored in `RESULTS/rows/` keyed by its settings, so an interrupted study resumes where
-  it stopped;
+  it stopped, without loading or rebuilding the checkpoints of finished rows;
+- `--discard-checkpoints` deletes each variant's checkpoints once its rows are measured (disk use stays near
+  two checkpoints instead of ~6 GB for the default study);
 - a variant that raises is reported in the table with its error and does not stop the others.
 """
 
@@ -105,8 +108,8 @@ class Progress:
     def __init__(self, total: int):
         self.total, self.done, self.start = total, 0, time.perf_counter()
 
-    def step(self, what: str) -> None:
-        self.done += 1
+    def step(self, what: str, steps: int = 1) -> None:
+        self.done += steps
         elapsed = time.perf_counter() - self.start
         print(f"[{self.done}/{self.total} | {elapsed / 60:5.1f} min] {what}", flush=True)
 
@@ -202,10 +205,23 @@ def measure(path: Path, settings: Settings) -> dict:
 
 
 class Study:
+    """Runs the variants in order; see the module docstring for what is cached and resumed.
+
+    `keep_checkpoints=False` deletes a variant's converted and healed checkpoints once its rows are measured
+    (about 0.5 GB each for SmolLM2 in fp32), so the study's disk use stays near two checkpoints."""
+
     def __init__(
-        self, settings: Settings, variants: list[Variant], results: Path, *, fresh=False, store=None
+        self,
+        settings: Settings,
+        variants: list[Variant],
+        results: Path,
+        *,
+        fresh=False,
+        store=None,
+        keep_checkpoints=True,
     ):
         self.settings, self.variants, self.results, self.fresh = settings, variants, Path(results), fresh
+        self.keep_checkpoints = keep_checkpoints
         self.rows_dir = self.results / "rows"
         self.rows_dir.mkdir(parents=True, exist_ok=True)
         self.store = Path(store) if store is not None else assets.cache_dir() / "study"
@@ -230,79 +246,108 @@ class Study:
         meta.write_text(json.dumps({"seconds": seconds}))
         return path, seconds, False
 
-    def _row(self, key: str, name: str, compute) -> dict:
-        path = self.rows_dir / f"{name}.json"
-        if path.exists() and not self.fresh:
-            row = json.loads(path.read_text())
-            if row.get("key") == key and "error" not in row:
-                row["resumed"] = True
-                return row
-        row = {"key": key, **compute()}
-        path.write_text(json.dumps(row, indent=2))
-        return row
-
     def run(self) -> list[dict]:
-        s = self.settings
-        steps = sum(2 + 2 * v.heal for v in self.variants)
-        progress = Progress(steps)
-        rows = []
-        for v in self.variants:
-            conv_key = _key(
-                self.source_hash, v.kind, v.options, s.calibration_tokens if v.kind != "source" else 0
-            )
-            try:
-                progress.step(f"{v.name}: {'convert' if v.kind != 'source' else 'source checkpoint'}")
-                if v.kind == "source":
-                    path, conv_s, cached = self.source, 0.0, True
-                else:
-                    path, conv_s, cached = self._checkpoint(
-                        v.name,
-                        conv_key,
-                        lambda dst, v=v: convert(
-                            v, source=self.source, dst=dst, settings=s, shared=self.shared
-                        ),
-                    )
-                    self.counts["converted"] += not cached
-                progress.step(f"{v.name}: evaluate")
-                row_key = _key(conv_key, dataclasses.asdict(s), "before")
-                row = self._row(row_key, v.name, lambda path=path: measure(path, s))
-                row.update(self._describe(v, healed=False, path=path, conv_s=conv_s, cached=cached))
-                rows.append(row)
-            except Exception as err:  # a failing variant is reported, never fatal
-                rows.append(self._failed(v, err, healed=False))
-                if v.heal:
-                    rows.append(self._failed(v, "not healed: conversion or evaluation failed", healed=True))
-                    progress.done += 2
-                continue
-            if not v.heal:
-                continue
-            try:
-                heal_key = _key(
-                    conv_key, s.heal_minutes, s.heal_seq_len, s.heal_batch_size, s.heal_lr, s.heal_trainable
-                )
-                progress.step(f"{v.name}: heal for {s.heal_minutes} min")
-                healed, heal_s, heal_cached = self._checkpoint(
-                    f"{v.name}-healed", heal_key, lambda dst, src=path: heal(src, dst, s)
-                )
-                self.counts["healed"] += not heal_cached
-                progress.step(f"{v.name}: evaluate healed")
-                row_key = _key(heal_key, dataclasses.asdict(s), "after")
-                row = self._row(row_key, f"{v.name}+healed", lambda p=healed: measure(p, s))
-                row.update(self._describe(v, healed=True, path=healed, conv_s=conv_s, cached=heal_cached))
-                row["heal_seconds"] = heal_s
-                rows.append(row)
-            except Exception as err:
-                rows.append(self._failed(v, err, healed=True))
+        progress = Progress(sum(2 + 2 * v.heal for v in self.variants))
+        rows = [row for v in self.variants for row in self._run_variant(v, progress)]
         source_kv = next(
             (r["kv_bytes_per_token"] for r in rows if r["kind"] == "source" and "error" not in r), None
         )
+        if source_kv is None:  # no source row (`--only`): the source's cache from its config, in fp32
+            from transformers import AutoConfig
+
+            from eval.kv_cache import kv_bytes_per_token
+
+            source_kv = kv_bytes_per_token(AutoConfig.from_pretrained(self.source)).total
         for r in rows:
-            if source_kv and r.get("kv_bytes_per_token") is not None:
+            if r.get("kv_bytes_per_token") is not None:
                 r["kv_fraction"] = r["kv_bytes_per_token"] / source_kv
         return rows
 
+    def _run_variant(self, v: Variant, progress: Progress) -> list[dict]:
+        """The variant's row and, if it heals, its healed row. A finished row is resumed without touching
+        any checkpoint; a checkpoint is built (or taken from the store) only when a row needs measuring."""
+        s = self.settings
+        conv_key = _key(
+            self.source_hash, v.kind, v.options, s.calibration_tokens if v.kind != "source" else 0
+        )
+        heal_key = _key(
+            conv_key, s.heal_minutes, s.heal_seq_len, s.heal_batch_size, s.heal_lr, s.heal_trainable
+        )
+        built: dict[str, tuple[Path, float, bool]] = {}  # this run's checkpoints: (path, seconds, cached)
+
+        def build_converted(dst: Path) -> None:
+            convert(v, source=self.source, dst=dst, settings=s, shared=self.shared)
+
+        def converted() -> tuple[Path, float, bool]:
+            if "converted" not in built:
+                if v.kind == "source":
+                    built["converted"] = (self.source, 0.0, True)
+                else:
+                    built["converted"] = self._checkpoint(v.name, conv_key, build_converted)
+                    self.counts["converted"] += not built["converted"][2]
+            return built["converted"]
+
+        def healed() -> tuple[Path, float, bool]:
+            built["healed"] = self._checkpoint(
+                f"{v.name}-healed", heal_key, lambda dst: heal(converted()[0], dst, s)
+            )
+            self.counts["healed"] += not built["healed"][2]
+            return built["healed"]
+
+        rows = []
+        try:
+            before_key = _key(conv_key, dataclasses.asdict(s), "before")
+            label = "convert" if v.kind != "source" else "source checkpoint"
+            rows.append(self._row(v, before_key, converted, label, progress, healed=False))
+        except Exception as err:  # a failing variant is reported, never fatal
+            rows.append(self._failed(v, err, healed=False))
+            if v.heal:
+                rows.append(self._failed(v, "not healed: conversion or evaluation failed", healed=True))
+                progress.done += 2
+        else:
+            if v.heal:
+                try:
+                    after_key = _key(heal_key, dataclasses.asdict(s), "after")
+                    label = f"heal for {s.heal_minutes} min"
+                    after = self._row(v, after_key, healed, label, progress, healed=True)
+                    after.setdefault("convert_seconds", rows[0].get("convert_seconds"))
+                    rows.append(after)
+                except Exception as err:
+                    rows.append(self._failed(v, err, healed=True))
+        if not self.keep_checkpoints:
+            from conversion.heal import default_state_dir
+
+            for path, _, _ in built.values():
+                for tree in (path, default_state_dir(path)):  # the healing log lives beside its checkpoint
+                    if path != self.source and tree.exists():
+                        shutil.rmtree(tree)
+        return rows
+
+    def _row(self, v: Variant, key: str, checkpoint, label: str, progress: Progress, *, healed: bool):
+        """One row: resumed from an earlier run with the same key, or measured on the checkpoint that
+        `checkpoint()` returns as (path, seconds it took to build, whether it was cached)."""
+        name = v.name + ("+healed" if healed else "")
+        path = self.rows_dir / f"{name}.json"
+        if path.exists() and not self.fresh:
+            row = json.loads(path.read_text())
+            if row.get("key") == key and row.get("name") == name and "error" not in row:
+                progress.step(f"{v.name}: {label}, evaluate (resumed)", steps=2)
+                return {**row, "resumed": True}
+        progress.step(f"{v.name}: {label}")
+        ckpt, build_seconds, cached = checkpoint()
+        progress.step(f"{v.name}: evaluate" + (" healed" if healed else ""))
+        row = {
+            "key": key,
+            **measure(ckpt, self.settings),
+            **self._describe(v, healed=healed, checkpoint=str(ckpt), cached=cached),
+            ("heal_seconds" if healed else "convert_seconds"): build_seconds,
+        }
+        path.write_text(json.dumps(row, indent=2))
+        return row
+
     @staticmethod
-    def _describe(v: Variant, *, healed: bool, path: Path, conv_s: float, cached: bool) -> dict:
+    def _describe(v: Variant, *, healed: bool, **extra) -> dict:
+        """The fields every row of `v` carries, measured or failed."""
         return {
             "name": v.name + ("+healed" if healed else ""),
             "variant": v.name,
@@ -310,26 +355,15 @@ class Study:
             "kind": v.kind,
             "options": v.options,
             "healed": healed,
-            "checkpoint": str(path),
-            "convert_seconds": conv_s,
-            "cached": cached,
+            **extra,
         }
 
-    @staticmethod
-    def _failed(v: Variant, err, *, healed: bool) -> dict:
+    def _failed(self, v: Variant, err, *, healed: bool) -> dict:
         if isinstance(err, BaseException):
             traceback.print_exception(err, file=sys.stderr)
             err = f"{type(err).__name__}: {err}"
         print(f"  {v.name}{'+healed' if healed else ''} FAILED: {err}", flush=True)
-        return {
-            "name": v.name + ("+healed" if healed else ""),
-            "variant": v.name,
-            "label": v.label,
-            "kind": v.kind,
-            "options": v.options,
-            "healed": healed,
-            "error": str(err).splitlines()[0][:300],
-        }
+        return self._describe(v, healed=healed, error=str(err).splitlines()[0][:300])
 
 
 def run_study(
@@ -341,6 +375,7 @@ def run_study(
     fresh: bool = False,
     overrides: dict | None = None,
     store: str | Path | None = None,
+    keep_checkpoints: bool = True,
 ) -> dict:
     """Run the study; write `results.json`, `report.md` and `pareto.png` into `results`; return the record."""
     from eval.common import library_versions
@@ -357,7 +392,9 @@ def run_study(
             )
         variants = [v for v in variants if v.name in only]
     start = time.perf_counter()
-    study = Study(settings, variants, Path(results), fresh=fresh, store=store)
+    study = Study(
+        settings, variants, Path(results), fresh=fresh, store=store, keep_checkpoints=keep_checkpoints
+    )
     rows = study.run()
     record = {
         "profile": profile,
@@ -385,13 +422,24 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser.add_argument("--results", default="results", help="output directory (default: ./results)")
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these variants")
     parser.add_argument("--fresh", action="store_true", help="rebuild cached checkpoints and rows")
+    parser.add_argument(
+        "--discard-checkpoints",
+        action="store_true",
+        help="delete each variant's checkpoints once its rows are measured (the default study keeps "
+        "about 6 GB of them under $HF_ATTN_CACHE/study/)",
+    )
     args = parser.parse_args(argv)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # one progress line per study step instead of a bar per model load
     try:
         record = run_study(
-            profile=args.profile, config=args.config, results=args.results, only=args.only, fresh=args.fresh
+            profile=args.profile,
+            config=args.config,
+            results=args.results,
+            only=args.only,
+            fresh=args.fresh,
+            keep_checkpoints=not args.discard_checkpoints,
         )
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)

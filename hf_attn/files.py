@@ -43,7 +43,9 @@ def atomic_directory(final: str | os.PathLike, *, overwrite: bool = False) -> It
     """
     final = Path(final).resolve()
     if final.exists() and not overwrite:
-        raise FileExistsError(f"Output {final} already exists; pass --overwrite (overwrite=True) to replace it.")
+        raise FileExistsError(
+            f"Output {final} already exists; pass --overwrite (overwrite=True) to replace it."
+        )
     final.parent.mkdir(parents=True, exist_ok=True)
     if not os.access(final.parent, os.W_OK):
         raise PermissionError(f"Output directory {final.parent} is not writable; choose another --output.")
@@ -53,7 +55,9 @@ def atomic_directory(final: str | os.PathLike, *, overwrite: bool = False) -> It
         tmp.chmod(0o755)
         if final.exists():
             if not overwrite:  # somebody else finished first
-                raise FileExistsError(f"Output {final} appeared while writing; pass --overwrite to replace it.")
+                raise FileExistsError(
+                    f"Output {final} appeared while writing; pass --overwrite to replace it."
+                )
             old = final.with_name(f".{final.name}.old")
             shutil.rmtree(old, ignore_errors=True)
             final.rename(old)

@@ -1,6 +1,7 @@
 """Shared fixtures. Tests run offline; the embedded default is fetched once by `hf_attn.assets`."""
 
 import os
+import shutil
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -26,6 +27,14 @@ def persuasion_path():
 @pytest.fixture(scope="session")
 def train_paths():
     return assets.train_text_files()
+
+
+@pytest.fixture
+def tmp_path(tmp_path):
+    """pytest's `tmp_path`, deleted when the test ends: converted SmolLM2 checkpoints are ~0.5 GB each,
+    and a run must not need more disk than its largest test."""
+    yield tmp_path
+    shutil.rmtree(tmp_path, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

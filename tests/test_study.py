@@ -1,6 +1,7 @@
 """The main job end to end on the real embedded default, with tiny budgets (every row, few tokens)."""
 
 import json
+import shutil
 
 import pytest
 
@@ -18,11 +19,18 @@ TINY = {
 }
 
 
+def study(root, **kwargs):
+    return run_study(
+        profile="quick", results=root / "results", store=root / "store", overrides=TINY, **kwargs
+    )
+
+
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("study")
-    record = run_study(profile="quick", results=root / "results", store=root / "store", overrides=TINY)
-    return root, record
+    # Discarding keeps the test's disk use near two checkpoints (~1 GB) instead of thirteen.
+    yield root, study(root, keep_checkpoints=False)
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def test_every_row_is_reported(first_run):
@@ -56,12 +64,33 @@ def test_rows_are_consistent(first_run):
 
 def test_second_run_reuses_the_cache(first_run):
     root, _ = first_run
-    # Same results directory: finished rows resume and no checkpoint is converted or healed again.
-    record = run_study(profile="quick", results=root / "results", store=root / "store", overrides=TINY)
+    # Every checkpoint of the first run was discarded once measured ...
+    assert list((root / "store").iterdir()) == []
+    # ... and the same results directory resumes every row without converting or healing again.
+    record = study(root, keep_checkpoints=False)
     assert all(r.get("resumed") for r in record["rows"])
-    assert record["counts"]["converted"] == 0
-    assert record["counts"]["healed"] == 0
-    assert record["counts"]["reused"] > 0
+    assert record["counts"] == {"converted": 0, "healed": 0, "reused": 0}
+
+
+def test_kept_checkpoints_are_reused_by_a_new_results_dir(tmp_path):
+    first = study(tmp_path, only=["mqa-mean"])
+    assert first["counts"] == {"converted": 1, "healed": 1, "reused": 0}
+    kept = sorted(p.name.split("-")[-2] for p in (tmp_path / "store").iterdir() if p.suffix != ".heal")
+    assert kept == ["healed", "mean"]  # the converted and the healed checkpoint, kept by default
+    # Without a source row the fraction still compares with the source's cache: MQA keeps 1 of 3 KV heads.
+    assert [r["kv_fraction"] for r in first["rows"]] == pytest.approx([1 / 3, 1 / 3])
+    # New rows (another results dir), same store: both checkpoints are reused, not rebuilt.
+    again = run_study(
+        profile="quick",
+        results=tmp_path / "again",
+        store=tmp_path / "store",
+        overrides=TINY,
+        only=["mqa-mean"],
+    )
+    assert again["counts"] == {"converted": 0, "healed": 0, "reused": 2}
+    assert not any(r.get("resumed") for r in again["rows"])
+    for a, b in zip(first["rows"], again["rows"], strict=True):
+        assert b["perplexity"] == pytest.approx(a["perplexity"], rel=1e-6)
 
 
 def test_a_failing_variant_is_reported_not_fatal(tmp_path):
@@ -71,11 +100,9 @@ def test_a_failing_variant_is_reported_not_fatal(tmp_path):
         + '[[variants]]\nname = "source"\nkind = "source"\n'
         + '[[variants]]\nname = "bad"\nkind = "gqa"\nnum_kv_heads = 2\nmethod = "mean"\nheal = true\n'
     )
-    record = run_study(
-        profile="quick", config=config, results=tmp_path / "r", store=tmp_path / "s", overrides=TINY
-    )
+    record = study(tmp_path, config=config)
     rows = {r["name"]: r for r in record["rows"]}
     assert "error" not in rows["source"] and rows["source"]["perplexity"] > 1
     assert "2" in rows["bad"]["error"] and "3" in rows["bad"]["error"]  # names the offending head counts
     assert "error" in rows["bad+healed"]
-    assert "FAILED" in (tmp_path / "r" / "report.md").read_text()
+    assert "FAILED" in (tmp_path / "results" / "report.md").read_text()
