@@ -10,8 +10,9 @@ greedy decode tokens/s after a long prompt, and conversion / healing wall time.
 
 Re-runs are cheap and safe:
 - converted and healed checkpoints are cached under `$HF_ATTN_CACHE/study/` by a hash of their inputs and
-  settings (source weights hash, converter options, calibration tokens, healing recipe), so a second run does
-  not convert or heal again (`--fresh` rebuilds);
+  settings (source weights hash, converter options, calibration tokens, healing recipe) and of the code that
+  builds them (`conversion/`, `hf_attn/`), so a second run does not convert or heal again, and a changed
+  converter is never mistaken for the old one (`--fresh` rebuilds regardless);
 - each finished row is stored in `RESULTS/rows/` keyed by its settings, so an interrupted study resumes where
   it stopped, without loading or rebuilding the checkpoints of finished rows;
 - `--discard-checkpoints` deletes each variant's checkpoints once its rows are measured (disk use stays near
@@ -100,6 +101,25 @@ def load_config(path: str | Path, profile: str) -> tuple[Settings, list[Variant]
 
 def _key(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# The code a checkpoint or a row depends on: editing it invalidates what it built (no `--fresh` needed).
+CONVERSION_CODE = ("conversion", "hf_attn")
+MEASUREMENT_CODE = ("eval.common", "eval.corpus", "eval.perplexity", "eval.kv_cache", "eval.bench_decode")
+
+
+def code_hash(modules: tuple[str, ...]) -> str:
+    """sha256 of the Python sources of these modules (every file of a package)."""
+    import importlib.util
+
+    digest = hashlib.sha256()
+    for name in modules:
+        spec = importlib.util.find_spec(name)
+        origin = Path(spec.origin)
+        files = sorted(origin.parent.rglob("*.py")) if spec.submodule_search_locations else [origin]
+        for f in files:
+            digest.update(f"{name}/{f.relative_to(origin.parent)}\0".encode() + f.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 class Progress:
@@ -227,6 +247,7 @@ class Study:
         self.store = Path(store) if store is not None else assets.cache_dir() / "study"
         self.source = assets.smollm2_dir()
         self.source_hash = checkpoint_hash(self.source)
+        self.code = {"conversion": code_hash(CONVERSION_CODE), "measurement": code_hash(MEASUREMENT_CODE)}
         self.counts = {"converted": 0, "healed": 0, "reused": 0}
         self.shared: dict = {}  # calibration passes shared by conversions (see `convert`)
 
@@ -268,7 +289,11 @@ class Study:
         any checkpoint; a checkpoint is built (or taken from the store) only when a row needs measuring."""
         s = self.settings
         conv_key = _key(
-            self.source_hash, v.kind, v.options, s.calibration_tokens if v.kind != "source" else 0
+            self.source_hash,
+            self.code["conversion"],
+            v.kind,
+            v.options,
+            s.calibration_tokens if v.kind != "source" else 0,
         )
         heal_key = _key(
             conv_key, s.heal_minutes, s.heal_seq_len, s.heal_batch_size, s.heal_lr, s.heal_trainable
@@ -294,26 +319,26 @@ class Study:
             self.counts["healed"] += not built["healed"][2]
             return built["healed"]
 
-        rows = []
+        rows, first_step = [], progress.done
         try:
-            before_key = _key(conv_key, dataclasses.asdict(s), "before")
+            before_key = _key(conv_key, self.code["measurement"], dataclasses.asdict(s), "before")
             label = "convert" if v.kind != "source" else "source checkpoint"
             rows.append(self._row(v, before_key, converted, label, progress, healed=False))
         except Exception as err:  # a failing variant is reported, never fatal
             rows.append(self._failed(v, err, healed=False))
             if v.heal:
                 rows.append(self._failed(v, "not healed: conversion or evaluation failed", healed=True))
-                progress.done += 2
         else:
             if v.heal:
                 try:
-                    after_key = _key(heal_key, dataclasses.asdict(s), "after")
+                    after_key = _key(heal_key, self.code["measurement"], dataclasses.asdict(s), "after")
                     label = f"heal for {s.heal_minutes} min"
                     after = self._row(v, after_key, healed, label, progress, healed=True)
                     after.setdefault("convert_seconds", rows[0].get("convert_seconds"))
                     rows.append(after)
                 except Exception as err:
                     rows.append(self._failed(v, err, healed=True))
+        progress.done = first_step + 2 + 2 * v.heal  # the steps a failure skipped
         if not self.keep_checkpoints:
             from conversion.heal import default_state_dir
 
@@ -402,6 +427,7 @@ def run_study(
         "protocol": settings.protocol,
         "source": str(study.source),
         "source_checkpoint_hash": study.source_hash,
+        "code_hashes": study.code,
         "rows": rows,
         "counts": study.counts,
         "wall_seconds": time.perf_counter() - start,

@@ -321,6 +321,16 @@ def test_budget_fills_the_cache_fraction(budget):
     assert fixed.rope_pairs == 4 and fixed.cache_numbers == min(numbers, 384)
 
 
+def test_default_rope_pairs_per_budget():
+    # SmolLM2: 384 numbers per token and layer, 6 per RoPE pair (3 KV heads x 2). Half the budget to RoPE
+    # keys, rounded to whole pairs, at most 12 of the 32 pairs; the whole cache keeps every pair (exact).
+    expected = {0.125: 4, 0.25: 8, 0.3: 10, 0.375: 12, 0.5: 12, 0.75: 12, 1.0: 32}
+    assert {b: mla.default_rope_pairs(SMOL, b) for b in expected} == expected
+    assert mla.default_rope_pairs(SMOL, 0.5, share=0.5) == 16  # an explicit share is not capped
+    assert mla.default_rope_pairs(SMOL, None) == 32
+    assert mla.plan_shape(SMOL, kv_budget=1.0).is_full_rank
+
+
 @pytest.mark.parametrize("factorization", ["activation", "weight-svd"])
 def test_low_rank_conversion_record_cache_and_side_files(tiny_root, tmp_path, factorization):
     src = tiny_root / "llama_bias"

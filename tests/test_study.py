@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from eval.study import DEFAULT_CONFIG, load_config, run_study
+from eval.study import DEFAULT_CONFIG, code_hash, load_config, run_study
 
 TINY = {
     "eval_tokens": 256,
@@ -106,3 +106,15 @@ def test_a_failing_variant_is_reported_not_fatal(tmp_path):
     assert "2" in rows["bad"]["error"] and "3" in rows["bad"]["error"]  # names the offending head counts
     assert "error" in rows["bad+healed"]
     assert "FAILED" in (tmp_path / "results" / "report.md").read_text()
+
+
+def test_code_hash_follows_the_source(tmp_path, monkeypatch):
+    pkg = tmp_path / "hashed_pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "mod.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = code_hash(("hashed_pkg",))
+    assert code_hash(("hashed_pkg",)) == before
+    (pkg / "sub" / "mod.py").write_text("X = 2\n")  # a nested file of the package counts
+    assert code_hash(("hashed_pkg",)) != before
