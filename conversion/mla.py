@@ -20,10 +20,10 @@ KV head, d_c = kv_lora_rank. The output follows the checkpoint contract of `hf_a
    outside attention is copied.
 
 Cache per token and layer: d_c + Hkv 2r numbers instead of the source's 2 Hkv d. `--kv-budget F` picks d_c
-(and r, unless given: RoPE keys take half the budget, at most 3/8 of the pairs; see `default_rope_pairs`) so
-that this is at most F times the source's. The command's default, when no rank option is given, is
-`--kv-budget 0.5` (the knee of the measured curve, eval/mla_curve.py: SmolLM2 32.87 -> 45.6 training-free at
-half the cache, 90.1 at 30%);
+(and r, unless given: RoPE keys take half the budget, with the default selection at most 3/8 of the pairs; see
+`default_rope_pairs`) so that this is at most F times the source's. The command's default, when no rank option
+is given, is `--kv-budget 0.5` (the knee of the measured curve, eval/mla_curve.py: SmolLM2 32.87 -> 45.6
+training-free at half the cache, 90.1 at 30%);
 `--rope-pairs d/2` alone gives the exact, full-rank conversion: with every pair kept at full rank the
 converted model reproduces the source's logits (tests/test_mla_conversion.py). Calibration (one fp32 pass of
 the source over --calibration-tokens tokens, default 8192 of the five Austen novels other than Persuasion)
@@ -75,7 +75,8 @@ from hf_attn.files import atomic_directory, checkpoint_hash
 DEFAULT_ROPE_SELECTION = "attention"
 DEFAULT_FACTORIZATION = "attention"
 DEFAULT_ROPE_SHARE = 0.5  # of a --kv-budget's numbers per token go to the RoPE keys (see default_rope_pairs)
-DEFAULT_MAX_ROPE_FRACTION = 0.375  # ... but at most this fraction of a head's d/2 frequency pairs
+# ... but with these selections at most this fraction of a head's d/2 frequency pairs (see default_rope_pairs)
+MAX_ROPE_FRACTION = {"attention": 0.375}
 DEFAULT_CALIBRATION_TOKENS = 8192
 DEFAULT_KV_BUDGET = 0.5  # of the command, when no rank option is given (the knee of the measured curve)
 _PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -128,23 +129,29 @@ class MLAShape:
 
 
 def default_rope_pairs(
-    geometry: AttentionGeometry, kv_budget: float | None, share: float | None = None
+    geometry: AttentionGeometry,
+    kv_budget: float | None,
+    share: float | None = None,
+    *,
+    selection: str = DEFAULT_ROPE_SELECTION,
 ) -> int:
     """r when --rope-pairs is not given: every pair without a budget; with one, the RoPE keys take `share`
     of the budget's numbers, rounded to whole pairs per KV head, at least one, and leaving at least 1/8 of
     the budget to the latent.
 
-    The default (`share=None`) is DEFAULT_ROPE_SHARE, capped at DEFAULT_MAX_ROPE_FRACTION of the d/2 pairs,
-    both from the measured curve (eval/mla_curve.py, SmolLM2): half the budget is best from 12.5% to 30%,
-    but 12 of 32 pairs with the latent at full rank already score 34.0 (source 32.87), so at larger budgets
-    more pairs only take rank from the latent (at 50%: r = 12 gives 45.6, r = 16 gives 51.7)."""
+    The default (`share=None`) is DEFAULT_ROPE_SHARE, for the `attention` selection capped at 3/8 of the
+    d/2 pairs (MAX_ROPE_FRACTION), both from the measured curve (eval/mla_curve.py, SmolLM2): half the budget
+    is best from 12.5% to 30%, but 12 of 32 pairs chosen by `attention` (with the latent at full rank) already
+    score 34.0 (source 32.87), so at larger budgets more pairs only take rank from the latent (at 50%: r = 12
+    gives 45.6, r = 16 gives 51.7). The other selections need more pairs (61.5 / 56.1 with `high` / `2norm`
+    at r = 12) and keep the even split."""
     half = geometry.head_dim // 2
     if kv_budget is None:
         return half
     numbers = int(kv_budget * 2 * geometry.kv_dim + 1e-9)
     if numbers >= 2 * geometry.kv_dim:  # the whole source cache: the exact conversion fits
         return half
-    cap = half if share is not None else math.ceil(DEFAULT_MAX_ROPE_FRACTION * half)
+    cap = half if share is not None else math.ceil(MAX_ROPE_FRACTION.get(selection, 1.0) * half)
     share = DEFAULT_ROPE_SHARE if share is None else share
     per_pair = 2 * geometry.num_kv_heads
     r = min(round(share * numbers / per_pair), int(numbers * 7 / 8) // per_pair, cap)
@@ -157,11 +164,14 @@ def plan_shape(
     kv_lora_rank: int | None = None,
     kv_budget: float | None = None,
     rope_pairs: int | None = None,
+    rope_selection: str = DEFAULT_ROPE_SELECTION,
 ) -> MLAShape:
     """Validate / derive (r, d_c). Neither rank nor budget: full rank (exact with r = d/2)."""
     if kv_lora_rank is not None and kv_budget is not None:
         raise ValueError("Give either --kv-lora-rank or --kv-budget, not both.")
-    r = default_rope_pairs(geometry, kv_budget) if rope_pairs is None else rope_pairs
+    if rope_pairs is None:
+        rope_pairs = default_rope_pairs(geometry, kv_budget, selection=rope_selection)
+    r = rope_pairs
     rs.check_rope_pairs(r, geometry.head_dim)
     hkv, full = geometry.num_kv_heads, MLAShape(geometry, r, 1).full_rank
     if kv_budget is not None:
@@ -603,7 +613,13 @@ def plan_conversion(
     index = tensor_index(src_dir)
     check_attention_tensors(index, geometry)
     qkv_bias, o_bias = _check_biases(index, geometry)
-    shape = plan_shape(geometry, kv_lora_rank=kv_lora_rank, kv_budget=kv_budget, rope_pairs=rope_pairs)
+    shape = plan_shape(
+        geometry,
+        kv_lora_rank=kv_lora_rank,
+        kv_budget=kv_budget,
+        rope_pairs=rope_pairs,
+        rope_selection=rope_selection,
+    )
     selection = "high" if shape.rope_pairs in (0, geometry.head_dim // 2) else rope_selection  # no choice
     if shape.is_full_rank:
         factorization = "full-rank"

@@ -91,8 +91,8 @@ def grid(name: str, geometry: AttentionGeometry) -> list[dict]:
                 point("budget", rope_pairs=r, selection=mla.DEFAULT_ROPE_SELECTION, kv_budget=budget)
             )
     for budget in COMPARE_BUDGETS:  # every option at the default allocation
-        r = mla.default_rope_pairs(geometry, budget)
         for s in SELECTIONS:
+            r = mla.default_rope_pairs(geometry, budget, selection=s)
             for f in FACTORIZATIONS:
                 points.append(point("budget", rope_pairs=r, selection=s, factorization=f, kv_budget=budget))
     unique = {key(p): p for p in points}
@@ -359,7 +359,7 @@ def _options_at_default_allocation(rows: list[dict], geometry: AttentionGeometry
                 if r["section"] == "budget"
                 and r["selection"] == sel
                 and r["factorization"] == fac
-                and r["rope_pairs"] == mla.default_rope_pairs(geometry, r["kv_budget"])
+                and r["rope_pairs"] == mla.default_rope_pairs(geometry, r["kv_budget"], selection=sel)
             }
             if by_budget:
                 out[(sel, fac)] = by_budget

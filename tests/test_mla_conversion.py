@@ -323,10 +323,15 @@ def test_budget_fills_the_cache_fraction(budget):
 
 def test_default_rope_pairs_per_budget():
     # SmolLM2: 384 numbers per token and layer, 6 per RoPE pair (3 KV heads x 2). Half the budget to RoPE
-    # keys, rounded to whole pairs, at most 12 of the 32 pairs; the whole cache keeps every pair (exact).
+    # keys, rounded to whole pairs, with the default selection at most 12 of the 32 pairs; the whole cache
+    # keeps every pair (exact).
     expected = {0.125: 4, 0.25: 8, 0.3: 10, 0.375: 12, 0.5: 12, 0.75: 12, 1.0: 32}
     assert {b: mla.default_rope_pairs(SMOL, b) for b in expected} == expected
     assert mla.default_rope_pairs(SMOL, 0.5, share=0.5) == 16  # an explicit share is not capped
+    # Only the `attention` selection is capped; the others keep the even split.
+    assert mla.default_rope_pairs(SMOL, 0.5, selection="2norm") == 16
+    assert mla.plan_shape(SMOL, kv_budget=0.75, rope_selection="high").rope_pairs == 24
+    assert mla.plan_shape(SMOL, kv_budget=0.75).rope_pairs == 12
     assert mla.default_rope_pairs(SMOL, None) == 32
     assert mla.plan_shape(SMOL, kv_budget=1.0).is_full_rank
 
@@ -689,12 +694,14 @@ def test_curve_report_tables_and_plot(tmp_path, smollm2_path):
         }
 
     r30, r50 = mla.default_rope_pairs(SMOL, 0.3), mla.default_rope_pairs(SMOL, 0.5)
+    r50_high = mla.default_rope_pairs(SMOL, 0.5, selection="high")  # 16: only `attention` is capped (12)
     rows = [
         row(0.3, r30, "attention", "attention", 90.0),
         row(0.3, r30, "high", "activation", 180.0),
         row(0.3, r30 - 2, "high", "activation", 1.0),  # not the default r: an allocation-sweep row
         row(0.5, r50, "attention", "attention", 52.0),
-        row(0.5, r50, "high", "activation", 65.0),
+        row(0.5, r50_high, "high", "activation", 65.0),
+        row(0.5, r50, "high", "activation", 2.0),  # `attention`'s default r, not `high`'s
     ]
     protocol = {
         "model": str(smollm2_path),
