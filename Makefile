@@ -26,7 +26,7 @@ $(ASSETS): $(STAMP)
 	touch $@
 
 demo: $(ASSETS)
-	$(PY) -m eval.study --results results
+	$(VENV)/bin/hf-attn study --results results
 
 test: $(ASSETS)
 	$(PY) -m pytest -q

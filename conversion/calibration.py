@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from hf_attn.files import sha256_file
+from hf_attn.tooling.files import sha256_file
 
 DEFAULT_CALIBRATION_TOKENS = 16384
 DEFAULT_WINDOW = 1024
@@ -34,7 +34,7 @@ AttentionInputFn = Callable[[int, torch.Tensor, "tuple[torch.Tensor, torch.Tenso
 
 
 def default_calibration_files() -> list[Path]:
-    from hf_attn import assets
+    from hf_attn.tooling import assets
 
     files = assets.train_text_files()
     evaluation = {p.resolve() for p in assets.eval_text_files()}

@@ -1,7 +1,5 @@
 """Converter plumbing shared by every converter (GQA pooling, GQA expansion, MLA, healing).
 
-- `resolve_model_path`: a local directory, a hub id (via `huggingface_hub.snapshot_download`, works offline
-  from the HF cache) or None for the embedded default (`hf_attn.assets.smollm2_dir()`).
 - `read_config` / `check_supported` / `AttentionGeometry`: what a converter may rely on.
 - `tensor_index` / `iter_tensors` / `read_tensor`: safetensors read with plain file reads (no mmap), one
   tensor in memory at a time, over a single `model.safetensors` or a sharded `model.safetensors.index.json`.
@@ -10,7 +8,7 @@
 - `copy_side_files`, `add_record`, `write_config`: everything that is not weights, and the conversion record
   kept in `config.json["hf_attn"]` (`history`: every step so far, `last`: the newest one).
 
-Writers are meant to be used inside `hf_attn.files.atomic_directory`, so a failure leaves no output.
+Writers are meant to be used inside `hf_attn.tooling.files.atomic_directory`, so a failure leaves no output.
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from eval.common import dtype_name, parse_dtype
+from hf_attn.tooling.loading import dtype_name
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 CONFIG_NAME = "config.json"
@@ -57,33 +55,6 @@ _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
 
 # --------------------------------------------------------------------------------------------- model
-
-
-def resolve_model_path(model: str | os.PathLike | None) -> Path:
-    """None -> the embedded default; an existing local directory as is; anything else -> a hub id."""
-    if model is None:
-        from hf_attn import assets
-
-        return assets.smollm2_dir()
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return path.resolve()
-    text = str(model)
-    if path.exists() or text.startswith((".", "/", "~")) or text.count("/") > 1:
-        raise FileNotFoundError(
-            f"Model {text!r} is not a checkpoint directory (expected config.json + weights)."
-        )
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(
-            snapshot_download(text, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"])
-        )
-    except Exception as err:  # network, auth, offline without a cached copy
-        raise FileNotFoundError(
-            f"Could not fetch {text!r} from the Hugging Face hub ({type(err).__name__}: {err}); "
-            "pass a local checkpoint directory or check the id / network (HF_HUB_OFFLINE)."
-        ) from err
 
 
 def read_config(model_dir: str | os.PathLike) -> dict:
@@ -390,11 +361,6 @@ def add_record(config: dict, record: dict) -> dict:
     return out
 
 
-def torch_dtype(name: str | None) -> torch.dtype | None:
-    """CLI --dtype value ("float32", "bf16", ...) -> torch dtype; None keeps the source dtype."""
-    return None if name is None else parse_dtype(name)
-
-
 # --------------------------------------------------------------------------------------------- validation
 
 
@@ -459,7 +425,7 @@ def save_streamed(
 ) -> Path:
     """Write a complete checkpoint atomically: `tensors` streamed into shards (floating ones cast to `dtype`
     if given), `config` as config.json, and the side files of `src_dir`. Returns the final directory."""
-    from hf_attn.files import atomic_directory
+    from hf_attn.tooling.files import atomic_directory
 
     dst = Path(dst).expanduser().resolve()
     if dst == Path(src_dir).resolve():
@@ -496,10 +462,8 @@ __all__ = [
     "parse_attn_key",
     "read_config",
     "read_tensor",
-    "resolve_model_path",
     "save_streamed",
     "tensor_index",
-    "torch_dtype",
     "weight_files",
     "write_config",
 ]

@@ -1,7 +1,7 @@
-"""The command-line layer shared by the converters (`python -m conversion.expand | gqa | mla`).
+"""Parser pieces shared by the converters (`hf-attn convert expand | gqa | mla`).
 
-Converters are keyword-only functions; their `main(argv)` only builds a parser from these pieces and calls
-`run`, which turns a user mistake into a one-line error and exit status 2 (no traceback).
+Converters are keyword-only functions; their `main(argv) -> int` only builds a parser from these pieces and
+calls `run`, which goes through the one error path (`hf_attn.tooling.cli`: one line, exit status 2).
 """
 
 from __future__ import annotations
@@ -9,10 +9,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from conversion import calibration as cal
-from eval.common import fail
-
-USER_ERRORS = (ValueError, OSError, KeyError)
+from hf_attn.conversion import calibration as cal
+from hf_attn.tooling.cli import run_command
 
 
 def converter_parser(prog: str, doc: str, *, output_help: str) -> argparse.ArgumentParser:
@@ -53,8 +51,9 @@ def calibration_options(args: argparse.Namespace) -> dict:
 
 def run(prog: str, convert: Callable, args: argparse.Namespace, **options) -> int:
     """convert(src=--model, dst=--output, dtype=--dtype, overwrite=--overwrite, **options); 0, or exit 2."""
-    try:
-        convert(src=args.model, dst=args.output, dtype=args.dtype, overwrite=args.overwrite, **options)
-    except USER_ERRORS as err:
-        fail(prog, err)
-    return 0
+    return run_command(
+        prog,
+        lambda: convert(
+            src=args.model, dst=args.output, dtype=args.dtype, overwrite=args.overwrite, **options
+        ),
+    )

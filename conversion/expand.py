@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from conversion import cli
-from conversion.checkpoint import (
+from hf_attn.conversion import cli
+from hf_attn.conversion.checkpoint import (
     DEFAULT_MAX_SHARD_BYTES,
     AttentionGeometry,
     TensorInfo,
@@ -32,12 +32,13 @@ from conversion.checkpoint import (
     parse_attn_key,
     read_config,
     read_tensor,
-    resolve_model_path,
     save_streamed,
     tensor_index,
-    torch_dtype,
 )
-from hf_attn.files import checkpoint_hash
+from hf_attn.tooling.files import checkpoint_hash
+from hf_attn.tooling.loading import parse_dtype, resolve_model
+
+PROG = "hf-attn convert expand"
 
 
 def check_expansion(geometry: AttentionGeometry, num_kv_heads: int | None) -> int:
@@ -98,14 +99,14 @@ def expand_checkpoint(
 ) -> Path:
     """Write `dst`: the checkpoint `src` with its K/V heads repeated up to `num_kv_heads` (default: MHA)."""
     start = time.perf_counter()
-    src_dir = resolve_model_path(src)
+    src_dir = resolve_model(src)
     config = read_config(src_dir)
     check_supported(config)
     geometry = AttentionGeometry.from_config(config)
     target = check_expansion(geometry, num_kv_heads)
     index = tensor_index(src_dir)
     check_attention_tensors(index, geometry)
-    dtype = torch_dtype(dtype) if isinstance(dtype, str) else dtype
+    dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     if Path(dst).expanduser().exists() and not overwrite:
         raise FileExistsError(f"Output {dst} already exists; pass --overwrite to replace it.")
     repeats = target // geometry.num_kv_heads
@@ -135,7 +136,7 @@ def expand_checkpoint(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = cli.converter_parser("python -m conversion.expand", __doc__, output_help="output checkpoint dir")
+    parser = cli.converter_parser(PROG, __doc__, output_help="output checkpoint dir")
     parser.add_argument("--num-kv-heads", type=int, default=None, help="target KV heads (default: MHA)")
     cli.add_write_arguments(parser)
     args = parser.parse_args(argv)

@@ -50,9 +50,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from conversion import calibration as cal
-from conversion import cli
-from conversion.checkpoint import (
+from hf_attn.conversion import calibration as cal
+from hf_attn.conversion import cli
+from hf_attn.conversion.checkpoint import (
     DEFAULT_MAX_SHARD_BYTES,
     AttentionGeometry,
     TensorInfo,
@@ -66,12 +66,13 @@ from conversion.checkpoint import (
     parse_attn_key,
     read_config,
     read_tensor,
-    resolve_model_path,
     save_streamed,
     tensor_index,
-    torch_dtype,
 )
-from hf_attn.files import checkpoint_hash
+from hf_attn.tooling.files import checkpoint_hash
+from hf_attn.tooling.loading import parse_dtype, resolve_model
+
+PROG = "hf-attn convert gqa"
 
 METHODS = ("mean", "calibrated")
 _PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -507,14 +508,14 @@ def convert_gqa(
     start = time.perf_counter()
     if method not in METHODS:
         raise ValueError(f"Unknown --method {method!r}; choose one of {', '.join(METHODS)}.")
-    src_dir = resolve_model_path(src)
+    src_dir = resolve_model(src)
     config = read_config(src_dir)
     check_supported(config)
     geometry = AttentionGeometry.from_config(config)
     pooling = check_pooling(geometry, num_kv_heads)
     index = tensor_index(src_dir)
     check_attention_tensors(index, geometry)
-    dtype = torch_dtype(dtype) if isinstance(dtype, str) else dtype
+    dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     if Path(dst).expanduser().exists() and not overwrite:  # fail before any slow calibration
         raise FileExistsError(f"Output {dst} already exists; pass --overwrite to replace it.")
     record = {
@@ -557,7 +558,7 @@ def convert_gqa(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = cli.converter_parser("python -m conversion.gqa", __doc__, output_help="converted checkpoint dir")
+    parser = cli.converter_parser(PROG, __doc__, output_help="converted checkpoint dir")
     parser.add_argument("--num-kv-heads", type=int, required=True, help="G, the KV heads after pooling")
     parser.add_argument("--method", choices=METHODS, default="mean")
     cli.add_calibration_arguments(parser, default_tokens=cal.DEFAULT_CALIBRATION_TOKENS)

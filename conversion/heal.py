@@ -11,7 +11,7 @@ accumulation, gradient checkpointing and bf16/fp16 autocast. Data parallel throu
 process p of P takes every P-th batch and gradients are averaged, so `batch_size x P x grad_accum` chunks make
 one optimizer step whatever P is (the same global batch gives the same run on one or many processes).
 
-Evaluation: held-out perplexity with the project's protocol (`eval.perplexity.evaluate_perplexity`, disjoint
+Evaluation: held-out perplexity with the project's protocol (`hf_attn.tooling.perplexity.evaluate_perplexity`, disjoint
 windows of `eval_context` tokens over the first `eval_tokens` tokens) before, every `eval_every` steps, and
 after. Training and evaluation text must not overlap (`train_data.check_disjoint`).
 
@@ -52,18 +52,22 @@ import numpy as np
 import torch
 
 import hf_attn  # noqa: F401  (registers the hf-attn attention implementations and the llama_mla model type)
-from conversion.checkpoint import add_record, copy_side_files, read_config, resolve_model_path, write_config
-from conversion.train_data import (
+from hf_attn.conversion.checkpoint import add_record, copy_side_files, read_config, write_config
+from hf_attn.conversion.train_data import (
     check_disjoint,
     chunk_tokens,
     load_eval_corpus,
     load_train_corpus,
     make_loader,
 )
-from eval import common
-from eval.corpus import tokenize
-from eval.perplexity import check_window, evaluate_perplexity
-from hf_attn.files import atomic_directory, checkpoint_hash
+from hf_attn.tooling import loading
+from hf_attn.tooling.cli import error, one_line
+from hf_attn.tooling.corpus import tokenize
+from hf_attn.tooling.files import atomic_directory, checkpoint_hash
+from hf_attn.tooling.loading import resolve_model
+from hf_attn.tooling.perplexity import check_window, evaluate_perplexity
+
+PROG = "hf-attn heal"
 
 TRAINABLE = ("all", "attention")
 SCHEDULES = ("cosine", "constant")
@@ -268,7 +272,7 @@ def load_model(
     path: Path, *, attn_implementation: str | None, trust_remote_code: bool, gradient_checkpointing: bool
 ):
     """The checkpoint as float32 master weights, in train mode."""
-    model = common.load_causal_lm(
+    model = loading.load_causal_lm(
         path,
         attn_implementation=attn_implementation,
         dtype=torch.float32,
@@ -390,12 +394,12 @@ def heal(
             mixed_precision=PRECISIONS[dtype], gradient_accumulation_steps=grad_accum, cpu=cpu
         )
     except (ValueError, RuntimeError) as err:
-        raise ValueError(f"--dtype {dtype} is not supported here: {common._one_line(err)}") from err
+        raise ValueError(f"--dtype {dtype} is not supported here: {one_line(err)}") from err
     main = accelerator.is_main_process
     set_seed(seed)
 
     # ---- data: tokenized once, disjoint from the evaluation text
-    source = resolve_model_path(model)
+    source = resolve_model(model)
     train_corpus, train_files = load_train_corpus(
         train_text,
         dataset=dataset,
@@ -405,7 +409,7 @@ def heal(
     )
     eval_corpus, eval_files = load_eval_corpus(eval_text)
     check_disjoint(train_corpus, train_files, eval_corpus, eval_files)
-    tokenizer = common.load_tokenizer(source)
+    tokenizer = loading.load_tokenizer(source)
     train_ids = tokenize(tokenizer, train_corpus)
     num_processes = accelerator.num_processes
     chunks = chunk_tokens(train_ids, seq_len, min_chunks=batch_size * num_processes * grad_accum)
@@ -692,7 +696,7 @@ def heal(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m conversion.heal", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--model", default=None, help="checkpoint directory or hub id (default: the embedded SmolLM2)"
     )
@@ -754,7 +758,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         result = heal(
@@ -794,8 +798,8 @@ def main(argv: list[str] | None = None) -> dict:
             overwrite=args.overwrite,
             progress=not args.no_progress,
         )
-    except (ValueError, OSError) as err:
-        common.fail("conversion.heal", err)
+    except (ValueError, OSError, KeyError) as err:
+        return error(PROG, err)
     from accelerate import PartialState
 
     if PartialState().is_main_process:
@@ -810,8 +814,8 @@ def main(argv: list[str] | None = None) -> dict:
             f"{result['tokens']} tokens, final loss {result['final_loss']:.4f}{ppl} | "
             f"{result['train_seconds']:.1f} s training"
         )
-    return result
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -47,11 +47,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from conversion import calibration as cal
-from conversion import cli
-from conversion import factorization as fac
-from conversion import rope_selection as rs
-from conversion.checkpoint import (
+from hf_attn.conversion import calibration as cal
+from hf_attn.conversion import cli
+from hf_attn.conversion import factorization as fac
+from hf_attn.conversion import rope_selection as rs
+from hf_attn.conversion.checkpoint import (
     DEFAULT_MAX_SHARD_BYTES,
     AttentionGeometry,
     ShardedWriter,
@@ -65,12 +65,13 @@ from conversion.checkpoint import (
     parse_attn_key,
     read_config,
     read_tensor,
-    resolve_model_path,
     tensor_index,
-    torch_dtype,
     write_config,
 )
-from hf_attn.files import atomic_directory, checkpoint_hash
+from hf_attn.tooling.files import atomic_directory, checkpoint_hash
+from hf_attn.tooling.loading import parse_dtype, resolve_model
+
+PROG = "hf-attn convert mla"
 
 DEFAULT_ROPE_SELECTION = "attention"
 DEFAULT_FACTORIZATION = "attention"
@@ -604,7 +605,7 @@ def plan_conversion(
         raise ValueError(
             f"Unknown --factorization {factorization!r}; choose one of {', '.join(fac.FACTORIZATIONS)}."
         )
-    src_dir = resolve_model_path(src)
+    src_dir = resolve_model(src)
     config = read_config(src_dir)
     check_supported(config)
     geometry = AttentionGeometry.from_config(config)
@@ -676,8 +677,8 @@ def convert_to_mla(
     Austen novels other than Persuasion) runs only if the selection or factorization needs it.
     """
     start = time.perf_counter()
-    dtype = torch_dtype(dtype) if isinstance(dtype, str) else dtype
-    src_dir = resolve_model_path(src)
+    dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    src_dir = resolve_model(src)
     dst = Path(dst).expanduser().resolve()
     if dst == src_dir.resolve():
         raise ValueError(f"--output {dst} is the source checkpoint; converters never modify their source.")
@@ -734,7 +735,7 @@ def write_conversion(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = cli.converter_parser("python -m conversion.mla", __doc__, output_help="converted checkpoint dir")
+    parser = cli.converter_parser(PROG, __doc__, output_help="converted checkpoint dir")
     ranks = parser.add_mutually_exclusive_group()
     ranks.add_argument("--kv-lora-rank", type=int, default=None, help="d_c, width of the cached latent")
     ranks.add_argument(

@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from eval.corpus import Corpus, load_corpus
-from hf_attn import assets
-from hf_attn.files import sha256_file
+from hf_attn.tooling import assets
+from hf_attn.tooling.corpus import Corpus, load_corpus
+from hf_attn.tooling.files import sha256_file
 
 MIN_PARAGRAPH_CHARS = 200  # shorter shared passages (chapter titles, "by Jane Austen") are not overlap
 

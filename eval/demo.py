@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_attn
-from hf_attn import assets
+from hf_attn.tooling import assets
 
 PROMPT = "It is a truth universally acknowledged, that"
 

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from eval.common import dtype_name
+from hf_attn.tooling.loading import dtype_name
 
 _ATTENTION_LAYERS = ("full_attention", "sliding_attention", "chunked_attention")
 

@@ -7,7 +7,7 @@ Protocol: the source is converted once per grid point (one calibration pass shar
 source model over `--calibration-tokens` tokens of the five Austen novels other than *Persuasion*, windows of
 1024); each converted checkpoint is written by the converter itself (`conversion.mla.write_conversion`,
 the same code as `python -m conversion.mla`), loaded with `AutoModelForCausalLM` in fp32 (sdpa) and scored
-with `eval.perplexity.evaluate_perplexity` on the first `--max-tokens` tokens of *Persuasion* (disjoint
+with `hf_attn.tooling.perplexity.evaluate_perplexity` on the first `--max-tokens` tokens of *Persuasion* (disjoint
 windows of `--context-length`, no special tokens). The source itself is row 0.
 
 Grid sections:
@@ -25,18 +25,21 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from conversion import mla
-from conversion.checkpoint import AttentionGeometry, read_config, resolve_model_path
-from eval import common
-from eval.corpus import load_corpus, tokenize
-from eval.perplexity import evaluate_perplexity
+from hf_attn.conversion import mla
+from hf_attn.conversion.checkpoint import AttentionGeometry, read_config
+from hf_attn.eval.perplexity import evaluate_perplexity
+from hf_attn.tooling import loading
+from hf_attn.tooling.cli import error
+from hf_attn.tooling.corpus import load_corpus, tokenize
+from hf_attn.tooling.loading import resolve_model
+
+PROG = "hf-attn curve"
 
 SELECTIONS = ("high", "uniform", "2norm", "attention")
 FACTORIZATIONS = ("weight-svd", "activation", "attention")
@@ -110,7 +113,7 @@ def key(p: dict) -> str:
 
 
 def evaluate_checkpoint(path: Path, ids: torch.Tensor, context_length: int) -> dict:
-    model = common.load_causal_lm(str(path), attn_implementation="sdpa", dtype=torch.float32)
+    model = loading.load_causal_lm(str(path), attn_implementation="sdpa", dtype=torch.float32)
     res = evaluate_perplexity(model, ids, context_length=context_length, progress=False)
     return {
         "perplexity": res.perplexity,
@@ -131,16 +134,16 @@ def run_curve(
     calibration_tokens: int = 8192,
     fresh: bool = False,
 ) -> dict:
-    src_dir = resolve_model_path(model)
+    src_dir = resolve_model(model)
     geometry = AttentionGeometry.from_config(read_config(src_dir))
     output_dir.mkdir(parents=True, exist_ok=True)
     out_json = output_dir / "curve.json"
 
     corpus = load_corpus()
-    ids = tokenize(common.load_tokenizer(str(src_dir)), corpus)[:max_tokens]
+    ids = tokenize(loading.load_tokenizer(str(src_dir)), corpus)[:max_tokens]
     protocol = {
         "model": str(src_dir),
-        "model_hash": common.model_hash(str(src_dir)),
+        "model_hash": loading.model_hash(str(src_dir)),
         "corpus": corpus.name,
         "corpus_sha256": corpus.sha256,
         "tokens": int(ids.numel()),
@@ -430,7 +433,7 @@ def _geometry(protocol: dict) -> AttentionGeometry:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eval.mla_curve", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="checkpoint dir or hub id (default: embedded SmolLM2)")
     parser.add_argument("--output-dir", default="results/mla_curve")
     parser.add_argument("--grid", default="default", choices=("default", "quick"))
@@ -456,10 +459,10 @@ def main(argv: list[str] | None = None) -> int:
             calibration_tokens=args.calibration_tokens,
             fresh=args.fresh,
         )
-    except (ValueError, OSError) as err:
-        parser.exit(2, f"{parser.prog}: error: {err}\n")
+    except (ValueError, OSError, KeyError) as err:
+        return error(PROG, err)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

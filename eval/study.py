@@ -33,8 +33,11 @@ import tomllib
 import traceback
 from pathlib import Path
 
-from hf_attn import assets
-from hf_attn.files import checkpoint_hash
+from hf_attn.tooling import assets
+from hf_attn.tooling.cli import error
+from hf_attn.tooling.files import checkpoint_hash
+
+PROG = "hf-attn study"
 
 DEFAULT_CONFIG = Path(__file__).with_name("study.toml")
 PROFILES = ("default", "quick")
@@ -104,8 +107,15 @@ def _key(*parts) -> str:
 
 
 # The code a checkpoint or a row depends on: editing it invalidates what it built (no `--fresh` needed).
-CONVERSION_CODE = ("conversion", "hf_attn")
-MEASUREMENT_CODE = ("eval.common", "eval.corpus", "eval.perplexity", "eval.kv_cache", "eval.bench_decode")
+CONVERSION_CODE = ("hf_attn.conversion", "hf_attn")
+MEASUREMENT_CODE = (
+    "hf_attn.tooling.loading",
+    "hf_attn.tooling.corpus",
+    "hf_attn.tooling.perplexity",
+    "hf_attn.eval.perplexity",
+    "hf_attn.eval.kv_cache",
+    "hf_attn.eval.bench.decode",
+)
 
 
 def code_hash(modules: tuple[str, ...]) -> str:
@@ -146,17 +156,17 @@ def convert(
     every MLA variant of a study reuses it."""
     opts = dict(variant.options)
     if variant.kind == "expand":
-        from conversion.expand import expand_checkpoint
+        from hf_attn.conversion.expand import expand_checkpoint
 
         expand_checkpoint(src=source, dst=dst, **opts)
     elif variant.kind == "gqa":
-        from conversion.gqa import convert_gqa
+        from hf_attn.conversion.gqa import convert_gqa
 
         opts.setdefault("calibration_tokens", settings.calibration_tokens)  # used by calibrated methods only
         convert_gqa(src=source, dst=dst, **opts)
     elif variant.kind == "mla":
-        from conversion import mla
-        from conversion.checkpoint import AttentionGeometry, read_config
+        from hf_attn.conversion import mla
+        from hf_attn.conversion.checkpoint import AttentionGeometry, read_config
 
         opts.setdefault("calibration_tokens", settings.calibration_tokens)
         shared = {} if shared is None else shared
@@ -176,7 +186,7 @@ def convert(
 
 
 def heal(src: Path, dst: Path, settings: Settings) -> dict:
-    from conversion.heal import heal as heal_checkpoint
+    from hf_attn.conversion.heal import heal as heal_checkpoint
 
     return heal_checkpoint(
         model=src,
@@ -193,8 +203,8 @@ def heal(src: Path, dst: Path, settings: Settings) -> dict:
 
 def measure(path: Path, settings: Settings) -> dict:
     """Perplexity (with measured KV bytes per token) and decode speed of one checkpoint."""
-    from eval.bench_decode import bench_decode
-    from eval.perplexity import run as perplexity
+    from hf_attn.eval.bench.decode import bench_decode
+    from hf_attn.eval.perplexity import run as perplexity
 
     ppl = perplexity(
         model=path,
@@ -276,7 +286,7 @@ class Study:
         if source_kv is None:  # no source row (`--only`): the source's cache from its config, in fp32
             from transformers import AutoConfig
 
-            from eval.kv_cache import kv_bytes_per_token
+            from hf_attn.eval.kv_cache import kv_bytes_per_token
 
             source_kv = kv_bytes_per_token(AutoConfig.from_pretrained(self.source)).total
         for r in rows:
@@ -340,7 +350,7 @@ class Study:
                     rows.append(self._failed(v, err, healed=True))
         progress.done = first_step + 2 + 2 * v.heal  # the steps a failure skipped
         if not self.keep_checkpoints:
-            from conversion.heal import default_state_dir
+            from hf_attn.conversion.heal import default_state_dir
 
             for path, _, _ in built.values():
                 for tree in (path, default_state_dir(path)):  # the healing log lives beside its checkpoint
@@ -403,8 +413,8 @@ def run_study(
     keep_checkpoints: bool = True,
 ) -> dict:
     """Run the study; write `results.json`, `report.md` and `pareto.png` into `results`; return the record."""
-    from eval.common import library_versions
-    from eval.report import write_report
+    from hf_attn.eval.report import write_report
+    from hf_attn.tooling.loading import library_versions
 
     settings, variants = load_config(config, profile)
     if overrides:
@@ -438,8 +448,8 @@ def run_study(
     return record
 
 
-def main(argv: list[str] | None = None) -> dict | None:
-    parser = argparse.ArgumentParser(prog="python -m eval.study", description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--profile", choices=PROFILES, default="default")
     parser.add_argument(
         "--quick", action="store_const", const="quick", dest="profile", help="= --profile quick"
@@ -467,10 +477,9 @@ def main(argv: list[str] | None = None) -> dict | None:
             fresh=args.fresh,
             keep_checkpoints=not args.discard_checkpoints,
         )
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
-    from eval.report import format_table
+    except (ValueError, OSError, KeyError) as err:
+        return error(PROG, err)
+    from hf_attn.eval.report import format_table
 
     print()
     print(format_table(record))
@@ -478,8 +487,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         f"\nwrote {Path(args.results) / 'report.md'}, results.json, pareto.png "
         f"({record['wall_seconds'] / 60:.1f} min)"
     )
-    return record
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -10,7 +10,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import hf_attn  # noqa: E402,F401  (registers the attention implementations)
-from hf_attn import assets  # noqa: E402
+from hf_attn.tooling import assets  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -40,3 +40,11 @@ def tmp_path(tmp_path):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def exit_status(main, argv) -> int:
+    """A command's exit status, whether `main(argv)` returns it or argparse raises SystemExit."""
+    try:
+        return main(argv)
+    except SystemExit as exit_:
+        return exit_.code

@@ -6,11 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import exit_status
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from conversion import expand
-from hf_attn.files import checkpoint_hash, sha256_file
+from hf_attn.conversion import expand
+from hf_attn.tooling.files import checkpoint_hash, sha256_file
 
 TINY = dict(
     vocab_size=96,
@@ -103,9 +104,7 @@ def test_errors(tmp_path, capsys):
         expand.expand_checkpoint(src=src, dst=out, num_kv_heads=3)
     expand.expand_checkpoint(src=src, dst=out)
     capsys.readouterr()
-    with pytest.raises(SystemExit) as exc:
-        expand.main(["--model", str(src), "--output", str(out)])
-    assert exc.value.code != 0
+    assert exit_status(expand.main, ["--model", str(src), "--output", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert "already exists" in err and "--overwrite" in err and "\n" not in err
     expand.main(["--model", str(src), "--output", str(out), "--overwrite", "--num-kv-heads", "4"])

@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import exit_status
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig, Qwen2Config
 
-from conversion import gqa
-from conversion.expand import expand_checkpoint
-from hf_attn.files import checkpoint_hash, sha256_file
+from hf_attn.conversion import gqa
+from hf_attn.conversion.expand import expand_checkpoint
+from hf_attn.tooling.files import checkpoint_hash, sha256_file
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = dict(
@@ -130,8 +131,8 @@ def test_sharded_source_and_output(tmp_path):
 
 def test_attention_statistics_match_a_direct_computation(tmp_path):
     """AttentionStatistics against loops over eager attention probabilities (output_attentions=True)."""
-    from conversion.calibration import capture_attention_inputs
-    from conversion.checkpoint import AttentionGeometry
+    from hf_attn.conversion.calibration import capture_attention_inputs
+    from hf_attn.conversion.checkpoint import AttentionGeometry
 
     src = make_tiny(tmp_path / "src")
     model = AutoModelForCausalLM.from_pretrained(src, attn_implementation="eager").eval()
@@ -256,7 +257,7 @@ def test_smollm2_expand_then_mean_pool_returns_original_bits(tmp_path, smollm2_p
 
 @pytest.mark.slow
 def test_smollm2_calibrated_beats_mean_on_held_out_text(tmp_path, smollm2_path, persuasion_path):
-    from eval.perplexity import evaluate_perplexity
+    from hf_attn.eval.perplexity import evaluate_perplexity
 
     before = checkpoint_hash(smollm2_path)
     common = dict(src=smollm2_path, num_kv_heads=1)
@@ -284,9 +285,7 @@ def test_smollm2_calibrated_beats_mean_on_held_out_text(tmp_path, smollm2_path, 
 
 def _one_line_cli_error(capsys, argv) -> str:
     capsys.readouterr()  # drop what earlier steps printed
-    with pytest.raises(SystemExit) as exc:
-        gqa.main(argv)
-    assert exc.value.code != 0
+    assert exit_status(gqa.main, argv) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "Traceback" not in err
     return err
@@ -367,7 +366,7 @@ def test_existing_output_needs_overwrite_and_failures_leave_nothing(tmp_path, mo
 
 def test_sharded_writer_round_trip(tmp_path):
     """Mixed dtypes, odd byte sizes, a scalar and an empty tensor survive sharding; aligned data offsets."""
-    from conversion.checkpoint import ShardedWriter, iter_tensors, tensor_index
+    from hf_attn.conversion.checkpoint import ShardedWriter, iter_tensors, tensor_index
 
     g = torch.Generator().manual_seed(0)
     tensors = {
@@ -398,8 +397,9 @@ def test_sharded_writer_round_trip(tmp_path):
 
 
 def test_records_side_files_and_model_resolution(tmp_path, smollm2_path):
-    from conversion.checkpoint import add_record, check_supported, copy_side_files, resolve_model_path
-    from hf_attn import assets
+    from hf_attn.conversion.checkpoint import add_record, check_supported, copy_side_files
+    from hf_attn.tooling import assets
+    from hf_attn.tooling.loading import resolve_model
 
     config = {"model_type": "llama", "hf_attn": {"history": [{"step": 1}], "last": {"step": 1}}}
     out = add_record(config, {"step": 2})
@@ -410,12 +410,12 @@ def test_records_side_files_and_model_resolution(tmp_path, smollm2_path):
     assert {"tokenizer.json", "generation_config.json", "chat_template.jinja"} <= set(copied)
     assert not any(n.endswith(".safetensors") or n == "config.json" for n in copied)
 
-    assert resolve_model_path(None) == assets.smollm2_dir()
-    assert resolve_model_path(str(smollm2_path)) == smollm2_path.resolve()
+    assert resolve_model(None) == assets.smollm2_dir()
+    assert resolve_model(str(smollm2_path)) == smollm2_path.resolve()
     with pytest.raises(FileNotFoundError, match="not a checkpoint directory"):
-        resolve_model_path(tmp_path / "missing")
+        resolve_model(tmp_path / "missing")
     with pytest.raises(FileNotFoundError, match="hub"):
-        resolve_model_path("nobody-here/no-such-model-hf-attn")  # offline in tests, not cached
+        resolve_model("nobody-here/no-such-model-hf-attn")  # offline in tests, not cached
 
     base = {"model_type": "llama", "num_attention_heads": 8, "num_hidden_layers": 2, "hidden_size": 64}
     for bad, match in (

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-from eval.kv_cache import kv_bytes_per_token, kv_cache_bytes, measured_kv_bytes_per_token
+from hf_attn.eval.kv_cache import kv_bytes_per_token, kv_cache_bytes, measured_kv_bytes_per_token
 
 TINY = dict(
     vocab_size=64, hidden_size=64, intermediate_size=32, num_hidden_layers=3, max_position_embeddings=128

@@ -14,15 +14,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import exit_status
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 from transformers.models.llama.modeling_llama import rotate_half
 
-from conversion import factorization as fac
-from conversion import mla
-from conversion import rope_selection as rs
-from conversion.calibration import calibration_ids
-from conversion.checkpoint import AttentionGeometry
-from hf_attn.files import checkpoint_hash, sha256_file
+from hf_attn.conversion import factorization as fac
+from hf_attn.conversion import mla
+from hf_attn.conversion import rope_selection as rs
+from hf_attn.conversion.calibration import calibration_ids
+from hf_attn.conversion.checkpoint import AttentionGeometry
+from hf_attn.tooling.files import checkpoint_hash, sha256_file
 
 TOL = 1e-4  # max |diff| relative to max |logit|, fp32
 VOCAB = 49152  # SmolLM2's tokenizer, copied into the tiny checkpoints so that calibration can run
@@ -169,7 +170,7 @@ def test_every_pair_full_rank_reproduces_smollm2_gqa(smollm2_path, smollm2_refer
 
 
 def test_every_pair_full_rank_reproduces_smollm2_mha(smollm2_path, smollm2_reference, tmp_path):
-    from conversion.expand import expand_checkpoint
+    from hf_attn.conversion.expand import expand_checkpoint
 
     ids, ref = smollm2_reference
     mha = expand_checkpoint(src=smollm2_path, dst=tmp_path / "mha", num_kv_heads=9)
@@ -476,9 +477,8 @@ def test_output_safety(tiny_root, tmp_path):
 
 
 def test_cli_one_line_errors(tiny_root, tmp_path, capsys):
-    with pytest.raises(SystemExit) as exc:
-        mla.main(["--model", str(tiny_root / "llama"), "--output", str(tmp_path / "o"), "--rope-pairs", "9"])
-    assert exc.value.code == 2
+    argv = ["--model", str(tiny_root / "llama"), "--output", str(tmp_path / "o"), "--rope-pairs", "9"]
+    assert exit_status(mla.main, argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "rope-pairs" in err and "Traceback" not in err
     assert (
@@ -535,7 +535,7 @@ def _brute_force_pair_stats(q, k, cos, sin, group, stride=1, window=None):
 
 @pytest.mark.parametrize("window", [None, 3])
 def test_attention_pair_stats_match_brute_force(window):
-    from conversion.rope_selection import AttentionPairStats
+    from hf_attn.conversion.rope_selection import AttentionPairStats
 
     g = torch.Generator().manual_seed(5)
     T, C, hq, hkv, d = 9, 10, 4, 2, 6
@@ -661,7 +661,7 @@ def test_attention_pca_full_rank_is_exact_up_to_key_offsets(biased):
 
 
 def test_curve_grid_points_are_valid_and_within_budget():
-    from eval.mla_curve import grid, key
+    from hf_attn.eval.mla_curve import grid, key
 
     points = grid("default", SMOL)
     assert len({key(p) for p in points}) == len(points)
@@ -677,7 +677,7 @@ def test_curve_grid_points_are_valid_and_within_budget():
 
 def test_curve_report_tables_and_plot(tmp_path, smollm2_path):
     """The options table reads each budget's default-r rows only, bolds the best, and the plot is written."""
-    from eval.mla_curve import markdown, plot_curve
+    from hf_attn.eval.mla_curve import markdown, plot_curve
 
     def row(budget, r, sel, fac, ppl):
         shape = mla.plan_shape(SMOL, kv_budget=budget, rope_pairs=r)

@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import exit_status
 from transformers import AutoModelForCausalLM, AutoTokenizer, ViTConfig
 
-from eval import perplexity
-from eval.corpus import load_corpus, tokenize
+from hf_attn.eval import perplexity
+from hf_attn.tooling import perplexity as core
+from hf_attn.tooling.corpus import load_corpus, tokenize
 
 REPO = Path(__file__).resolve().parents[1]
 CONTEXT = 256
@@ -84,7 +86,7 @@ def test_windows_score_what_the_guide_scores(n, context, stride):
         prev_end = end
         if end == n:
             break
-    got = [list(range(w.score_from, w.end)) for w in perplexity.plan_windows(n, context, stride)]
+    got = [list(range(w.score_from, w.end)) for w in core.plan_windows(n, context, stride)]
     assert got == [e for e in expected if e]
     scored = sorted(t for w in got for t in w)
     assert len(scored) == len(set(scored))
@@ -93,8 +95,8 @@ def test_windows_score_what_the_guide_scores(n, context, stride):
 
 
 def test_batches_group_equal_shapes():
-    windows = perplexity.plan_windows(1000, 256, 192)
-    batches = perplexity.plan_batches(windows, 2)
+    windows = core.plan_windows(1000, 256, 192)
+    batches = core.plan_batches(windows, 2)
     assert [len(b) for b in batches] == [1, 2, 1, 1]  # first window, two full ones, one full, the short tail
     assert [w for b in batches for w in b] == windows
 
@@ -140,7 +142,7 @@ def test_cli_equals_reference_disjoint(cli_disjoint, sdpa_model, ids, persuasion
 
 @pytest.fixture(scope="module")
 def api_sliding(sdpa_model, ids):
-    return perplexity.evaluate_perplexity(
+    return core.evaluate_perplexity(
         sdpa_model,
         ids,
         context_length=CONTEXT,
@@ -233,11 +235,9 @@ BAD = {
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_input_clear_error(case, bad_inputs, capsys):
     argv, message = BAD[case]
-    with pytest.raises(SystemExit) as exit_info:
-        perplexity.main([a.format(d=bad_inputs) for a in argv] + ["--no-progress"])
-    assert exit_info.value.code == 2
+    assert exit_status(perplexity.main, [a.format(d=bad_inputs) for a in argv] + ["--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("eval.perplexity: error:"), err
+    assert len(err.splitlines()) == 1 and err.startswith("hf-attn perplexity: error:"), err
     for part in (message,) if isinstance(message, str) else message:
         assert part in err, err
 

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from eval.study import DEFAULT_CONFIG, code_hash, load_config, run_study
+from hf_attn.eval.study import DEFAULT_CONFIG, code_hash, load_config, run_study
 
 TINY = {
     "eval_tokens": 256,

@@ -1,22 +1,23 @@
-"""Shared pieces of the evaluation tools: model loading with clear errors, dtype parsing, attention
-implementation names, checkpoint hashing and library versions.
+"""Models for the offline tools: the ONE model resolver, dtype parsing, config / model / tokenizer loading with
+clear errors, attention implementation names, checkpoint hashing and library versions.
 
-Every function here raises `ValueError` (one line, saying what would fix it) for a user mistake, so that the
-thin CLI layers can print it and exit non-zero without a traceback.
+Every function here raises `ValueError` / `FileNotFoundError` (one line, saying what would fix it) for a user
+mistake; `hf_attn.tooling.cli` turns those into exit status 2.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import platform
-import sys
 from pathlib import Path
 
 import torch
 
 import hf_attn  # noqa: F401  (registers the hf-attn attention implementations and model types)
-from hf_attn import assets
-from hf_attn.files import checkpoint_hash
+from hf_attn.tooling import assets
+from hf_attn.tooling.cli import one_line
+from hf_attn.tooling.files import checkpoint_hash
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -64,14 +65,30 @@ def check_attn_implementation(name: str | None) -> None:
         raise ValueError(f"Unknown attention implementation {name!r}; registered: {', '.join(available)}")
 
 
-def resolve_model(model: str | Path | None) -> str:
-    """None -> the embedded SmolLM2 directory; a local path or a hub id otherwise (as a string)."""
-    return str(assets.smollm2_dir() if model is None else model)
+def resolve_model(model: str | os.PathLike | None) -> Path:
+    """The one model resolver: None -> the embedded SmolLM2; an existing local directory as is; anything
+    else a hub id, fetched (or read offline from the HF cache) with `huggingface_hub.snapshot_download`."""
+    if model is None:
+        return assets.smollm2_dir()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    text = str(model)
+    if path.exists() or text.startswith((".", "/", "~")) or text.count("/") > 1:
+        raise FileNotFoundError(
+            f"Model {text!r} is not a checkpoint directory (expected config.json + weights)."
+        )
+    from huggingface_hub import snapshot_download
 
-
-def _one_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[0] if text else type(err).__name__
+    patterns = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.py"]
+    try:
+        return Path(snapshot_download(text, allow_patterns=patterns))
+    except Exception as err:  # network, auth, offline without a cached copy
+        offline = " (offline: HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") == "1" else ""
+        raise FileNotFoundError(
+            f"Could not fetch {text!r} from the Hugging Face hub{offline} ({type(err).__name__}); pass a local "
+            "checkpoint directory, or check the id and the network."
+        ) from err
 
 
 def load_config(model: str | Path, *, trust_remote_code: bool = False):
@@ -83,7 +100,7 @@ def load_config(model: str | Path, *, trust_remote_code: bool = False):
         config = AutoConfig.from_pretrained(str(model), trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as err:
         raise ValueError(
-            f"{model} is not a causal LM checkpoint (no usable config.json: {_one_line(err)})"
+            f"{model} is not a causal LM checkpoint (no usable config.json: {one_line(err)})"
         ) from err
     remote = trust_remote_code and "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
     if not remote and type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
@@ -115,7 +132,7 @@ def load_causal_lm(
     try:
         lm = AutoModelForCausalLM.from_pretrained(str(model), **kwargs)
     except (OSError, ValueError, KeyError) as err:
-        raise ValueError(f"Could not load {model} as a causal LM: {_one_line(err)}") from err
+        raise ValueError(f"Could not load {model} as a causal LM: {one_line(err)}") from err
     return lm.eval()
 
 
@@ -125,7 +142,7 @@ def load_tokenizer(model: str | Path):
     try:
         return AutoTokenizer.from_pretrained(str(model))
     except (OSError, ValueError, KeyError) as err:
-        raise ValueError(f"No usable tokenizer in {model}: {_one_line(err)}") from err
+        raise ValueError(f"No usable tokenizer in {model}: {one_line(err)}") from err
 
 
 def max_positions(config) -> int | None:
@@ -163,9 +180,3 @@ def library_versions() -> dict[str, str]:
 def model_device(model) -> torch.device:
     """Device of the input embeddings (where input ids must go, also under device_map="auto")."""
     return model.get_input_embeddings().weight.device
-
-
-def fail(prog: str, err: BaseException) -> None:
-    """Print a one-line error for a user mistake and exit with status 2 (no traceback)."""
-    print(f"{prog}: error: {_one_line(err)}", file=sys.stderr)
-    raise SystemExit(2)

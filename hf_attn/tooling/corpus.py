@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from hf_attn import assets
+from hf_attn.tooling import assets
 
 SEPARATOR = "\n\n"
 

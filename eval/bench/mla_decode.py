@@ -1,0 +1,259 @@
+"""Decode speed of a `llama_mla` model: absorbed vs expanded attention path, and the source GQA model (sdpa).
+
+Protocol: batch 1, fp32, greedy, `--threads` torch threads for decode (default 1: on a shared machine OpenMP
+barriers make multi-threaded small ops wait for preempted threads, 1000x slower here). For each model one
+context of max(contexts) random token ids is prefilled once in chunks (not timed, all cores); for each context
+length L a fresh cache holding its first L tokens is decoded for `warmup` + `new_tokens` steps, one token per
+forward call; tokens/s = 1 / median step time of the `new_tokens` timed steps (positions may run past
+max_position_embeddings by warmup + new_tokens: speed does not depend on it). The load average is recorded
+beside the numbers, since the machine may be shared.
+
+Without `--model`, the MLA model is built here with the source's dimensions and non-attention weights plus
+random MLA attention weights of the requested ranks (`--kv-lora-rank`, `--rope-pairs`): decode cost depends on
+shapes only. `--random-weights` needs only the source's config.json (random weights everywhere).
+
+    python -m eval.bench_mla_decode [--model MLA_DIR] [--source SRC_DIR] [--contexts 1024 4096 8192]
+        [--new-tokens 32] [--kv-lora-rank 64] [--rope-pairs 8] [--threads 1] [--device cpu]
+        [--random-weights] [--output results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, DynamicCache
+
+from hf_attn.models.llama_mla import LlamaMLAConfig, LlamaMLAForCausalLM
+from hf_attn.tooling.cli import error
+from hf_attn.tooling.loading import library_versions, load_causal_lm, load_config, resolve_model
+
+PROG = "hf-attn bench mla-decode"
+
+_SOURCE_FIELDS_DROP = ("model_type", "architectures", "transformers_version", "auto_map", "dtype", "hf_attn")
+VARIANTS = ("absorbed", "expanded", "source GQA (sdpa)")
+
+
+def load_source(source: str | Path, *, random_weights: bool = False, seed: int = 0):
+    """The source GQA model under sdpa: its checkpoint, or random weights from its config alone."""
+    if not random_weights:
+        return load_causal_lm(source, attn_implementation="sdpa")
+    config = load_config(source)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+
+
+def random_mla_like(src, *, kv_lora_rank: int, rope_pairs: int, seed: int = 0) -> LlamaMLAForCausalLM:
+    """A llama_mla model with `src`'s config and non-attention weights, random MLA attention weights."""
+    cfg = src.config
+    if cfg.model_type not in ("llama", "mistral", "qwen2"):
+        raise ValueError(
+            f"--source must be a Llama / Mistral / Qwen2 model, got model type {cfg.model_type!r}"
+        )
+    if not 0 <= rope_pairs <= cfg.head_dim // 2:
+        raise ValueError(f"--rope-pairs must be in [0, {cfg.head_dim // 2}] for head_dim {cfg.head_dim}")
+    fields = {k: v for k, v in cfg.to_dict().items() if k not in _SOURCE_FIELDS_DROP}
+    qwen2 = cfg.model_type == "qwen2"
+    mla_cfg = LlamaMLAConfig(
+        **fields,
+        kv_lora_rank=kv_lora_rank,
+        rope_pairs=rope_pairs,
+        qkv_bias=qwen2 or bool(getattr(cfg, "attention_bias", False)),
+        o_bias=not qwen2 and bool(getattr(cfg, "attention_bias", False)),
+        source_model_type=cfg.model_type,
+    )
+    torch.manual_seed(seed)
+    mla = LlamaMLAForCausalLM(mla_cfg)
+    shared = {k: v for k, v in src.state_dict().items() if ".self_attn." not in k}
+    missing, unexpected = mla.load_state_dict(shared, strict=False)
+    assert not unexpected and all(".self_attn." in k for k in missing), (missing, unexpected)
+    mla.set_attn_implementation("sdpa")
+    return mla.eval()
+
+
+@torch.inference_mode()
+def prefill(model, ids: torch.Tensor, chunk: int = 1024) -> DynamicCache:
+    """Fill a DynamicCache with `ids` (1, L) in chunks of `chunk` tokens."""
+    cache = DynamicCache(config=model.config)
+    for start in tqdm(range(0, ids.shape[1], chunk), desc="prefill", leave=False):
+        model(input_ids=ids[:, start : start + chunk], past_key_values=cache, use_cache=True)
+    return cache
+
+
+def cache_prefix(cache: DynamicCache, length: int, config) -> DynamicCache:
+    """A new DynamicCache holding copies of the first `length` tokens of `cache`."""
+    out = DynamicCache(config=config)
+    for i, layer in enumerate(cache.layers):
+        out.update(layer.keys[:, :, :length].clone(), layer.values[:, :, :length].clone(), i)
+    return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def decode_tokens_per_second(model, cache: DynamicCache, *, new_tokens: int, warmup: int = 2) -> float:
+    """Greedy single-token decode steps on `cache`; 1 / median step time of the `new_tokens` timed steps."""
+    device = model.device
+    pos = cache.get_seq_length()
+    token = torch.zeros(1, 1, dtype=torch.long, device=device)
+    times = []
+    for step in range(warmup + new_tokens):
+        position_ids = torch.tensor([[pos]], device=device)
+        _sync(device)
+        start = time.perf_counter()
+        logits = model(
+            input_ids=token, position_ids=position_ids, past_key_values=cache, use_cache=True
+        ).logits
+        token = logits[:, -1:].argmax(-1)
+        _sync(device)
+        if step >= warmup:
+            times.append(time.perf_counter() - start)
+        pos += 1
+    return 1.0 / statistics.median(times)
+
+
+def kv_numbers_per_token(config) -> int:
+    """Cached numbers per token summed over layers (fp32 bytes = 4x)."""
+    if config.model_type == "llama_mla":
+        return config.kv_cache_numbers_per_token() * config.num_hidden_layers
+    return 2 * config.num_key_value_heads * config.head_dim * config.num_hidden_layers
+
+
+def run(
+    *,
+    model: str | Path | None = None,
+    source: str | Path | None = None,
+    contexts: tuple[int, ...] = (1024, 4096, 8192),
+    new_tokens: int = 32,
+    warmup: int = 2,
+    kv_lora_rank: int = 64,
+    rope_pairs: int = 8,
+    device: str = "cpu",
+    random_weights: bool = False,
+    prefill_threads: int | None = None,
+    seed: int = 0,
+) -> dict:
+    """Measure decode tokens/s; returns the record (rows: context x variant)."""
+    if new_tokens < 1 or min(contexts) < 1:
+        raise ValueError(f"--new-tokens and --contexts must be positive, got {new_tokens} and {contexts}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device} asked for, but torch sees no CUDA device")
+    source = str(resolve_model(source))
+    src = load_source(source, random_weights=random_weights, seed=seed)
+    if model is None:
+        mla = random_mla_like(src, kv_lora_rank=kv_lora_rank, rope_pairs=rope_pairs, seed=seed)
+        mla_desc = f"random MLA attention on {Path(source).name} (d_c={kv_lora_rank}, r={rope_pairs})"
+    else:
+        if load_config(model).model_type != "llama_mla":
+            raise ValueError(f"--model {model} is not a llama_mla checkpoint")
+        mla = load_causal_lm(model, attn_implementation="sdpa")
+        mla_desc = str(model)
+    mla, src = mla.to(device), src.to(device)
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, src.config.vocab_size, (1, max(contexts)), generator=generator).to(device)
+    load_before = os.getloadavg()
+    decode_threads = torch.get_num_threads()
+    torch.set_num_threads(prefill_threads or os.cpu_count() or 1)  # big matmuls: all cores
+    caches = {"mla": prefill(mla, ids), "source": prefill(src, ids)}
+    torch.set_num_threads(decode_threads)
+    setups = dict(zip(VARIANTS, [(mla, "mla", "absorbed"), (mla, "mla", "expanded"), (src, "source", None)]))
+    rows = []
+    for length in contexts:
+        for name, (lm, key, path) in setups.items():
+            if path is not None:
+                lm.config.mla_attention_path = path
+            cache = cache_prefix(caches[key], length, lm.config)
+            tps = decode_tokens_per_second(lm, cache, new_tokens=new_tokens, warmup=warmup)
+            rows.append({"context": length, "variant": name, "tokens_per_s": tps})
+            print(f"context {length:>6}  {name:<18} {tps:8.2f} tok/s", flush=True)
+    mla.config.mla_attention_path = "auto"
+    return {
+        "benchmark": "decode tokens/s, batch 1, fp32, greedy, 1 / median step time",
+        "mla_model": mla_desc,
+        "source_model": str(source) + (" (random weights)" if random_weights else ""),
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "kv_numbers_per_token": {
+            "mla": kv_numbers_per_token(mla.config),
+            "source": kv_numbers_per_token(src.config),
+        },
+        "new_tokens": new_tokens,
+        "warmup": warmup,
+        "load_average": {"before": load_before, "after": os.getloadavg()},
+        "versions": library_versions(),
+        "rows": rows,
+    }
+
+
+def format_table(record: dict) -> str:
+    """Markdown table: one row per context, tokens/s per variant, absorbed / expanded and / source."""
+    by = {(r["context"], r["variant"]): r["tokens_per_s"] for r in record["rows"]}
+    lines = [
+        "| context | absorbed tok/s | expanded tok/s | source GQA (sdpa) tok/s | absorbed / expanded "
+        "| absorbed / source |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c in sorted({r["context"] for r in record["rows"]}):
+        a, e, s = (by[(c, v)] for v in VARIANTS)
+        lines.append(f"| {c} | {a:.1f} | {e:.1f} | {s:.1f} | {a / e:.2f}x | {a / s:.2f}x |")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="llama_mla checkpoint (default: built here, random MLA attention weights)")
+    p.add_argument("--source", help="source GQA checkpoint (default: the embedded SmolLM2)")
+    p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8192])
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--kv-lora-rank", type=int, default=64)
+    p.add_argument("--rope-pairs", type=int, default=8)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1, see the protocol)")
+    p.add_argument("--prefill-threads", type=int, help="torch threads for the untimed prefill (default: all)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    p.add_argument("--random-weights", action="store_true", help="random weights from the source's config")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", help="write the record as JSON here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.threads < 1:
+        return error(PROG, f"--threads must be >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads)
+    try:
+        record = run(
+            model=args.model,
+            source=args.source,
+            contexts=tuple(args.contexts),
+            new_tokens=args.new_tokens,
+            warmup=args.warmup,
+            kv_lora_rank=args.kv_lora_rank,
+            rope_pairs=args.rope_pairs,
+            device=args.device,
+            random_weights=args.random_weights,
+            prefill_threads=args.prefill_threads,
+            seed=args.seed,
+        )
+    except (ValueError, OSError, KeyError) as err:
+        return error(PROG, err)
+    print(format_table(record))
+    load = record["load_average"]
+    print(f"device {record['device']}, {record['threads']} threads, load average before/after: {load}")
+    if args.output:
+        Path(args.output).write_text(json.dumps(record, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

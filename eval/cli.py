@@ -1,0 +1,80 @@
+"""`hf-attn`: the one command-line tool. Each subcommand is a module's `main(argv) -> int`, imported only when
+it runs; the documented `python -m ...` module commands are the same functions.
+
+    hf-attn convert gqa|mla|expand ...   hf-attn heal ...        hf-attn perplexity ...
+    hf-attn study ...                    hf-attn curve ...       hf-attn assets
+    hf-attn bench attention|decode|heal|mla-decode|perplexity|stream ...
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module with main(argv) -> int, one-line description)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "convert gqa": ("hf_attn.conversion.gqa", "MHA/GQA -> GQA/MQA by mean or calibrated pooling"),
+    "convert mla": (
+        "hf_attn.conversion.mla",
+        "MHA/GQA -> MLA (llama_mla): partial RoPE + a joint low-rank latent",
+    ),
+    "convert expand": ("hf_attn.conversion.expand", "GQA/MQA -> MHA (or more KV heads), exactly"),
+    "heal": ("hf_attn.conversion.heal", "short uptraining of a converted checkpoint (accelerate)"),
+    "perplexity": ("hf_attn.eval.perplexity", "corpus perplexity with sliding windows (accelerate)"),
+    "study": ("hf_attn.eval.study", "convert, evaluate, heal every variant and write the report"),
+    "curve": ("hf_attn.eval.mla_curve", "the MLA KV-fraction / perplexity curve"),
+    "assets": ("hf_attn.tooling.assets", "fetch the embedded default (SmolLM2 and the Austen novels)"),
+    "bench attention": (
+        "hf_attn.eval.bench.attention",
+        "hf_attn_grouped vs sdpa / eager attention functions",
+    ),
+    "bench decode": ("hf_attn.eval.bench.decode", "decode tokens/s and KV bytes of whole models"),
+    "bench heal": ("hf_attn.eval.bench.heal", "healing throughput and quality-vs-time curves"),
+    "bench mla-decode": ("hf_attn.eval.bench.mla_decode", "MLA absorbed vs expanded decode"),
+    "bench perplexity": ("hf_attn.eval.bench.perplexity", "perplexity evaluation vs a bare forward loop"),
+    "bench stream": ("hf_attn.eval.bench.stream", "peak memory of the streamed mean-pooling conversion"),
+}
+PROG = "hf-attn"
+
+
+def _usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = [
+        f"usage: {PROG} <command> [options]   ({PROG} <command> --help for its options)",
+        "",
+        "commands:",
+    ]
+    lines += [f"  {name:<{width}}  {text}" for name, (_, text) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def resolve(argv: list[str]) -> tuple[str, list[str]] | None:
+    """The subcommand named by the first one or two words of argv, and the rest; None if there is none."""
+    for words in (2, 1):
+        name = " ".join(argv[:words])
+        if len(argv) >= words and name in COMMANDS:
+            return name, argv[words:]
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    found = resolve(argv)
+    if found is None:
+        groups = sorted({name.split()[0] for name in COMMANDS})
+        print(
+            f"{PROG}: error: unknown command {' '.join(argv[:2])!r}; choose one of: {', '.join(groups)} "
+            f"(`{PROG} --help` lists them)",
+            file=sys.stderr,
+        )
+        return 2
+    name, rest = found
+    module = importlib.import_module(COMMANDS[name][0])
+    return module.main(rest)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

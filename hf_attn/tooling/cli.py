@@ -1,0 +1,100 @@
+"""The one command-line error path, and settings dataclasses that argparse parsers are built from.
+
+Every command is `main(argv=None) -> int` over keyword-only library functions that raise for user mistakes;
+`run_command` turns those into one line `hf-attn <command>: error: <what is wrong and what fixes it>` on stderr
+and exit status 2 (no traceback, nothing written: outputs are atomic). Library functions return results;
+only commands print.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import types
+import typing
+from collections.abc import Callable
+from typing import Any
+
+USER_ERRORS = (ValueError, OSError, KeyError)
+
+
+def one_line(err: BaseException) -> str:
+    """The first line of an error's message (its type name when it has none)."""
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
+def error(prog: str, err: BaseException | str) -> int:
+    """Print `prog: error: <one line>` to stderr and return the exit status of a user mistake (2)."""
+    print(f"{prog}: error: {err if isinstance(err, str) else one_line(err)}", file=sys.stderr)
+    return 2
+
+
+def run_command(prog: str, fn: Callable[[], Any]) -> int:
+    """0 after `fn()`, or 2 with one line on stderr for a user mistake (USER_ERRORS)."""
+    try:
+        fn()
+    except USER_ERRORS as err:
+        return error(prog, err)
+    return 0
+
+
+# ------------------------------------------------------------------------------------- settings -> parser
+
+
+def _field_type(tp) -> tuple[type, bool]:
+    """(scalar type, is a list) of a settings field annotation (Optional stripped)."""
+    if isinstance(tp, str):
+        raise TypeError(f"settings annotations must be evaluated types, got {tp!r}")
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType) and len(args) == 1:
+        return _field_type(args[0])
+    if origin in (list, tuple):
+        return args[0], True
+    return tp, False
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser, settings: type, *, skip: tuple[str, ...] = ()):
+    """One `--flag` per field of the dataclass `settings` (underscores -> dashes), its default, its type and
+    the `help` / `choices` / `metavar` / `flag` given in the field's metadata. bool fields with default False
+    become store_true flags, with default True `--no-...` flags."""
+    hints = typing.get_type_hints(settings)
+    for f in dataclasses.fields(settings):
+        if f.name in skip or f.metadata.get("cli") is False:
+            continue
+        flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        kwargs: dict[str, Any] = {"dest": f.name, "help": f.metadata.get("help")}
+        tp, is_list = _field_type(hints[f.name])
+        if tp is bool:
+            if default:
+                flag = f.metadata.get("flag", "--no-" + f.name.replace("_", "-"))
+                parser.add_argument(flag, action="store_false", **kwargs)
+            else:
+                parser.add_argument(flag, action="store_true", **kwargs)
+            continue
+        kwargs.update(default=default, type=tp)
+        if is_list:
+            kwargs["nargs"] = "+"
+        for key in ("choices", "metavar", "required"):
+            if key in f.metadata:
+                kwargs[key] = f.metadata[key]
+        if kwargs.get("required"):
+            kwargs.pop("default")
+        parser.add_argument(flag, **kwargs)
+
+
+def settings_from_args(settings: type, args: argparse.Namespace, **overrides):
+    """The dataclass `settings` from parsed arguments (fields the parser lacks keep their defaults)."""
+    names = {f.name for f in dataclasses.fields(settings)}
+    values = {k: v for k, v in vars(args).items() if k in names}
+    return settings(**{**values, **overrides})
+
+
+def setting(default=None, help: str | None = None, **metadata):  # noqa: A002
+    """A settings field: its default and the metadata `add_settings_arguments` reads."""
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata={"help": help, **metadata})
+    return dataclasses.field(default=default, metadata={"help": help, **metadata})
