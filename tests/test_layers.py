@@ -1,0 +1,115 @@
+"""The layer stack: hf_attn runtime <- hf_attn.tooling <- hf_attn.conversion <- hf_attn.eval (imports point
+down only), `import hf_attn` loads nothing above the runtime, and one `hf-attn` command fronts every tool."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# folder -> (its package name, the layer's rank: a module may import only packages of its rank or below)
+LAYERS = {
+    "hf_attn": ("hf_attn", 0),
+    "hf_attn/tooling": ("hf_attn.tooling", 1),
+    "conversion": ("hf_attn.conversion", 2),
+    "eval": ("hf_attn.eval", 3),
+}
+RANK = {package: rank for package, rank in LAYERS.values()}
+
+
+def _layer_of_module(name: str) -> int | None:
+    """Rank of the project package a dotted module name belongs to (longest match), None if not ours."""
+    best = None
+    for package, rank in RANK.items():
+        if name == package or name.startswith(package + "."):
+            if best is None or len(package) > len(best[0]):
+                best = (package, rank)
+    if best is None and name.split(".")[0] in ("conversion", "eval"):  # the checkout's alias names
+        return RANK["hf_attn." + name.split(".")[0]]
+    return None if best is None else best[1]
+
+
+def _imports(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    return names
+
+
+def _modules():
+    for folder, (_, rank) in LAYERS.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            inner = path.relative_to(ROOT / folder).parts
+            if folder == "hf_attn" and inner[0] == "tooling":
+                continue  # its own layer
+            yield path, rank
+
+
+@pytest.mark.parametrize("path,rank", list(_modules()), ids=lambda v: str(v) if isinstance(v, Path) else "")
+def test_imports_point_down(path, rank):
+    up = [n for n in _imports(path) if (r := _layer_of_module(n)) is not None and r > rank]
+    if path == ROOT / "hf_attn" / "assets.py":  # `python -m hf_attn.assets`, an alias kept for users
+        up = [n for n in up if not n.startswith("hf_attn.tooling.assets")]
+    assert not up, f"{path.relative_to(ROOT)} (layer {rank}) imports upward: {sorted(set(up))}"
+
+
+def test_runtime_import_loads_no_tooling():
+    code = (
+        "import sys, hf_attn\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('conversion', 'eval')\n"
+        "    or m.startswith(('hf_attn.tooling', 'hf_attn.conversion', 'hf_attn.eval', 'hf_attn.assets')))\n"
+        "assert not loaded, loaded\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_one_command_lists_every_subcommand():
+    from hf_attn.eval import cli
+
+    res = subprocess.run([sys.executable, "-m", "hf_attn.eval.cli", "--help"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    for name in cli.COMMANDS:
+        assert name in res.stdout
+    bad = subprocess.run([sys.executable, "-m", "hf_attn.eval.cli", "convrt"], capture_output=True, text=True)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "convrt" in bad.stderr
+
+
+def test_every_subcommand_and_module_alias_resolves():
+    """Each subcommand's module has main(argv) -> int, and each documented module command still exists."""
+    import importlib
+    import importlib.util
+
+    from hf_attn.eval import cli
+
+    for module, _ in cli.COMMANDS.values():
+        assert callable(importlib.import_module(module).main), module
+    aliases = [
+        "conversion.gqa",
+        "conversion.mla",
+        "conversion.expand",
+        "conversion.heal",
+        "eval.perplexity",
+        "eval.study",
+        "eval.mla_curve",
+        "eval.bench_attention",
+        "eval.bench_decode",
+        "eval.bench_heal",
+        "eval.bench_mla_decode",
+        "eval.bench_perplexity",
+        "conversion.bench_stream",
+        "hf_attn.assets",
+    ]
+    sys.path.insert(0, str(ROOT))  # the module commands run from the checkout
+    try:
+        missing = [m for m in aliases if importlib.util.find_spec(m) is None]
+    finally:
+        sys.path.remove(str(ROOT))
+    assert not missing, missing
