@@ -305,8 +305,8 @@ def deepseek_config(*, config: LlamaMLAConfig, plan: ExportPlan) -> dict:
         "routed_scaling_factor": 1.0,
         "num_nextn_predict_layers": 0,
     }
-    if dtype is not None:
-        out["dtype"] = dtype if isinstance(dtype, str) else dtype_name(dtype)
+    if dtype is not None:  # both spellings: transformers >= 5 reads dtype, loaders on 4.x torch_dtype
+        out["dtype"] = out["torch_dtype"] = dtype if isinstance(dtype, str) else dtype_name(dtype)
     return out
 
 
@@ -594,7 +594,7 @@ def export_checkpoint(
     first = next(tensors)  # raises the tensor checks (biases, shapes) before any output exists
     out_config = deepseek_config(config=config, plan=plan)
     if cast is not None:
-        out_config["dtype"] = dtype_name(cast)
+        out_config["dtype"] = out_config["torch_dtype"] = dtype_name(cast)
     record = {
         "converter": "conversion.export",
         "to": to,
