@@ -232,7 +232,7 @@ def plan_export(
     # a fraction of the source's and theta' ** (k / W) stays inside float32 (with m = 1, 32 slots of stride
     # s could need theta ** 16 or more); the slots in between carry zeros.
     top = kept[-1] // stride if kept and kept[-1] else 0
-    per_stride = (slots - 1) // top if top else 1
+    per_stride = (slots - 1) // top if top else slots  # only pair 0 (frequency 1 in every base)
     theta = float(rope["rope_theta"])
     return ExportPlan(
         num_layers=L,

@@ -103,6 +103,12 @@ EXACT = {
         None,
     ),
     "engines_eps": (dict(kind="llama"), dict(latent_norm_eps_for="engines"), 1e-5),
+    "no_rope_pairs": (dict(kind="llama", mla=dict(rope_pairs=0, kv_lora_rank=20)), {}, None),
+    "only_pair_0_flashmla": (
+        dict(kind="llama", mla=dict(rope_pairs=1, rope_pair_indices=[[[0]], [[0]]])),
+        dict(flashmla_dims=True),
+        None,
+    ),
 }
 
 CHILD = textwrap.dedent(
