@@ -234,3 +234,14 @@ def test_config_defaults_keep_per_head():
 def test_config_rejects_bad_layout_values(bad, match):
     with pytest.raises(ValueError, match=match):
         LlamaMLAConfig(**{**TINY, **bad})
+
+
+def test_shared_layout_trains():
+    """Healing needs gradients through both new parts: the shared RoPE key and the latent norm's gain."""
+    model = shared_model(latent_norm=True).train()
+    ids, mask = batch(pad=0)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    attn = model.model.layers[0].self_attn
+    for p in (attn.k_rope_proj.weight, attn.latent_norm.weight, attn.kv_down_proj.weight):
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
