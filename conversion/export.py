@@ -1,0 +1,675 @@
+"""Export a `llama_mla` checkpoint as a dense DeepSeek-V3 (`model_type: deepseek_v3`) checkpoint, exactly.
+
+    python -m conversion.export --to deepseek_v3 --model MLA_DIR --output DIR [--flashmla-dims]
+        [--latent-norm-eps-for transformers|engines] [--max-position-embeddings N] [--dtype ...] [--overwrite]
+
+The output loads with vanilla transformers (`AutoModelForCausalLM.from_pretrained(DIR)`, no hf_attn, no
+trust_remote_code) and, by its field and tensor names, with vLLM's and SGLang's DeepSeek-V2/V3 loaders
+(docs/deepseek-export.md lists what they read). What DeepSeek cannot represent exactly is refused with the
+reason and the conversion option that avoids it (exit status 2, nothing written): never an approximate export.
+
+Notation per layer: E hidden, Hq / Hkv query / KV heads, G = Hq / Hkv, d head_dim, r kept RoPE pairs P of the
+one shared RoPE key, dn = d - 2r, d_c latent width; exported: D = kv_lora_rank (d_c, or 512 with
+--flashmla-dims), W RoPE slots (R = 2W = qk_rope_head_dim; 32 slots with --flashmla-dims).
+
+The source must be the DeepSeek layout of llama_mla: `rope_layout="shared"` (or per_head with Hkv == 1, the
+same model) and `latent_norm=True`. Per layer, with source rows in llama_mla's order (q and k_rope heads are
+`[rope (2r) | nope (dn)]`, rope row j and r + j being the rotate-half pair of frequency theta_P[j]):
+
+    q_proj             (Hq (dn + R), E)  head h: [q nope rows (dn) ; q_pe (R)] * sqrt((dn + R) / d)
+    kv_a_proj_with_mqa (D + R, E)        [alpha * kv_down_proj (d_c) ; zeros (D - d_c) ; k_pe (R)]
+    kv_a_layernorm     (D,)              [latent_norm.weight * sqrt(d_c / D) ; zeros (D - d_c)]
+    kv_b_proj          (Hq (dn + d), D)  head h: [k_up rows of its KV group g = h // G (dn) ;
+                                                    v_up rows of g (d)], zero columns past d_c
+    o_proj             (E, Hq d)         unchanged (v_head_dim = d); embeddings, norms, MLPs: unchanged
+
+- Softmax scale: DeepSeek uses (qk_nope + qk_rope) ** -0.5 = (dn + R) ** -0.5, llama_mla d ** -0.5; they are
+  equal unless RoPE slots are padded, and the ratio sqrt((dn + R) / d) is folded into the query rows.
+- RoPE: DeepSeek rotates pairs (2k, 2k + 1) of q_pe / k_pe (`rope_interleave=True`; vLLM and SGLang:
+  `is_neox_style=False`) with inverse frequencies theta'^(-2k / R). Source pair p has theta^(-2p / d). With
+  s = gcd of every layer's kept pairs, slot k carries pair k s when theta' = theta^(2 s W / d); slots whose
+  pair is not kept get zero q / k rows (exact, but they cost cache: reported). With --flashmla-dims (W = 32)
+  the kept pairs are spread m slots apart (slot k: frequency theta_(k s / m), theta' = theta^(2 s W / (m d)))
+  so that theta' stays small. Only rope_type "default".
+- Latent norm: the RMSNorm over D > d_c dims (zeros appended) and the target's eps (transformers'
+  kv_a_layernorm uses 1e-6; vLLM and SGLang use rms_norm_eps) are matched exactly by scaling the latent rows
+  by alpha = sqrt(eps_target D / (eps_source d_c)) and the gain by sqrt(d_c / D): RMSNorm(alpha [c; 0]) with
+  eps_target equals RMSNorm(c) with eps_source, for every c.
+- Tied embeddings stay tied (`tie_word_embeddings`), and lm_head.weight is also written (a copy): vLLM's and
+  SGLang's DeepSeek loaders build an untied lm_head and would leave it unloaded otherwise.
+- Dense MLP on every layer: first_k_dense_replace = num_hidden_layers; the MoE fields hold small valid values
+  that no layer uses (n_routed_experts 1, ...); routed_scaling_factor 1.0 (vLLM rescales fp16 activations
+  by it); num_nextn_predict_layers 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from conversion import cli
+from conversion.checkpoint import (
+    DEFAULT_MAX_SHARD_BYTES,
+    ShardedWriter,
+    add_record,
+    copy_side_files,
+    dtype_name,
+    read_config,
+    read_tensor,
+    resolve_model_path,
+    tensor_index,
+    torch_dtype,
+    write_config,
+)
+from hf_attn.files import atomic_directory, checkpoint_hash
+from hf_attn.models.llama_mla import LlamaMLAConfig
+
+TARGETS = ("deepseek_v3",)
+FLASHMLA_KV_LORA_RANK = 512  # FlashMLA / FlashInfer MLA decode: kv_lora_rank 512 ...
+FLASHMLA_ROPE_DIM = 64  # ... and qk_rope_head_dim 64 only
+TRANSFORMERS_KV_NORM_EPS = 1e-6  # DeepseekV3Attention builds kv_a_layernorm with the RMSNorm default eps
+LATENT_NORM_EPS_TARGETS = ("transformers", "engines")
+GENERATION_CONFIG = "generation_config.json"
+_ATTN_BIASES = ("q_proj", "k_rope_proj", "k_up_proj", "v_up_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+_LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
+
+
+# ------------------------------------------------------------------------------------------------ plan
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    """Everything the tensor mapping needs; built (and every refusal raised) by `plan_export`."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int  # Hq
+    num_kv_heads: int  # Hkv
+    head_dim: int  # d
+    rope_pairs: int  # r
+    latent_dim: int  # d_c
+    kv_lora_rank: int  # D >= d_c
+    rope_slots: int  # W (qk_rope_head_dim = 2W)
+    rope_stride: int  # s: every kept source pair is a multiple of s
+    slots_per_stride: (
+        int  # m: source pair p goes to slot (p / s) m, i.e. slot k has frequency theta_(k s / m)
+    )
+    rope_theta: float  # theta' = theta ** (2 s W / (m d))
+    pairs: tuple[tuple[int, ...], ...]  # [layer][r] kept source pairs
+    eps_source: float
+    eps_target: float
+    max_position_embeddings: int
+
+    @property
+    def nope_dim(self) -> int:
+        return self.head_dim - 2 * self.rope_pairs
+
+    @property
+    def qk_rope_head_dim(self) -> int:
+        return 2 * self.rope_slots
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def query_scale(self) -> float:
+        """sqrt((dn + R) / d): folds DeepSeek's softmax scale (dn + R) ** -0.5 into llama_mla's d ** -0.5."""
+        return math.sqrt((self.nope_dim + self.qk_rope_head_dim) / self.head_dim)
+
+    @property
+    def latent_scale(self) -> float:
+        """alpha: RMSNorm_eps_target(alpha [c; 0_(D - d_c)]) * gain' == RMSNorm_eps_source(c) * gain."""
+        return math.sqrt(self.eps_target * self.kv_lora_rank / (self.eps_source * self.latent_dim))
+
+    @property
+    def gain_scale(self) -> float:
+        return math.sqrt(self.latent_dim / self.kv_lora_rank)
+
+    def slot_of_pair(self, layer: int) -> dict[int, int]:
+        """Source pair p -> RoPE slot (p / s) m, for the pairs layer `layer` keeps."""
+        return {p: p // self.rope_stride * self.slots_per_stride for p in self.pairs[layer]}
+
+    def source_cache_numbers(self) -> int:
+        return self.latent_dim + 2 * self.rope_pairs
+
+    def cache_numbers(self) -> int:
+        """Numbers DeepSeek caches per token and layer: kv_lora_rank + qk_rope_head_dim."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+def _refuse(reason: str, fix: str) -> ValueError:
+    return ValueError(f"cannot export exactly to deepseek_v3: {reason}; {fix}")
+
+
+def plan_export(
+    *,
+    config: LlamaMLAConfig,
+    flashmla_dims: bool = False,
+    latent_norm_eps_for: str = "transformers",
+    max_position_embeddings: int | None = None,
+) -> ExportPlan:
+    """Check that `config` is exactly representable as a dense DeepSeek-V3 and derive the mapping.
+
+    ValueError (naming the value, the reason and the option that avoids it) for everything DeepSeek cannot
+    represent exactly.
+    """
+    convert = "convert with `python -m conversion.mla --layout deepseek`"
+    if latent_norm_eps_for not in LATENT_NORM_EPS_TARGETS:
+        raise ValueError(
+            f"--latent-norm-eps-for must be one of {LATENT_NORM_EPS_TARGETS}, got {latent_norm_eps_for!r}."
+        )
+    L, Hkv, d = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+    if config.num_rope_keys != 1:
+        raise _refuse(
+            f"rope_layout={config.rope_layout!r} with num_key_value_heads={Hkv} caches {Hkv} RoPE keys per "
+            "token, DeepSeek-V3 one shared key",
+            f"{convert} (per_head with num_key_value_heads 1 is the same model and exports as is)",
+        )
+    if not config.latent_norm:
+        raise _refuse(
+            "latent_norm=False, but DeepSeek-V3 always RMS-normalises the cached latent (kv_a_layernorm), "
+            "which no weight change can undo",
+            f"{convert} (it adds and fits the latent norm)",
+        )
+    rope = dict(config.rope_parameters or {})
+    rope_type = rope.get("rope_type", "default")
+    if rope_type != "default":
+        raise _refuse(
+            f"rope_type={rope_type!r}: DeepSeek's frequencies are theta^(-2k/R), which {rope_type} scaling "
+            "changes in a way one rope_theta cannot reproduce",
+            "export a checkpoint converted from a source with default RoPE",
+        )
+    if rope.get("partial_rotary_factor", 1.0) not in (None, 1, 1.0):
+        raise _refuse(f"partial_rotary_factor={rope['partial_rotary_factor']}", "use a source with full RoPE")
+    max_pos = config.max_position_embeddings if max_position_embeddings is None else max_position_embeddings
+    if not isinstance(max_pos, int) or max_pos < 1:
+        raise ValueError(f"--max-position-embeddings must be a positive integer, got {max_pos!r}.")
+    sliding = [i for i, kind in enumerate(config.layer_types) if kind == "sliding_attention"]
+    if sliding and config.sliding_window < max_pos:
+        raise _refuse(
+            f"layers {sliding} use sliding_window={config.sliding_window} < max_position_embeddings="
+            f"{max_pos} and DeepSeek-V3 has no sliding-window attention",
+            f"pass --max-position-embeddings {config.sliding_window} (exact up to that length)",
+        )
+    if config.hidden_act != "silu":
+        raise _refuse(
+            f"hidden_act={config.hidden_act!r}: vLLM's and SGLang's DeepseekV2MLP accept only 'silu'",
+            "export a silu model",
+        )
+    eps_source = float(config.rms_norm_eps)
+    if eps_source <= 0:
+        raise _refuse(f"rms_norm_eps={eps_source}", "export a checkpoint with rms_norm_eps > 0")
+    eps_target = TRANSFORMERS_KV_NORM_EPS if latent_norm_eps_for == "transformers" else eps_source
+
+    pairs = tuple(tuple(config.pair_indices(i)[0]) for i in range(L))
+    kept = sorted({p for layer in pairs for p in layer})
+    stride = math.gcd(*kept) if any(kept) else 1  # every kept pair is a multiple of s
+    slots = (kept[-1] // stride + 1) if kept else 1  # r = 0: one zero slot (DeepSeek needs a RoPE dim)
+    d_c = config.kv_lora_rank
+    rank = d_c
+    if flashmla_dims:
+        if d_c > FLASHMLA_KV_LORA_RANK or 2 * slots > FLASHMLA_ROPE_DIM:
+            raise _refuse(
+                f"--flashmla-dims needs kv_lora_rank <= {FLASHMLA_KV_LORA_RANK} and qk_rope_head_dim <= "
+                f"{FLASHMLA_ROPE_DIM}, but this checkpoint needs kv_lora_rank {d_c} and {2 * slots} RoPE "
+                f"dims (pairs {kept})",
+                f"convert with --kv-lora-rank <= {FLASHMLA_KV_LORA_RANK} and at most "
+                f"{FLASHMLA_ROPE_DIM // 2} RoPE pairs, or export without --flashmla-dims",
+            )
+        rank, slots = FLASHMLA_KV_LORA_RANK, FLASHMLA_ROPE_DIM // 2
+    # m slots per stride: the kept pairs spread over the slots, so the step theta'^(-2/R) between slots stays
+    # a fraction of the source's and theta' ** (k / W) stays inside float32 (with m = 1, 32 slots of stride
+    # s could need theta ** 16 or more); the slots in between carry zeros.
+    top = kept[-1] // stride if kept and kept[-1] else 0
+    per_stride = (slots - 1) // top if top else slots  # only pair 0 (frequency 1 in every base)
+    theta = float(rope["rope_theta"])
+    return ExportPlan(
+        num_layers=L,
+        hidden_size=config.hidden_size,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=Hkv,
+        head_dim=d,
+        rope_pairs=config.rope_pairs,
+        latent_dim=d_c,
+        kv_lora_rank=rank,
+        rope_slots=slots,
+        rope_stride=stride,
+        slots_per_stride=per_stride,
+        rope_theta=theta ** (2 * stride * slots / (per_stride * d)),
+        pairs=pairs,
+        eps_source=eps_source,
+        eps_target=eps_target,
+        max_position_embeddings=max_pos,
+    )
+
+
+# ------------------------------------------------------------------------------------------------ config
+
+
+def deepseek_config(*, config: LlamaMLAConfig, plan: ExportPlan) -> dict:
+    """The deepseek_v3 config.json (a plain dict) of the exported checkpoint."""
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    L = plan.num_layers
+    out = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": L,
+        "num_attention_heads": plan.num_heads,
+        # kv_b_proj already yields Hq key/value heads: transformers' repeat_kv must not repeat them again
+        "num_key_value_heads": plan.num_heads,
+        "q_lora_rank": None,
+        "kv_lora_rank": plan.kv_lora_rank,
+        "qk_nope_head_dim": plan.nope_dim,
+        "qk_rope_head_dim": plan.qk_rope_head_dim,
+        "v_head_dim": plan.head_dim,
+        "hidden_act": config.hidden_act,
+        "max_position_embeddings": plan.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps,
+        "initializer_range": config.initializer_range,
+        "tie_word_embeddings": bool(config.tie_word_embeddings),
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": config.eos_token_id,
+        "pad_token_id": config.pad_token_id,
+        "use_cache": True,
+        # RoPE: both spellings, for transformers >= 5 (rope_parameters) and loaders on older transformers
+        "rope_theta": plan.rope_theta,
+        "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": plan.rope_theta},
+        "rope_interleave": True,
+        "attention_bias": False,
+        "attention_dropout": float(config.attention_dropout),
+        # dense MLP on every layer; MoE fields valid but unused
+        "first_k_dense_replace": L,
+        "moe_layer_freq": 1,
+        "n_routed_experts": 1,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 1,
+        "moe_intermediate_size": config.intermediate_size,
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.0,
+        "num_nextn_predict_layers": 0,
+    }
+    if dtype is not None:  # both spellings: transformers >= 5 reads dtype, loaders on 4.x torch_dtype
+        out["dtype"] = out["torch_dtype"] = dtype if isinstance(dtype, str) else dtype_name(dtype)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ tensors
+
+
+def _attn(layer: int, name: str) -> str:
+    return f"model.layers.{layer}.self_attn.{name}"
+
+
+def source_shapes(plan: ExportPlan, config: LlamaMLAConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the source may hold (lm_head.weight only if untied; biases only if configured)."""
+    E, Hq, Hkv, d, dc, dn = (
+        plan.hidden_size,
+        plan.num_heads,
+        plan.num_kv_heads,
+        plan.head_dim,
+        plan.latent_dim,
+        plan.nope_dim,
+    )
+    rd, V, F = 2 * plan.rope_pairs, config.vocab_size, config.intermediate_size
+    shapes = {"model.embed_tokens.weight": (V, E), "model.norm.weight": (E,), "lm_head.weight": (V, E)}
+    for i in range(plan.num_layers):
+        pre = f"model.layers.{i}."
+        shapes.update({pre + n + ".weight": (E,) for n in _LAYER_NORMS})
+        shapes.update({pre + "mlp.gate_proj.weight": (F, E), pre + "mlp.up_proj.weight": (F, E)})
+        shapes[pre + "mlp.down_proj.weight"] = (E, F)
+        if getattr(config, "mlp_bias", False):
+            shapes.update({pre + f"mlp.{n}.bias": (E if n == "down_proj" else F,) for n in _MLP})
+        attn = {
+            "q_proj.weight": (Hq * d, E),
+            "k_rope_proj.weight": (rd, E),
+            "kv_down_proj.weight": (dc, E),
+            "latent_norm.weight": (dc,),
+            "k_up_proj.weight": (Hkv * dn, dc),
+            "v_up_proj.weight": (Hkv * d, dc),
+            "o_proj.weight": (E, Hq * d),
+        }
+        if config.qkv_bias:
+            attn.update({"q_proj.bias": (Hq * d,), "k_rope_proj.bias": (rd,)})
+            attn.update({"k_up_proj.bias": (Hkv * dn,), "v_up_proj.bias": (Hkv * d,)})
+        if config.o_bias:
+            attn["o_proj.bias"] = (E,)
+        shapes.update({_attn(i, k): v for k, v in attn.items()})
+    return shapes
+
+
+def zero_bias_names(shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """The bias tensors of the source: DeepSeek (vLLM, SGLang) has none, so each must be all zeros."""
+    return [n for n in shapes if n.endswith(".bias")]
+
+
+def target_shapes(plan: ExportPlan, config: LlamaMLAConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the exported checkpoint and its shape."""
+    E, Hq, d, D, R, dn = (
+        plan.hidden_size,
+        plan.num_heads,
+        plan.head_dim,
+        plan.kv_lora_rank,
+        plan.qk_rope_head_dim,
+        plan.nope_dim,
+    )
+    V, F = config.vocab_size, config.intermediate_size
+    shapes = {"model.embed_tokens.weight": (V, E), "model.norm.weight": (E,), "lm_head.weight": (V, E)}
+    for i in range(plan.num_layers):
+        pre = f"model.layers.{i}."
+        shapes.update({pre + n + ".weight": (E,) for n in _LAYER_NORMS})
+        shapes.update({pre + "mlp.gate_proj.weight": (F, E), pre + "mlp.up_proj.weight": (F, E)})
+        shapes[pre + "mlp.down_proj.weight"] = (E, F)
+        shapes[_attn(i, "q_proj.weight")] = (Hq * (dn + R), E)
+        shapes[_attn(i, "kv_a_proj_with_mqa.weight")] = (D + R, E)
+        shapes[_attn(i, "kv_a_layernorm.weight")] = (D,)
+        shapes[_attn(i, "kv_b_proj.weight")] = (Hq * (dn + d), D)
+        shapes[_attn(i, "o_proj.weight")] = (E, Hq * d)
+    return shapes
+
+
+def key_map(plan: ExportPlan, *, tied: bool) -> dict[str, tuple[str, ...]]:
+    """Target tensor -> the source tensors it is computed from (the explicit key map)."""
+    out = {
+        "model.embed_tokens.weight": ("model.embed_tokens.weight",),
+        "model.norm.weight": ("model.norm.weight",),
+        "lm_head.weight": ("model.embed_tokens.weight",) if tied else ("lm_head.weight",),
+    }
+    for i in range(plan.num_layers):
+        pre = f"model.layers.{i}."
+        for n in _LAYER_NORMS:
+            out[pre + n + ".weight"] = (pre + n + ".weight",)
+        for n in _MLP:
+            out[pre + f"mlp.{n}.weight"] = (pre + f"mlp.{n}.weight",)
+        out[_attn(i, "q_proj.weight")] = (_attn(i, "q_proj.weight"),)
+        out[_attn(i, "kv_a_proj_with_mqa.weight")] = (
+            _attn(i, "kv_down_proj.weight"),
+            _attn(i, "k_rope_proj.weight"),
+        )
+        out[_attn(i, "kv_a_layernorm.weight")] = (_attn(i, "latent_norm.weight"),)
+        out[_attn(i, "kv_b_proj.weight")] = (_attn(i, "k_up_proj.weight"), _attn(i, "v_up_proj.weight"))
+        out[_attn(i, "o_proj.weight")] = (_attn(i, "o_proj.weight"),)
+    return out
+
+
+def rope_rows_to_slots(rows: torch.Tensor, *, plan: ExportPlan, layer: int) -> torch.Tensor:
+    """llama_mla rope rows (2r, C), rotate-half over the kept pairs, -> DeepSeek interleaved rows (R, C):
+    row 2k / 2k + 1 = the two rows of the pair in slot k, zeros for slots whose pair is not kept."""
+    r = plan.rope_pairs
+    assert rows.shape[0] == 2 * r, (tuple(rows.shape), r)
+    out = rows.new_zeros(plan.qk_rope_head_dim, *rows.shape[1:])  # (R, C)
+    for j, p in enumerate(plan.pairs[layer]):
+        k = plan.slot_of_pair(layer)[p]
+        out[2 * k] = rows[j]  # first of the pair (rotate-half: x1)
+        out[2 * k + 1] = rows[r + j]  # second (x2)
+    return out
+
+
+@torch.inference_mode()
+def export_attention(
+    *, tensors: dict[str, torch.Tensor], plan: ExportPlan, layer: int
+) -> dict[str, torch.Tensor]:
+    """One layer's llama_mla attention weights (keys without the layer prefix, e.g. "q_proj.weight") ->
+    DeepSeek's, computed in float64 and returned in the source dtype."""
+    Hq, Hkv, G, d, dc, D, dn = (
+        plan.num_heads,
+        plan.num_kv_heads,
+        plan.group_size,
+        plan.head_dim,
+        plan.latent_dim,
+        plan.kv_lora_rank,
+        plan.nope_dim,
+    )
+    rd, E = 2 * plan.rope_pairs, plan.hidden_size
+    dtype = tensors["q_proj.weight"].dtype
+    t = {k: v.double() for k, v in tensors.items()}
+
+    q = t["q_proj.weight"].view(Hq, d, E)  # (Hq, d, E), head rows [rope (2r) | nope (dn)]
+    q_pe = torch.stack(
+        [rope_rows_to_slots(q[h, :rd], plan=plan, layer=layer) for h in range(Hq)]
+    )  # (Hq, R, E)
+    q_new = torch.cat([q[:, rd:], q_pe], dim=1) * plan.query_scale  # (Hq, dn + R, E)
+
+    latent = t["kv_down_proj.weight"] * plan.latent_scale  # (d_c, E)
+    k_pe = rope_rows_to_slots(t["k_rope_proj.weight"], plan=plan, layer=layer)  # (R, E)
+    kv_a = torch.cat([latent, latent.new_zeros(D - dc, E), k_pe])  # (D + R, E)
+
+    gain = t["latent_norm.weight"] * plan.gain_scale  # (d_c,)
+    norm = torch.cat([gain, gain.new_zeros(D - dc)])  # (D,)
+
+    k_up = t["k_up_proj.weight"].view(Hkv, dn, dc)  # (Hkv, dn, d_c)
+    v_up = t["v_up_proj.weight"].view(Hkv, d, dc)  # (Hkv, d, d_c)
+    per_group = torch.cat([k_up, v_up], dim=1)  # (Hkv, dn + d, d_c)
+    per_head = per_group.repeat_interleave(G, dim=0)  # (Hq, dn + d, d_c): head h reads group h // G
+    kv_b = torch.cat([per_head, per_head.new_zeros(Hq, dn + d, D - dc)], dim=2)  # (Hq, dn + d, D)
+
+    out = {
+        "q_proj.weight": q_new.reshape(Hq * (dn + plan.qk_rope_head_dim), E),
+        "kv_a_proj_with_mqa.weight": kv_a,
+        "kv_a_layernorm.weight": norm,
+        "kv_b_proj.weight": kv_b.reshape(Hq * (dn + d), D),
+        "o_proj.weight": t["o_proj.weight"],
+    }
+    return {k: v.to(dtype).contiguous() for k, v in out.items()}
+
+
+def export_tensors(
+    *,
+    read: Callable[[str], torch.Tensor],
+    names: set[str] | dict,
+    plan: ExportPlan,
+    config: LlamaMLAConfig,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream the exported tensors (one layer's attention in memory at a time). `read(name)` returns a
+    source tensor, `names` are the source's tensor names. Checks every source and every target shape, that
+    every source tensor is used, and that every bias is zero (ValueError naming the tensor otherwise)."""
+    src_shapes = source_shapes(plan, config)
+    tied = "lm_head.weight" not in names
+    if tied and not config.tie_word_embeddings:
+        raise ValueError(
+            "lm_head.weight is missing from the checkpoint, which has tie_word_embeddings=False."
+        )
+    unexpected = sorted(set(names) - set(src_shapes))
+    if unexpected:
+        raise ValueError(f"Unexpected tensors for a llama_mla checkpoint of this config: {unexpected[:5]}.")
+    biases = zero_bias_names({n: s for n, s in src_shapes.items() if n in names})
+    for name in biases:
+        bias = read(name)
+        if bias.abs().max().item() != 0:
+            raise _refuse(
+                f"{name} is nonzero, and vLLM's and SGLang's DeepSeek attention and MLP have no biases",
+                "export a source without q/k/v/o biases (or with all-zero ones)",
+            )
+    mapping, want = key_map(plan, tied=tied), target_shapes(plan, config)
+    needed = {s for sources in mapping.values() for s in sources}
+    missing = sorted(needed - set(names))
+    if missing:
+        raise ValueError(f"Missing tensors in the llama_mla checkpoint: {missing[:5]}.")
+    unused = sorted(set(names) - needed - set(biases))
+    assert not unused, unused  # the key map consumes every source tensor
+
+    def load(name: str) -> torch.Tensor:
+        tensor = read(name)
+        if tuple(tensor.shape) != src_shapes[name]:
+            raise ValueError(
+                f"{name} has shape {list(tensor.shape)}, but its config implies {list(src_shapes[name])}."
+            )
+        return tensor
+
+    def emit(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+        assert tuple(tensor.shape) == want[name], (name, tuple(tensor.shape), want[name])
+        return name, tensor
+
+    for target in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+        yield emit(target, load(mapping[target][0]).clone())
+    for i in range(plan.num_layers):
+        for target, sources in mapping.items():
+            if target.startswith(f"model.layers.{i}.") and ".self_attn." not in target:
+                yield emit(target, load(sources[0]))
+        prefix = _attn(i, "")
+        attn = {
+            s.removeprefix(prefix): load(s) for t, ss in mapping.items() if t.startswith(prefix) for s in ss
+        }
+        for key, tensor in export_attention(tensors=attn, plan=plan, layer=i).items():
+            yield emit(prefix + key, tensor)
+
+
+def deepseek_state_dict(
+    *, state_dict: dict[str, torch.Tensor], plan: ExportPlan, config: LlamaMLAConfig
+) -> dict[str, torch.Tensor]:
+    """In-memory form of `export_tensors`: a llama_mla state dict -> the deepseek_v3 state dict."""
+    names = {n for n in state_dict if not n.endswith("rope_dims")}
+    if config.tie_word_embeddings:
+        names.discard("lm_head.weight")  # a tied model's lm_head is the embedding
+    return dict(export_tensors(read=state_dict.__getitem__, names=names, plan=plan, config=config))
+
+
+# ------------------------------------------------------------------------------------------------ files
+
+
+def _generation_config(src_dir: Path, config: LlamaMLAConfig) -> dict | None:
+    """None when the source has a generation_config.json (copied as a side file), else a minimal one."""
+    if (src_dir / GENERATION_CONFIG).exists():
+        return None
+    ids = {k: getattr(config, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    return {k: v for k, v in ids.items() if v is not None}
+
+
+def export_checkpoint(
+    *,
+    src: str | Path | None,
+    dst: str | Path,
+    to: str = "deepseek_v3",
+    flashmla_dims: bool = False,
+    latent_norm_eps_for: str = "transformers",
+    max_position_embeddings: int | None = None,
+    dtype: str | torch.dtype | None = None,
+    overwrite: bool = False,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Path:
+    """Write `dst`: the llama_mla checkpoint `src` as an exact deepseek_v3 checkpoint (see the module doc)."""
+    start = time.perf_counter()
+    if to not in TARGETS:
+        raise ValueError(f"--to must be one of {TARGETS}, got {to!r}.")
+    src_dir = resolve_model_path(src)
+    raw = read_config(src_dir)
+    if raw.get("model_type") != "llama_mla":
+        raise ValueError(
+            f"--model {src_dir} has model_type {raw.get('model_type')!r}; the export reads llama_mla "
+            "checkpoints: convert first with `python -m conversion.mla --layout deepseek`."
+        )
+    fields = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map", "transformers_version")}
+    config = LlamaMLAConfig(**fields)
+    plan = plan_export(
+        config=config,
+        flashmla_dims=flashmla_dims,
+        latent_norm_eps_for=latent_norm_eps_for,
+        max_position_embeddings=max_position_embeddings,
+    )
+    dst = Path(dst).expanduser().resolve()
+    if dst == src_dir.resolve():
+        raise ValueError(f"--output {dst} is the source checkpoint; the export never modifies its source.")
+    if dst.exists() and not overwrite:
+        raise FileExistsError(f"Output {dst} already exists; pass --overwrite to replace it.")
+    cast = torch_dtype(dtype) if isinstance(dtype, str) else dtype
+    index = tensor_index(src_dir)
+    names = {n for n in index if not (config.tie_word_embeddings and n == "lm_head.weight")}
+    tensors = export_tensors(read=lambda n: read_tensor(index[n]), names=names, plan=plan, config=config)
+    first = next(tensors)  # raises the tensor checks (biases, shapes) before any output exists
+    out_config = deepseek_config(config=config, plan=plan)
+    if cast is not None:
+        out_config["dtype"] = out_config["torch_dtype"] = dtype_name(cast)
+    record = {
+        "converter": "conversion.export",
+        "to": to,
+        "source": str(src_dir),
+        "source_checkpoint_hash": checkpoint_hash(src_dir),
+        "flashmla_dims": flashmla_dims,
+        "latent_norm_eps_for": latent_norm_eps_for,
+        "rope": {
+            "stride": plan.rope_stride,
+            "slots_per_stride": plan.slots_per_stride,
+            "slots": plan.rope_slots,
+            "source_pairs": [list(p) for p in plan.pairs],
+        },
+        "cache_numbers_per_token_and_layer": {
+            "source": plan.source_cache_numbers(),
+            "export": plan.cache_numbers(),
+        },
+    }
+    out_config = add_record(out_config, record)
+    generation = _generation_config(src_dir, config)
+    with atomic_directory(dst, overwrite=overwrite) as tmp:
+        with ShardedWriter(tmp, max_shard_bytes=max_shard_bytes) as writer:
+            for name, tensor in itertools.chain([first], tensors):
+                if cast is not None and tensor.is_floating_point():
+                    tensor = tensor.to(cast)
+                writer.add(name, tensor)
+        write_config(tmp, out_config)
+        copy_side_files(src_dir, tmp)
+        for code in tmp.glob("*.py"):  # llama_mla's remote code: not part of a deepseek_v3 checkpoint
+            code.unlink()
+        if generation is not None:
+            (tmp / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
+    src_n, out_n = plan.source_cache_numbers(), plan.cache_numbers()
+    pad = f" (+{out_n - src_n} zero-padded: {out_n / src_n:.2f}x the source's cache)" if out_n > src_n else ""
+    print(
+        f"exported to deepseek_v3 in {time.perf_counter() - start:.1f} s: {dst}; cache per token and layer "
+        f"{out_n} numbers = kv_lora_rank {plan.kv_lora_rank} + qk_rope_head_dim {plan.qk_rope_head_dim}{pad}"
+    )
+    return dst
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m conversion.export", description=__doc__.split("\n")[0])
+    parser.add_argument("--to", choices=TARGETS, required=True, help="target format")
+    parser.add_argument("--model", required=True, help="llama_mla checkpoint dir (DeepSeek layout)")
+    parser.add_argument("--output", required=True, help="output checkpoint dir")
+    parser.add_argument(
+        "--flashmla-dims",
+        action="store_true",
+        help=f"pad to kv_lora_rank {FLASHMLA_KV_LORA_RANK} and qk_rope_head_dim {FLASHMLA_ROPE_DIM} (exact; "
+        "costs cache)",
+    )
+    parser.add_argument(
+        "--latent-norm-eps-for",
+        choices=LATENT_NORM_EPS_TARGETS,
+        default="transformers",
+        help="whose kv_a_layernorm eps to match exactly: transformers (1e-6) or engines (vLLM, SGLang: "
+        "rms_norm_eps); identical when rms_norm_eps is 1e-6",
+    )
+    parser.add_argument("--max-position-embeddings", type=int, default=None, help="lower the context limit")
+    cli.add_write_arguments(parser)
+    args = parser.parse_args(argv)
+    return cli.run(
+        parser.prog,
+        export_checkpoint,
+        args,
+        to=args.to,
+        flashmla_dims=args.flashmla_dims,
+        latent_norm_eps_for=args.latent_norm_eps_for,
+        max_position_embeddings=args.max_position_embeddings,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
