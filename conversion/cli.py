@@ -35,8 +35,14 @@ def add_calibration_arguments(parser: argparse.ArgumentParser, *, default_tokens
 
 
 def add_write_arguments(parser: argparse.ArgumentParser) -> None:
-    """--dtype (cast of the written weights) and --overwrite."""
-    parser.add_argument("--dtype", default=None, help="cast floating weights (float32, bfloat16, float16)")
+    """--save-dtype (cast of the written weights; `--dtype`, its old spelling, still works) and --overwrite."""
+    parser.add_argument(
+        "--save-dtype",
+        "--dtype",
+        dest="save_dtype",
+        default=None,
+        help="cast the written floating weights to this dtype (float32, bfloat16, float16; default: the source's)",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
 
 
@@ -50,10 +56,10 @@ def calibration_options(args: argparse.Namespace) -> dict:
 
 
 def run(prog: str, convert: Callable, args: argparse.Namespace, **options) -> int:
-    """convert(src=--model, dst=--output, dtype=--dtype, overwrite=--overwrite, **options); 0, or exit 2."""
+    """convert(src=--model, dst=--output, dtype=--save-dtype, overwrite=--overwrite, **options): 0 or 2."""
     return run_command(
         prog,
         lambda: convert(
-            src=args.model, dst=args.output, dtype=args.dtype, overwrite=args.overwrite, **options
+            src=args.model, dst=args.output, dtype=args.save_dtype, overwrite=args.overwrite, **options
         ),
     )

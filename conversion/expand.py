@@ -1,6 +1,6 @@
 """GQA/MQA -> MHA (or more KV heads): repeat each K/V head, an exact conversion.
 
-    python -m conversion.expand --model SRC --output DST [--num-kv-heads H] [--dtype ...] [--overwrite]
+    python -m conversion.expand --model SRC --output DST [--num-kv-heads H] [--save-dtype ...] [--overwrite]
 
 Source KV head g becomes the new heads g*s ... (g+1)*s - 1 with s = H / Hkv, rows copied unchanged (biases
 too), so query head h still reads the same keys and values: it read head h // (Hq/Hkv) and now reads

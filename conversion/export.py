@@ -1,6 +1,6 @@
 """Export a `llama_mla` checkpoint as a dense DeepSeek-V3 (`model_type: deepseek_v3`) checkpoint, exactly.
 
-    python -m conversion.export --to deepseek_v3 --model MLA_DIR --output DIR [--flashmla-dims]
+    hf-attn export --to deepseek_v3 --model MLA_DIR --output DIR [--flashmla-dims]
         [--latent-norm-eps-for transformers|engines] [--max-position-embeddings N] [--dtype ...] [--overwrite]
 
 The output loads with vanilla transformers (`AutoModelForCausalLM.from_pretrained(DIR)`, no hf_attn, no
@@ -48,7 +48,6 @@ import argparse
 import itertools
 import json
 import math
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -56,8 +55,8 @@ from pathlib import Path
 
 import torch
 
-from conversion import cli
-from conversion.checkpoint import (
+from hf_attn.conversion import cli
+from hf_attn.conversion.checkpoint import (
     DEFAULT_MAX_SHARD_BYTES,
     ShardedWriter,
     add_record,
@@ -65,14 +64,15 @@ from conversion.checkpoint import (
     dtype_name,
     read_config,
     read_tensor,
-    resolve_model_path,
     tensor_index,
-    torch_dtype,
     write_config,
 )
-from hf_attn.files import atomic_directory, checkpoint_hash
 from hf_attn.models.llama_mla import LlamaMLAConfig
+from hf_attn.tooling.cli import run_command
+from hf_attn.tooling.files import atomic_directory, checkpoint_hash
+from hf_attn.tooling.loading import parse_dtype, resolve_model
 
+PROG = "hf-attn export"
 TARGETS = ("deepseek_v3",)
 FLASHMLA_KV_LORA_RANK = 512  # FlashMLA / FlashInfer MLA decode: kv_lora_rank 512 ...
 FLASHMLA_ROPE_DIM = 64  # ... and qk_rope_head_dim 64 only
@@ -164,7 +164,7 @@ def plan_export(
     ValueError (naming the value, the reason and the option that avoids it) for everything DeepSeek cannot
     represent exactly.
     """
-    convert = "convert with `python -m conversion.mla --layout deepseek`"
+    convert = "convert with `hf-attn convert mla --layout deepseek`"
     if latent_norm_eps_for not in LATENT_NORM_EPS_TARGETS:
         raise ValueError(
             f"--latent-norm-eps-for must be one of {LATENT_NORM_EPS_TARGETS}, got {latent_norm_eps_for!r}."
@@ -564,15 +564,14 @@ def export_checkpoint(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> Path:
     """Write `dst`: the llama_mla checkpoint `src` as an exact deepseek_v3 checkpoint (see the module doc)."""
-    start = time.perf_counter()
     if to not in TARGETS:
         raise ValueError(f"--to must be one of {TARGETS}, got {to!r}.")
-    src_dir = resolve_model_path(src)
+    src_dir = resolve_model(src)
     raw = read_config(src_dir)
     if raw.get("model_type") != "llama_mla":
         raise ValueError(
             f"--model {src_dir} has model_type {raw.get('model_type')!r}; the export reads llama_mla "
-            "checkpoints: convert first with `python -m conversion.mla --layout deepseek`."
+            "checkpoints: convert first with `hf-attn convert mla --layout deepseek`."
         )
     fields = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map", "transformers_version")}
     config = LlamaMLAConfig(**fields)
@@ -587,7 +586,7 @@ def export_checkpoint(
         raise ValueError(f"--output {dst} is the source checkpoint; the export never modifies its source.")
     if dst.exists() and not overwrite:
         raise FileExistsError(f"Output {dst} already exists; pass --overwrite to replace it.")
-    cast = torch_dtype(dtype) if isinstance(dtype, str) else dtype
+    cast = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     index = tensor_index(src_dir)
     names = {n for n in index if not (config.tie_word_embeddings and n == "lm_head.weight")}
     tensors = export_tensors(read=lambda n: read_tensor(index[n]), names=names, plan=plan, config=config)
@@ -627,12 +626,6 @@ def export_checkpoint(
             code.unlink()
         if generation is not None:
             (tmp / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
-    src_n, out_n = plan.source_cache_numbers(), plan.cache_numbers()
-    pad = f" (+{out_n - src_n} zero-padded: {out_n / src_n:.2f}x the source's cache)" if out_n > src_n else ""
-    print(
-        f"exported to deepseek_v3 in {time.perf_counter() - start:.1f} s: {dst}; cache per token and layer "
-        f"{out_n} numbers = kv_lora_rank {plan.kv_lora_rank} + qk_rope_head_dim {plan.qk_rope_head_dim}{pad}"
-    )
     return dst
 
 
@@ -640,7 +633,7 @@ def export_checkpoint(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m conversion.export", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
     parser.add_argument("--to", choices=TARGETS, required=True, help="target format")
     parser.add_argument("--model", required=True, help="llama_mla checkpoint dir (DeepSeek layout)")
     parser.add_argument("--output", required=True, help="output checkpoint dir")
@@ -660,16 +653,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-position-embeddings", type=int, default=None, help="lower the context limit")
     cli.add_write_arguments(parser)
     args = parser.parse_args(argv)
-    return cli.run(
-        parser.prog,
-        export_checkpoint,
-        args,
-        to=args.to,
-        flashmla_dims=args.flashmla_dims,
-        latent_norm_eps_for=args.latent_norm_eps_for,
-        max_position_embeddings=args.max_position_embeddings,
-    )
+
+    def export_and_report() -> None:
+        start = time.perf_counter()
+        dst = export_checkpoint(
+            src=args.model,
+            dst=args.output,
+            to=args.to,
+            flashmla_dims=args.flashmla_dims,
+            latent_norm_eps_for=args.latent_norm_eps_for,
+            max_position_embeddings=args.max_position_embeddings,
+            dtype=args.save_dtype,
+            overwrite=args.overwrite,
+        )
+        config = json.loads((dst / "config.json").read_text())
+        out = config["kv_lora_rank"] + config["qk_rope_head_dim"]
+        src_n = config["hf_attn"]["last"]["cache_numbers_per_token_and_layer"]["source"]
+        pad = f" (+{out - src_n} zero-padded: {out / src_n:.2f}x the source's cache)" if out > src_n else ""
+        print(
+            f"exported to deepseek_v3 in {time.perf_counter() - start:.1f} s: {dst}; cache per token and layer "
+            f"{out} numbers = kv_lora_rank {config['kv_lora_rank']} + qk_rope_head_dim "
+            f"{config['qk_rope_head_dim']}{pad}"
+        )
+
+    return run_command(PROG, export_and_report)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

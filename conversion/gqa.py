@@ -1,7 +1,7 @@
 """MHA/GQA -> GQA/MQA: pool H key/value heads into G groups (Ainslie et al. 2023), or a calibrated variant.
 
     python -m conversion.gqa --model SRC --num-kv-heads G --output DST [--method mean|calibrated]
-        [--calibration-text FILE ...] [--calibration-tokens N] [--dtype float32|bfloat16] [--overwrite]
+        [--calibration-text FILE ...] [--calibration-tokens N] [--save-dtype float32|bfloat16] [--overwrite]
 
 Group g of G takes the source KV heads g*H/G ... (g+1)*H/G - 1 (the order of transformers' `repeat_kv`:
 query head h reads KV head h // (Hq/G) after the conversion, as it read h // (Hq/H) before).

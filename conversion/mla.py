@@ -2,7 +2,7 @@
 
     python -m conversion.mla --model SRC --output DST [--kv-lora-rank N | --kv-budget F] [--rope-pairs R]
         [--rope-selection high|uniform|2norm|attention] [--factorization weight-svd|activation|attention]
-        [--calibration-text FILE ...] [--calibration-tokens N] [--dtype float32|bfloat16] [--overwrite]
+        [--calibration-text FILE ...] [--calibration-tokens N] [--save-dtype float32|bfloat16] [--overwrite]
 
 Notation per layer: C hidden size, Hq / Hkv query / KV heads, d head_dim, G = Hq / Hkv, r RoPE pairs kept per
 KV head, d_c = kv_lora_rank. The output follows the checkpoint contract of `hf_attn.models.llama_mla`:

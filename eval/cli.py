@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "MHA/GQA -> MLA (llama_mla): partial RoPE + a joint low-rank latent",
     ),
     "convert expand": ("hf_attn.conversion.expand", "GQA/MQA -> MHA (or more KV heads), exactly"),
+    "export": ("hf_attn.conversion.export", "llama_mla (DeepSeek layout) -> deepseek_v3, exactly (vLLM, SGLang)"),
     "heal": ("hf_attn.conversion.heal", "short uptraining of a converted checkpoint (accelerate)"),
     "perplexity": ("hf_attn.eval.perplexity", "corpus perplexity with sliding windows (accelerate)"),
     "study": ("hf_attn.eval.study", "convert, evaluate, heal every variant and write the report"),
@@ -32,6 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench heal": ("hf_attn.eval.bench.heal", "healing throughput and quality-vs-time curves"),
     "bench mla-decode": ("hf_attn.eval.bench.mla_decode", "MLA absorbed vs expanded decode"),
     "bench perplexity": ("hf_attn.eval.bench.perplexity", "perplexity evaluation vs a bare forward loop"),
+    "bench deepseek-export": ("hf_attn.eval.deepseek_export_check", "an export vs its source on real text"),
     "bench stream": ("hf_attn.eval.bench.stream", "peak memory of the streamed mean-pooling conversion"),
 }
 PROG = "hf-attn"

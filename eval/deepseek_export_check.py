@@ -139,11 +139,11 @@ def check_export(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from conversion.export import export_checkpoint
-    from hf_attn import assets
+    from hf_attn.conversion.export import export_checkpoint
+    from hf_attn.tooling import assets
 
     parser = argparse.ArgumentParser(
-        prog="python -m eval.deepseek_export_check", description=__doc__.split("\n")[0]
+        prog="hf-attn bench deepseek-export", description=__doc__.split("\n")[0]
     )
     parser.add_argument(
         "--source", default=None, help="llama_mla DeepSeek-layout dir (default: SmolLM2 demo)"
@@ -174,4 +174,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import exit_status
 from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
-from conversion import export
+from hf_attn.conversion import export
 from hf_attn.models.llama_mla import LlamaMLAConfig, LlamaMLAForCausalLM
 
 TOL = 1e-4  # max |diff| relative to max |logit|, fp32
@@ -339,9 +340,7 @@ def test_refusals_exit_2_and_write_nothing(tmp_path, capsys, name):
     before, listing = file_hashes(src), sorted(os.listdir(tmp_path))
     argv = ["--to", "deepseek_v3", "--model", str(src), "--output", str(tmp_path / "out"), *flags]
     capsys.readouterr()  # drop save_pretrained's progress output
-    with pytest.raises(SystemExit) as exc:
-        export.main(argv)
-    assert exc.value.code == 2
+    assert exit_status(export.main, argv) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1, err
     assert sorted(os.listdir(tmp_path)) == listing  # no output, no temporary directory left behind
@@ -354,9 +353,8 @@ def test_refuses_a_checkpoint_that_is_not_llama_mla(tmp_path, capsys):
     src = tmp_path / "llama"
     AutoModelForCausalLM.from_config(LlamaConfig(**SRC_TINY)).save_pretrained(src)
     capsys.readouterr()
-    with pytest.raises(SystemExit) as exc:
-        export.main(["--to", "deepseek_v3", "--model", str(src), "--output", str(tmp_path / "out")])
-    assert exc.value.code == 2 and "conversion.mla --layout deepseek" in capsys.readouterr().err
+    argv = ["--to", "deepseek_v3", "--model", str(src), "--output", str(tmp_path / "out")]
+    assert exit_status(export.main, argv) == 2 and "mla --layout deepseek" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
@@ -366,9 +364,7 @@ def test_existing_output_needs_overwrite(tmp_path, capsys):
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     argv = ["--to", "deepseek_v3", "--model", str(src), "--output", str(out)]
-    with pytest.raises(SystemExit) as exc:
-        export.main(argv)
-    assert exc.value.code == 2 and "--overwrite" in capsys.readouterr().err
+    assert exit_status(export.main, argv) == 2 and "--overwrite" in capsys.readouterr().err
     assert (out / "keep.txt").read_text() == "mine"
     assert export.main([*argv, "--overwrite"]) == 0
     assert not (out / "keep.txt").exists() and (out / "model.safetensors").exists()

@@ -437,5 +437,5 @@ def test_dtype_option(tmp_path):
     assert json.loads((dst / "config.json").read_text())["dtype"] == "bfloat16"
     want = independent_mean(weights(src)["model.layers.0.self_attn.k_proj.weight"], 4, 2, TINY["head_dim"])
     assert torch.equal(new["model.layers.0.self_attn.k_proj.weight"], want.to(torch.bfloat16))
-    with pytest.raises(ValueError, match="--dtype"):
+    with pytest.raises(ValueError, match="Unknown dtype"):
         gqa.convert_gqa(src=src, dst=tmp_path / "x", num_kv_heads=2, dtype="int8")

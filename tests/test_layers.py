@@ -104,7 +104,6 @@ def test_every_subcommand_and_module_alias_resolves():
         "eval.bench_heal",
         "eval.bench_mla_decode",
         "eval.bench_perplexity",
-        "conversion.bench_stream",
         "hf_attn.assets",
     ]
     sys.path.insert(0, str(ROOT))  # the module commands run from the checkout

@@ -31,7 +31,7 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
             raise ValueError(f"Unsupported dtype {name}; choose one of {list(DTYPES)}")
         return name
     if DTYPE_ALIASES.get(name, name) not in DTYPES:
-        raise ValueError(f"Unknown --dtype {name!r}; choose one of {list(DTYPES)}")
+        raise ValueError(f"Unknown dtype {name!r}; choose one of {list(DTYPES)}")
     return DTYPES[DTYPE_ALIASES.get(name, name)]
 
 
