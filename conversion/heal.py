@@ -35,8 +35,7 @@ Code: `HealSettings` (every option; the command line is built from it) -> `load_
         [--batch-size 1] [--grad-accum 1]
         [--lr 1e-4] [--warmup-steps 0] [--schedule cosine|constant] [--trainable all|attention]
         [--autocast-dtype float32|bfloat16|float16] [--eval-text FILE ...] [--eval-every S]
-        [--eval-tokens 8192]
-        [--checkpoint-every N] [--resume] [--seed 0] [--gradient-checkpointing] [--overwrite]
+        [--eval-tokens 8192] [--checkpoint-every N] [--resume] [--seed 0] [--gradient-checkpointing] [--overwrite]
     accelerate launch --multi_gpu --num_processes 2 -m conversion.heal ...   # data parallel (CPU: gloo)
 """
 
@@ -361,7 +360,7 @@ class HealSettings:
     autocast_dtype: str = setting(
         "float32",
         "training compute precision (autocast; master weights stay float32, the output keeps the input's "
-        "dtype); the old spelling --dtype still works",
+        "dtype)",
         choices=tuple(PRECISIONS),
         deprecated_flags=("--dtype",),
     )
@@ -793,7 +792,7 @@ def heal(settings: HealSettings, *, progress: bool = True) -> dict:
     output, state_dir = s.paths()
     source = resolve_model(s.model)
     check_output(source, output, overwrite=s.overwrite)  # fail fast: before any training
-    check_output(source, state_dir, overwrite=True)
+    check_output(source, state_dir, overwrite=True, flag="--state-dir")
     check_writable(output.parent, "Output directory")
 
     accelerator = make_accelerator(s.autocast_dtype, s.grad_accum)

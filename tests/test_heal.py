@@ -367,7 +367,7 @@ def test_cli_error_is_one_line_without_traceback(tiny, tmp_path):
     res = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
     assert res.returncode != 0
     assert "Traceback" not in res.stderr and res.stderr.strip().splitlines()[-1].startswith(
-        "conversion.heal: error:"
+        "hf-attn heal: error:"
     )
 
 

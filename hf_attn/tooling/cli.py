@@ -73,7 +73,9 @@ def add_settings_arguments(parser: argparse.ArgumentParser, settings: type, *, s
             continue
         target = parser
         if "exclusive" in f.metadata:
-            target = groups.setdefault(f.metadata["exclusive"], parser.add_mutually_exclusive_group())
+            if f.metadata["exclusive"] not in groups:
+                groups[f.metadata["exclusive"]] = parser.add_mutually_exclusive_group()
+            target = groups[f.metadata["exclusive"]]
         flag = _flag(f)
         if f.default is not dataclasses.MISSING:
             default = f.default
