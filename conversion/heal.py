@@ -35,7 +35,8 @@ Code: `HealSettings` (every option; the command line is built from it) -> `load_
         [--batch-size 1] [--grad-accum 1]
         [--lr 1e-4] [--warmup-steps 0] [--schedule cosine|constant] [--trainable all|attention]
         [--autocast-dtype float32|bfloat16|float16] [--eval-text FILE ...] [--eval-every S]
-        [--eval-tokens 8192] [--checkpoint-every N] [--resume] [--seed 0] [--gradient-checkpointing] [--overwrite]
+        [--eval-tokens 8192] [--checkpoint-every N] [--resume] [--seed 0] [--gradient-checkpointing]
+        [--overwrite]
     accelerate launch --multi_gpu --num_processes 2 -m conversion.heal ...   # data parallel (CPU: gloo)
 """
 
