@@ -5,8 +5,9 @@
   tensor in memory at a time, over a single `model.safetensors` or a sharded `model.safetensors.index.json`.
 - `ShardedWriter`: streams converted tensors to safetensors shards (at most `max_shard_bytes` each) plus the
   index; each tensor is written to disk as soon as it arrives, so memory stays at one tensor.
-- `copy_side_files`, `add_record`, `write_config`: everything that is not weights, and the conversion record
-  kept in `config.json["hf_attn"]` (`history`: every step so far, `last`: the newest one).
+- `copy_side_files`, `conversion_record`, `add_record`, `write_config`: everything that is not weights, and
+  the conversion record kept in `config.json["hf_attn"]` (`history`: every step so far, `last`: the newest
+  one; one schema for converters and healing: `conversion_record`).
 
 Writers are meant to be used inside `hf_attn.tooling.files.atomic_directory`, so a failure leaves no output.
 """
@@ -351,6 +352,29 @@ def copy_side_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]
     return copied
 
 
+RECORD_KINDS = ("gqa", "mla", "expand", "heal")
+
+
+def conversion_record(
+    *, kind: str, source: str | os.PathLike, source_hash: str, settings: dict, **results
+) -> dict:
+    """One entry of `config.json["hf_attn"]["history"]`, the same schema for every step: `kind` (which
+    command: gqa | mla | expand | heal), `source` (the input checkpoint's path), `source_hash` (its
+    `checkpoint_hash`), `settings` (the options it ran with) and then the step's own results."""
+    if kind not in RECORD_KINDS:
+        raise ValueError(f"Unknown record kind {kind!r}; choose one of {', '.join(RECORD_KINDS)}")
+    reserved = {"kind", "source", "source_hash", "settings"} & results.keys()
+    if reserved:
+        raise ValueError(f"Results may not reuse the record keys {sorted(reserved)}")
+    return {
+        "kind": kind,
+        "source": str(source),
+        "source_hash": source_hash,
+        "settings": dict(settings),
+        **results,
+    }
+
+
 def add_record(config: dict, record: dict) -> dict:
     """Copy of `config` with `record` appended to `config["hf_attn"]["history"]` and set as its `last`."""
     out = copy.deepcopy(config)
@@ -425,11 +449,9 @@ def save_streamed(
 ) -> Path:
     """Write a complete checkpoint atomically: `tensors` streamed into shards (floating ones cast to `dtype`
     if given), `config` as config.json, and the side files of `src_dir`. Returns the final directory."""
-    from hf_attn.tooling.files import atomic_directory
+    from hf_attn.tooling.files import atomic_directory, check_output
 
-    dst = Path(dst).expanduser().resolve()
-    if dst == Path(src_dir).resolve():
-        raise ValueError(f"--output {dst} is the source checkpoint; converters never modify their source.")
+    dst = check_output(src_dir, dst, overwrite=overwrite)
     if dtype is not None:
         config = {**config, "dtype": dtype_name(dtype)}
         config.pop("torch_dtype", None)
@@ -451,6 +473,7 @@ __all__ = [
     "ShardedWriter",
     "TensorInfo",
     "add_record",
+    "conversion_record",
     "attn_key",
     "check_attention_tensors",
     "check_supported",

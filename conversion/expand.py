@@ -27,6 +27,7 @@ from hf_attn.conversion.checkpoint import (
     add_record,
     check_attention_tensors,
     check_supported,
+    conversion_record,
     dtype_name,
     names_in_file_order,
     parse_attn_key,
@@ -110,15 +111,15 @@ def expand_checkpoint(
     if Path(dst).expanduser().exists() and not overwrite:
         raise FileExistsError(f"Output {dst} already exists; pass --overwrite to replace it.")
     repeats = target // geometry.num_kv_heads
-    record = {
-        "converter": "conversion.expand",
-        "method": "repeat",
-        "source": str(src_dir),
-        "source_checkpoint_hash": checkpoint_hash(src_dir),
-        "num_key_value_heads": {"from": geometry.num_kv_heads, "to": target},
-        "sources_of_new_heads": [j // repeats for j in range(target)],
-        "dtype": dtype_name(dtype) if dtype is not None else config.get("dtype", config.get("torch_dtype")),
-    }
+    record = conversion_record(
+        kind="expand",
+        source=src_dir,
+        source_hash=checkpoint_hash(src_dir),
+        settings={"method": "repeat", "num_kv_heads": num_kv_heads},
+        num_key_value_heads={"from": geometry.num_kv_heads, "to": target},
+        sources_of_new_heads=[j // repeats for j in range(target)],
+        dtype=dtype_name(dtype) if dtype is not None else config.get("dtype", config.get("torch_dtype")),
+    )
     new_config = add_record({**config, "num_key_value_heads": target}, record)
     out = save_streamed(
         src_dir=src_dir,

@@ -60,6 +60,7 @@ from hf_attn.conversion.checkpoint import (
     attn_key,
     check_attention_tensors,
     check_supported,
+    conversion_record,
     dtype_name,
     expected_attention_shapes,
     names_in_file_order,
@@ -518,16 +519,16 @@ def convert_gqa(
     dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     if Path(dst).expanduser().exists() and not overwrite:  # fail before any slow calibration
         raise FileExistsError(f"Output {dst} already exists; pass --overwrite to replace it.")
-    record = {
-        "converter": "conversion.gqa",
-        "method": method,
-        "source": str(src_dir),
-        "source_checkpoint_hash": checkpoint_hash(src_dir),
-        "num_key_value_heads": {"from": geometry.num_kv_heads, "to": num_kv_heads},
-        "groups": pooling.groups,
-        "calibration": None,
-        "dtype": dtype_name(dtype) if dtype is not None else config.get("dtype", config.get("torch_dtype")),
-    }
+    record = conversion_record(
+        kind="gqa",
+        source=src_dir,
+        source_hash=checkpoint_hash(src_dir),
+        settings={"method": method, "num_kv_heads": num_kv_heads},
+        num_key_value_heads={"from": geometry.num_kv_heads, "to": num_kv_heads},
+        groups=pooling.groups,
+        calibration=None,
+        dtype=dtype_name(dtype) if dtype is not None else config.get("dtype", config.get("torch_dtype")),
+    )
     calibrated = None
     if method == "calibrated" and pooling.heads_per_group > 1:  # (G == H is the identity for every method)
         files = None if calibration_files is None else [Path(f) for f in calibration_files]

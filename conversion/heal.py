@@ -11,9 +11,9 @@ accumulation, gradient checkpointing and bf16/fp16 autocast. Data parallel throu
 process p of P takes every P-th batch and gradients are averaged, so `batch_size x P x grad_accum` chunks make
 one optimizer step whatever P is (the same global batch gives the same run on one or many processes).
 
-Evaluation: held-out perplexity with the project's protocol (`hf_attn.tooling.perplexity.evaluate_perplexity`, disjoint
-windows of `eval_context` tokens over the first `eval_tokens` tokens) before, every `eval_every` steps, and
-after. Training and evaluation text must not overlap (`train_data.check_disjoint`).
+Evaluation: held-out perplexity with the project's protocol (`hf_attn.tooling.perplexity.evaluate_perplexity`,
+disjoint windows of `eval_context` tokens over the first `eval_tokens` tokens) before, every `eval_every`
+steps, and after. Training and evaluation text must not overlap (`train_data.check_disjoint`).
 
 Interruption: every `checkpoint_every` steps an atomic checkpoint `STATE/checkpoint-NNNNNN/` is written: the
 model in `save_pretrained` format (loadable as is) plus `trainer_state.pt` (optimizer, scheduler, the RNG of
@@ -22,15 +22,21 @@ data order and optimizer state: the losses are those of an uninterrupted run. `S
 `OUTPUT.heal/` and also holds the JSON-lines log `log.jsonl` (one line per step, evaluation, checkpoint).
 
 Output: the healed model in the input's format (same config and model type, weights in the input's dtype,
-side files such as the tokenizer copied), written atomically; the run is appended to
-`config.json["hf_attn"]["history"]` (`conversion.checkpoint.add_record`).
+side files such as the tokenizer copied), written atomically, never over or inside its source
+(`hf_attn.tooling.files.check_output`, checked before training); the run is appended to
+`config.json["hf_attn"]["history"]` (`conversion.checkpoint.conversion_record`, kind `heal`).
 
-    python -m conversion.heal --model SRC --output DST [--train-text FILE ... | --dataset NAME ...]
+Code: `HealSettings` (every option; the command line is built from it) -> `load_data` -> `make_recipe` ->
+`find_resume_point` / `build_train_state` (`TrainState.save` / `restore`) -> `train_steps` (with the
+`held_out_evaluation` hook) -> `write_output`; `heal()` strings them together.
+
+    hf-attn heal --model SRC --output DST [--train-text FILE ... | --dataset NAME ...]
         [--max-steps N | --max-tokens N | --max-minutes M [--budget-clock wall|cpu]] [--seq-len 512]
         [--batch-size 1] [--grad-accum 1]
         [--lr 1e-4] [--warmup-steps 0] [--schedule cosine|constant] [--trainable all|attention]
-        [--dtype float32|bfloat16|float16] [--eval-text FILE ...] [--eval-every S] [--eval-tokens 8192]
-        [--checkpoint-every N] [--resume] [--seed 0] [--gradient-checkpointing] [--overwrite]
+        [--autocast-dtype float32|bfloat16|float16] [--eval-text FILE ...] [--eval-every S]
+        [--eval-tokens 8192] [--checkpoint-every N] [--resume] [--seed 0] [--gradient-checkpointing]
+        [--overwrite]
     accelerate launch --multi_gpu --num_processes 2 -m conversion.heal ...   # data parallel (CPU: gloo)
 """
 
@@ -45,14 +51,20 @@ import re
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
 import hf_attn  # noqa: F401  (registers the hf-attn attention implementations and the llama_mla model type)
-from hf_attn.conversion.checkpoint import add_record, copy_side_files, read_config, write_config
+from hf_attn.conversion.checkpoint import (
+    add_record,
+    conversion_record,
+    copy_side_files,
+    read_config,
+    write_config,
+)
 from hf_attn.conversion.train_data import (
     check_disjoint,
     chunk_tokens,
@@ -61,9 +73,17 @@ from hf_attn.conversion.train_data import (
     make_loader,
 )
 from hf_attn.tooling import loading
-from hf_attn.tooling.cli import error, one_line
-from hf_attn.tooling.corpus import tokenize
-from hf_attn.tooling.files import atomic_directory, checkpoint_hash
+from hf_attn.tooling.cli import (
+    USER_ERRORS,
+    add_settings_arguments,
+    check_choices,
+    error,
+    one_line,
+    setting,
+    settings_from_args,
+)
+from hf_attn.tooling.corpus import Corpus, tokenize
+from hf_attn.tooling.files import atomic_directory, check_output, checkpoint_hash
 from hf_attn.tooling.loading import resolve_model
 from hf_attn.tooling.perplexity import check_window, evaluate_perplexity
 
@@ -72,8 +92,8 @@ PROG = "hf-attn heal"
 TRAINABLE = ("all", "attention")
 SCHEDULES = ("cosine", "constant")
 CLOCKS = ("wall", "cpu")  # what --max-minutes counts: wall-clock or process CPU time, of training steps only
-PRECISIONS = {"float32": "no", "bfloat16": "bf16", "float16": "fp16"}  # --dtype -> accelerate mixed_precision
-DEFAULT_MAX_STEPS = 100  # when no budget is given: the DESIGN.md control recipe (100 steps of 512 tokens)
+PRECISIONS = {"float32": "no", "bfloat16": "bf16", "float16": "fp16"}  # --autocast-dtype -> mixed_precision
+DEFAULT_MAX_STEPS = 100  # when no budget is given: a short control run (100 steps of --seq-len tokens)
 MIN_LR_RATIO = 0.1  # cosine decays to this fraction of the peak
 ATTENTION_MARKER = ".self_attn."
 STATE_FILE = "trainer_state.pt"
@@ -99,7 +119,7 @@ class HealRecipe:
     weight_decay: float
     max_grad_norm: float | None
     trainable: str
-    dtype: str  # compute precision (autocast); master weights stay float32
+    autocast_dtype: str  # compute precision; master weights stay float32
     seed: int
     train_sha256: str
     source_hash: str
@@ -128,6 +148,7 @@ class HealRecipe:
 
         With a constant schedule the step budget changes nothing before it is reached, so it may grow."""
         mine = asdict(self)
+        other = {("autocast_dtype" if k == "dtype" else k): v for k, v in other.items()}  # (older states)
         free = {"total_steps"} if self.schedule == other.get("schedule") == "constant" else set()
         return [
             f"{k}: {other.get(k)!r} -> {v!r}" for k, v in mine.items() if other.get(k) != v and k not in free
@@ -143,7 +164,8 @@ def _positive(name: str, value, *, allow_none: bool = False, allow_zero: bool = 
         and (value >= 0 if allow_zero else value > 0)
     )
     if not ok:
-        raise ValueError(f"--{name} must be {'>= 0' if allow_zero else 'positive'}, got {value!r}")
+        flag = "--" + name.replace("_", "-")
+        raise ValueError(f"{flag} must be {'>= 0' if allow_zero else 'positive'}, got {value!r}")
 
 
 def plan_budget(
@@ -172,9 +194,9 @@ def resolve_schedule(schedule: str | None, total_steps: int | None) -> str:
 
 
 def select_trainable(model: torch.nn.Module, trainable: str) -> list[str]:
-    """requires_grad on every parameter (`all`) or on `*.self_attn.*` ones (`attention`); returns names."""
-    if trainable not in TRAINABLE:
-        raise ValueError(f"Unknown --trainable {trainable!r}; choose one of {', '.join(TRAINABLE)}")
+    """requires_grad on every parameter (`all`) or on `*.self_attn.*` ones (`attention`); returns names.
+    (`trainable` is validated with the settings: `HealSettings.validate`.)"""
+    assert trainable in TRAINABLE, trainable
     names = []
     for name, p in model.named_parameters():
         p.requires_grad_(trainable == "all" or ATTENTION_MARKER in f".{name}")
@@ -298,261 +320,505 @@ def _lm_forward(model, input_ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
 
 
-# --------------------------------------------------------------------------------------------- heal
+# --------------------------------------------------------------------------------------------- settings
 
 
-def heal(
-    *,
-    model: str | os.PathLike | None,
-    output: str | os.PathLike,
-    train_text: list[str | os.PathLike] | None = None,
-    dataset: str | None = None,
-    dataset_config: str | None = None,
-    dataset_split: str = "train",
-    text_column: str = "text",
-    eval_text: list[str | os.PathLike] | None = None,
-    max_steps: int | None = None,
-    max_tokens: int | None = None,
-    max_minutes: float | None = None,
-    budget_clock: str = "wall",
-    seq_len: int = 512,
-    batch_size: int = 1,
-    grad_accum: int = 1,
-    lr: float = 1e-4,
-    warmup_steps: int = 0,
-    schedule: str | None = None,
-    weight_decay: float = 0.0,
-    max_grad_norm: float | None = 1.0,
-    trainable: str = "all",
-    dtype: str = "float32",
-    attn_implementation: str | None = None,
-    trust_remote_code: bool = False,
-    eval_every: int = 0,
-    eval_tokens: int = 8192,
-    eval_context: int = 1024,
-    checkpoint_every: int = 0,
-    state_dir: str | os.PathLike | None = None,
-    keep_checkpoints: bool = False,
-    resume: bool = False,
-    seed: int = 0,
-    gradient_checkpointing: bool = False,
-    overwrite: bool = False,
-    progress: bool = True,
-) -> dict:
-    """Heal `model` into `output`; returns the run record (also stored in the output's config.json).
+@dataclass(frozen=True)
+class HealSettings:
+    """Every option of a healing run; `hf-attn heal`'s flags are built from these fields (`--field-name`)."""
 
-    ValueError / FileExistsError for user mistakes, raised before any training. `eval_tokens=0` skips the
-    held-out evaluation. Call it once per process under `accelerate launch` for data parallelism.
-    """
+    output: str = setting(help="directory of the healed checkpoint", required=True)
+    model: str | None = setting(None, "checkpoint directory or hub id (default: the embedded SmolLM2)")
+    train_text: list[str] | None = setting(
+        None, "default: the 5 non-eval novels", metavar="FILE", exclusive="train source"
+    )
+    dataset: str | None = setting(
+        None, "datasets id of the training text, e.g. wikitext", exclusive="train source"
+    )
+    dataset_config: str | None = setting(None)
+    dataset_split: str = setting("train")
+    text_column: str = setting("text")
+    eval_text: list[str] | None = setting(None, "default: Persuasion", metavar="FILE")
+    max_steps: int | None = setting(None, f"default {DEFAULT_MAX_STEPS} if no budget is given")
+    max_tokens: int | None = setting(None, "training tokens (rounded up to whole steps)")
+    max_minutes: float | None = setting(None, "training time, evaluation excluded")
+    budget_clock: str = setting(
+        "wall",
+        "what --max-minutes counts: wall (default) or cpu (process CPU time: fair on a shared machine)",
+        choices=CLOCKS,
+    )
+    seq_len: int = setting(512)
+    batch_size: int = setting(1, "chunks per process per micro-step")
+    grad_accum: int = setting(1)
+    lr: float = setting(1e-4)
+    warmup_steps: int = setting(0)
+    schedule: str | None = setting(
+        None, "default: cosine with a step budget, else constant", choices=SCHEDULES
+    )
+    weight_decay: float = setting(0.0)
+    max_grad_norm: float | None = setting(1.0, "0 disables clipping")
+    trainable: str = setting("all", "attention: only *.self_attn.* parameters", choices=TRAINABLE)
+    autocast_dtype: str = setting(
+        "float32",
+        "training compute precision (autocast; master weights stay float32, the output keeps the input's "
+        "dtype)",
+        choices=tuple(PRECISIONS),
+        deprecated_flags=("--dtype",),
+    )
+    attn_implementation: str | None = setting(None)
+    trust_remote_code: bool = setting(False)
+    eval_every: int = setting(0, "held-out perplexity every S steps (0: off)")
+    eval_tokens: int = setting(8192, "first N tokens of the eval text (0: no eval)")
+    eval_context: int = setting(1024, "window length (disjoint windows)")
+    checkpoint_every: int = setting(0, "atomic resumable checkpoint every N steps")
+    state_dir: str | None = setting(None, "checkpoints + log.jsonl (default: OUTPUT.heal)")
+    keep_checkpoints: bool = setting(False, "end with a checkpoint (resume later with a larger budget)")
+    resume: bool = setting(False, "continue from the newest checkpoint in the state dir")
+    seed: int = setting(0)
+    gradient_checkpointing: bool = setting(False)
+    overwrite: bool = setting(False)
+
+    def validate(self) -> None:
+        """ValueError for a bad value (cheap: before any loading)."""
+        check_choices(self)
+        for name in ("seq_len", "batch_size", "grad_accum", "lr"):
+            _positive(name, getattr(self, name))
+        for name in ("max_steps", "max_tokens", "max_minutes"):
+            _positive(name, getattr(self, name), allow_none=True)
+        for name in ("warmup_steps", "eval_every", "eval_tokens", "checkpoint_every", "weight_decay"):
+            _positive(name, getattr(self, name), allow_zero=True)
+        if self.eval_tokens:
+            check_window(self.eval_context, None)
+
+    def paths(self) -> tuple[Path, Path]:
+        """(output, state dir) as absolute paths."""
+        output = Path(self.output).expanduser().absolute()
+        state = Path(self.state_dir).expanduser().absolute() if self.state_dir else default_state_dir(output)
+        return output, state
+
+    def record(self) -> dict:
+        """The settings as JSON values (paths as strings), for the conversion record."""
+        return {k: _jsonable(v) for k, v in asdict(self).items()}
+
+
+def _jsonable(value):
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return str(value) if isinstance(value, os.PathLike) else value
+
+
+# --------------------------------------------------------------------------------------------- data
+
+
+@dataclass(frozen=True)
+class HealData:
+    """The tokenized training chunks and held-out ids (None: no evaluation), with their corpora."""
+
+    train_corpus: Corpus
+    train_tokens: int
+    chunks: torch.Tensor  # (N, seq_len)
+    eval_corpus: Corpus
+    eval_ids: torch.Tensor | None  # (eval_tokens,)
+
+    def record(self) -> dict:
+        return {
+            "corpus": self.train_corpus.name,
+            "sha256": self.train_corpus.sha256,
+            "tokens": self.train_tokens,
+        }
+
+
+def load_data(settings: HealSettings, source: Path, *, num_processes: int) -> HealData:
+    """Tokenize the training text once (cut into `seq_len` chunks) and the held-out text; they must not
+    overlap (`train_data.check_disjoint`)."""
+    s = settings
+    train_corpus, train_files = load_train_corpus(
+        s.train_text,
+        dataset=s.dataset,
+        dataset_config=s.dataset_config,
+        split=s.dataset_split,
+        text_column=s.text_column,
+    )
+    eval_corpus, eval_files = load_eval_corpus(s.eval_text)
+    check_disjoint(train_corpus, train_files, eval_corpus, eval_files)
+    tokenizer = loading.load_tokenizer(source)
+    train_ids = tokenize(tokenizer, train_corpus)
+    chunks = chunk_tokens(train_ids, s.seq_len, min_chunks=s.batch_size * num_processes * s.grad_accum)
+    eval_ids = tokenize(tokenizer, eval_corpus)[: s.eval_tokens] if s.eval_tokens else None
+    if eval_ids is not None and eval_ids.numel() < s.eval_context:
+        raise ValueError(
+            f"The evaluation text {eval_corpus.name} has {eval_ids.numel()} tokens (--eval-tokens "
+            f"{s.eval_tokens}), fewer than one window of {s.eval_context}; give a longer --eval-text or "
+            "lower --eval-tokens / --eval-context"
+        )
+    return HealData(train_corpus, int(train_ids.numel()), chunks, eval_corpus, eval_ids)
+
+
+def make_recipe(
+    settings: HealSettings, data: HealData, *, num_processes: int, source_hash: str
+) -> HealRecipe:
+    s = settings
+    total_steps = plan_budget(
+        max_steps=s.max_steps,
+        max_tokens=s.max_tokens,
+        max_minutes=s.max_minutes,
+        tokens_per_step=s.batch_size * num_processes * s.grad_accum * s.seq_len,
+    )
+    return HealRecipe(
+        seq_len=s.seq_len,
+        batch_size=s.batch_size,
+        grad_accum=s.grad_accum,
+        num_processes=num_processes,
+        lr=s.lr,
+        warmup_steps=s.warmup_steps,
+        schedule=resolve_schedule(s.schedule, total_steps),
+        total_steps=total_steps,
+        weight_decay=s.weight_decay,
+        max_grad_norm=s.max_grad_norm or None,
+        trainable=s.trainable,
+        autocast_dtype=s.autocast_dtype,
+        seed=s.seed,
+        train_sha256=data.train_corpus.sha256,
+        source_hash=source_hash,
+    )
+
+
+# --------------------------------------------------------------------------------------------- train state
+
+
+def make_accelerator(autocast_dtype: str, grad_accum: int):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
-    from accelerate.utils import broadcast, gather_object, set_seed
-    from tqdm.auto import tqdm
-
-    # ---- arguments (all cheap checks first, so a mistake costs no loading time)
-    if trainable not in TRAINABLE:
-        raise ValueError(f"Unknown --trainable {trainable!r}; choose one of {', '.join(TRAINABLE)}")
-    if budget_clock not in CLOCKS:
-        raise ValueError(f"Unknown --budget-clock {budget_clock!r}; choose one of {', '.join(CLOCKS)}")
-    if dtype not in PRECISIONS:
-        raise ValueError(f"Unknown --dtype {dtype!r}; choose one of {', '.join(PRECISIONS)}")
-    for name, value in (
-        ("seq-len", seq_len),
-        ("batch-size", batch_size),
-        ("grad-accum", grad_accum),
-        ("lr", lr),
-    ):
-        _positive(name, value)
-    for name, value in (("max-steps", max_steps), ("max-tokens", max_tokens), ("max-minutes", max_minutes)):
-        _positive(name, value, allow_none=True)
-    for name, value in (
-        ("warmup-steps", warmup_steps),
-        ("eval-every", eval_every),
-        ("eval-tokens", eval_tokens),
-        ("checkpoint-every", checkpoint_every),
-        ("weight-decay", weight_decay),
-    ):
-        _positive(name, value, allow_zero=True)
-    if eval_tokens:
-        check_window(eval_context, None)
-    output = Path(output).expanduser().absolute()
-    state_dir = Path(state_dir).expanduser().absolute() if state_dir else default_state_dir(output)
-    if output.exists() and not overwrite:
-        raise FileExistsError(f"Output {output} already exists; pass --overwrite to replace it")
-    check_writable(output.parent, "Output directory")
 
     cpu = not (
         torch.cuda.is_available() or (hasattr(torch, "accelerator") and torch.accelerator.is_available())
     )
     shared = AcceleratorState._shared_state
-    if shared and shared.get("_mixed_precision") != PRECISIONS[dtype]:
+    if shared and shared.get("_mixed_precision") != PRECISIONS[autocast_dtype]:
         # heal() called again in this process with another precision: accelerate keeps one per process, so
         # drop it (private but stable API) and keep the distributed setup (PartialState).
         AcceleratorState._reset_state(reset_partial_state=False)
     try:
-        accelerator = Accelerator(
-            mixed_precision=PRECISIONS[dtype], gradient_accumulation_steps=grad_accum, cpu=cpu
+        return Accelerator(
+            mixed_precision=PRECISIONS[autocast_dtype], gradient_accumulation_steps=grad_accum, cpu=cpu
         )
     except (ValueError, RuntimeError) as err:
-        raise ValueError(f"--dtype {dtype} is not supported here: {one_line(err)}") from err
-    main = accelerator.is_main_process
-    set_seed(seed)
+        raise ValueError(f"--autocast-dtype {autocast_dtype} is not supported here: {one_line(err)}") from err
 
-    # ---- data: tokenized once, disjoint from the evaluation text
-    source = resolve_model(model)
-    train_corpus, train_files = load_train_corpus(
-        train_text,
-        dataset=dataset,
-        dataset_config=dataset_config,
-        split=dataset_split,
-        text_column=text_column,
-    )
-    eval_corpus, eval_files = load_eval_corpus(eval_text)
-    check_disjoint(train_corpus, train_files, eval_corpus, eval_files)
-    tokenizer = loading.load_tokenizer(source)
-    train_ids = tokenize(tokenizer, train_corpus)
-    num_processes = accelerator.num_processes
-    chunks = chunk_tokens(train_ids, seq_len, min_chunks=batch_size * num_processes * grad_accum)
-    eval_ids = tokenize(tokenizer, eval_corpus)[:eval_tokens] if eval_tokens else None
-    if eval_ids is not None and eval_ids.numel() < eval_context:
-        raise ValueError(
-            f"The evaluation text {eval_corpus.name} has {eval_ids.numel()} tokens (--eval-tokens "
-            f"{eval_tokens}), fewer than one window of {eval_context}; give a longer --eval-text or lower "
-            "--eval-tokens / --eval-context"
-        )
 
-    total_steps = plan_budget(
-        max_steps=max_steps,
-        max_tokens=max_tokens,
-        max_minutes=max_minutes,
-        tokens_per_step=batch_size * num_processes * grad_accum * seq_len,
-    )
-    recipe = HealRecipe(
-        seq_len=seq_len,
-        batch_size=batch_size,
-        grad_accum=grad_accum,
-        num_processes=num_processes,
-        lr=lr,
-        warmup_steps=warmup_steps,
-        schedule=resolve_schedule(schedule, total_steps),
-        total_steps=total_steps,
-        weight_decay=weight_decay,
-        max_grad_norm=max_grad_norm,
-        trainable=trainable,
-        dtype=dtype,
-        seed=seed,
-        train_sha256=train_corpus.sha256,
-        source_hash=checkpoint_hash(source),
-    )
-
-    # ---- state directory: resume from the newest complete checkpoint, or start clean
+def find_resume_point(
+    state_dir: Path, recipe: HealRecipe, *, resume: bool, overwrite: bool
+) -> tuple[dict | None, Path | None, list[tuple[int, Path]]]:
+    """(saved trainer state, its checkpoint dir) to resume from, or (None, None); plus every checkpoint found.
+    ValueError / FileExistsError if the state dir holds another run or one with a different recipe."""
     checkpoints = find_checkpoints(state_dir)
     if checkpoints and not resume and not overwrite:
         raise FileExistsError(
             f"{state_dir} holds checkpoints of an earlier run; pass --resume to continue it or --overwrite "
             "to start over"
         )
-    saved = None
-    if resume and checkpoints:
-        step0, ckpt_dir = checkpoints[-1]
-        saved = torch.load(ckpt_dir / STATE_FILE, map_location="cpu", weights_only=False)  # our own file
-        diff = recipe.mismatch(saved["recipe"])
-        # the global batch decides the trajectory; how it is split over processes does not
-        diff = [d for d in diff if not d.startswith(("batch_size", "num_processes"))]
-        per_micro_step = saved["recipe"]["batch_size"] * saved["recipe"]["num_processes"]
-        if per_micro_step != batch_size * num_processes:
-            diff.append(f"batch_size x num_processes: {per_micro_step} -> {batch_size * num_processes}")
-        if diff:
-            raise ValueError(f"--resume: the run in {state_dir} used a different recipe ({'; '.join(diff)})")
-        assert saved["step"] == step0, (saved["step"], step0)
-    accelerator.wait_for_everyone()  # every process has read the state before the main one cleans up
-    log = JsonLog(state_dir / LOG_FILE, enabled=main)
-    if main:
-        if saved is None and state_dir.exists():
-            for _, path in checkpoints:
-                shutil.rmtree(path)
-            (state_dir / LOG_FILE).unlink(missing_ok=True)
-        check_writable(state_dir, "State directory")
-        for stale in state_dir.glob(".checkpoint-*.tmp"):  # left by a run killed while writing a checkpoint
-            shutil.rmtree(stale, ignore_errors=True)
-        log.truncate_after(saved["step"] if saved else -1)
-    accelerator.wait_for_everyone()
+    if not (resume and checkpoints):
+        return None, None, checkpoints
+    step0, ckpt_dir = checkpoints[-1]
+    saved = torch.load(ckpt_dir / STATE_FILE, map_location="cpu", weights_only=False)  # our own file
+    diff = recipe.mismatch(saved["recipe"])
+    # the global batch decides the trajectory; how it is split over processes does not
+    diff = [d for d in diff if not d.startswith(("batch_size", "num_processes"))]
+    per_micro_step = saved["recipe"]["batch_size"] * saved["recipe"]["num_processes"]
+    now = recipe.batch_size * recipe.num_processes
+    if per_micro_step != now:
+        diff.append(f"batch_size x num_processes: {per_micro_step} -> {now}")
+    if diff:
+        raise ValueError(f"--resume: the run in {state_dir} used a different recipe ({'; '.join(diff)})")
+    assert saved["step"] == step0, (saved["step"], step0)
+    return saved, ckpt_dir, checkpoints
 
-    # ---- model, optimizer, schedule, data order
-    start_dir = ckpt_dir if saved else source
+
+def prepare_state_dir(
+    state_dir: Path, log: JsonLog, *, saved: dict | None, checkpoints: list[tuple[int, Path]]
+) -> None:
+    """Main process: a fresh run clears the old checkpoints and log; stale temp dirs and log lines past the
+    resumed checkpoint go."""
+    if saved is None and state_dir.exists():
+        for _, path in checkpoints:
+            shutil.rmtree(path)
+        (state_dir / LOG_FILE).unlink(missing_ok=True)
+    check_writable(state_dir, "State directory")
+    for stale in state_dir.glob(".checkpoint-*.tmp"):  # left by a run killed while writing a checkpoint
+        shutil.rmtree(stale, ignore_errors=True)
+    log.truncate_after(saved["step"] if saved else -1)
+
+
+@dataclass
+class TrainState:
+    """Everything a resumed run needs: the model, optimizer and scheduler, the counters and the evaluations
+    so far (the RNG of every process and the data position are saved with it: `save` / `restore`)."""
+
+    net: torch.nn.Module  # prepared by accelerate
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    params: list[torch.nn.Parameter]
+    loader: object
+    step: int = 0
+    tokens: int = 0
+    train_seconds: float = 0.0
+    train_cpu_seconds: float = 0.0
+    eval_before: dict | None = None
+    evals: list[dict] = field(default_factory=list)
+
+    @property
+    def trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    def clocks(self) -> dict:
+        return {"train_seconds": self.train_seconds, "train_cpu_seconds": self.train_cpu_seconds}
+
+    def restore(self, saved: dict, *, process_index: int, num_processes: int) -> None:
+        """Counters, optimizer, scheduler and this process's RNG from a saved trainer state."""
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.scheduler.load_state_dict(saved["scheduler"])
+        self.step, self.tokens, self.train_seconds = saved["step"], saved["tokens"], saved["train_seconds"]
+        self.train_cpu_seconds = saved["train_cpu_seconds"]
+        self.eval_before, self.evals = saved["eval_before"], saved["evals"]
+        if len(saved["rng"]) == num_processes:
+            set_rng_state(saved["rng"][process_index])
+
+    def save(self, state_dir: Path, *, recipe: HealRecipe, source: Path, accelerator, log: JsonLog) -> None:
+        """An atomic `checkpoint-NNNNNN/` (loadable model + trainer_state.pt); older ones go."""
+        from accelerate.utils import gather_object
+
+        rngs = gather_object([rng_state()])  # one entry per process, in process order
+        if accelerator.is_main_process:
+            path = state_dir / f"checkpoint-{self.step:06d}"
+            with atomic_directory(path, overwrite=True) as tmp:
+                accelerator.unwrap_model(self.net).save_pretrained(tmp)
+                copy_side_files(source, tmp)
+                state = {
+                    "recipe": asdict(recipe),
+                    "step": self.step,
+                    "tokens": self.tokens,
+                    **self.clocks(),
+                    "data_position": self.step * recipe.global_batch,
+                    "optimizer": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict(),
+                    "rng": rngs,
+                    "eval_before": self.eval_before,
+                    "evals": self.evals,
+                }
+                torch.save(state, tmp / STATE_FILE)
+            for old_step, old in find_checkpoints(state_dir):
+                if old_step < self.step:
+                    shutil.rmtree(old, ignore_errors=True)
+            log.write(event="checkpoint", step=self.step, path=str(path))
+        accelerator.wait_for_everyone()
+
+
+def build_train_state(
+    start_dir: Path,
+    settings: HealSettings,
+    recipe: HealRecipe,
+    data: HealData,
+    accelerator,
+    *,
+    saved: dict | None,
+) -> TrainState:
+    """Model (float32 master weights) from `start_dir`, AdamW on the trainable parameters, the schedule and
+    the seeded data order from the saved position; restored from `saved` when resuming."""
     net = load_model(
         start_dir,
-        attn_implementation=attn_implementation,
-        trust_remote_code=trust_remote_code,
-        gradient_checkpointing=gradient_checkpointing,
+        attn_implementation=settings.attn_implementation,
+        trust_remote_code=settings.trust_remote_code,
+        gradient_checkpointing=settings.gradient_checkpointing,
     )
-    select_trainable(net, trainable)
+    select_trainable(net, settings.trainable)
     params = [p for p in net.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay)
+    optimizer = torch.optim.AdamW(
+        params, lr=settings.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=settings.weight_decay
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, recipe.lr_factor)
-    step = tokens = 0
-    train_seconds = train_cpu_seconds = 0.0
-    eval_before, evals = None, []
+    state = TrainState(net, optimizer, scheduler, params, loader=None)
     if saved is not None:
-        optimizer.load_state_dict(saved["optimizer"])
-        scheduler.load_state_dict(saved["scheduler"])
-        step, tokens, train_seconds = saved["step"], saved["tokens"], saved["train_seconds"]
-        train_cpu_seconds = saved["train_cpu_seconds"]
-        eval_before, evals = saved["eval_before"], saved["evals"]
-        if len(saved["rng"]) == num_processes:
-            set_rng_state(saved["rng"][accelerator.process_index])
-    loader = make_loader(chunks, batch_size=batch_size, seed=seed, start=step * recipe.global_batch)
+        state.restore(saved, process_index=accelerator.process_index, num_processes=accelerator.num_processes)
+    loader = make_loader(
+        data.chunks,
+        batch_size=settings.batch_size,
+        seed=settings.seed,
+        start=state.step * recipe.global_batch,
+    )
     # The scheduler is stepped by hand once per optimizer step (accelerate would step it once per process).
-    net, optimizer, loader = accelerator.prepare(net, optimizer, loader)
-    unwrapped = accelerator.unwrap_model(net)
+    state.net, state.optimizer, state.loader = accelerator.prepare(net, optimizer, loader)
+    return state
 
-    def evaluate() -> dict | None:
-        if eval_ids is None:
+
+# --------------------------------------------------------------------------------------------- evaluation
+
+
+def held_out_evaluation(data: HealData, *, context_length: int, accelerator, progress: bool):
+    """The evaluation hook: a function of the model giving the held-out perplexity record (None: no eval)."""
+
+    def evaluate(model) -> dict | None:
+        if data.eval_ids is None:
             return None
-        unwrapped.eval()
+        model.eval()
         res = evaluate_perplexity(
-            unwrapped,
-            eval_ids,
-            context_length=eval_context,
-            accelerator=accelerator,
-            progress=progress and main,
+            model, data.eval_ids, context_length=context_length, accelerator=accelerator, progress=progress
         )
-        unwrapped.train()
+        model.train()
         return {
             "perplexity": res.perplexity,
             "nll_sum": res.nll_sum,
             "tokens_scored": res.tokens_scored,
             "context_length": res.context_length,
             "stride": res.stride,
-            "corpus": eval_corpus.name,
-            "corpus_sha256": eval_corpus.sha256,
+            "corpus": data.eval_corpus.name,
+            "corpus_sha256": data.eval_corpus.sha256,
         }
 
-    def save_checkpoint() -> None:
-        rngs = gather_object([rng_state()])  # one entry per process, in process order
-        if main:
-            with atomic_directory(state_dir / f"checkpoint-{step:06d}", overwrite=True) as tmp:
-                unwrapped.save_pretrained(tmp)
-                copy_side_files(source, tmp)
-                state = {
-                    "recipe": asdict(recipe),
-                    "step": step,
-                    "tokens": tokens,
-                    "train_seconds": train_seconds,
-                    "train_cpu_seconds": train_cpu_seconds,
-                    "data_position": step * recipe.global_batch,
-                    "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(),
-                    "rng": rngs,
-                    "eval_before": eval_before,
-                    "evals": evals,
-                }
-                torch.save(state, tmp / STATE_FILE)
-            for old_step, old in find_checkpoints(state_dir):
-                if old_step < step:
-                    shutil.rmtree(old, ignore_errors=True)
-            log.write(event="checkpoint", step=step, path=str(state_dir / f"checkpoint-{step:06d}"))
-        accelerator.wait_for_everyone()
+    return evaluate
+
+
+# --------------------------------------------------------------------------------------------- step loop
+
+
+def train_steps(
+    state: TrainState,
+    settings: HealSettings,
+    recipe: HealRecipe,
+    accelerator,
+    log: JsonLog,
+    *,
+    evaluate,
+    checkpoint,
+    progress: bool,
+) -> tuple[list[tuple[int, float]], float]:
+    """Optimizer steps until the step budget or the time budget is spent; ([(step, loss)], last loss).
+    Evaluates every `eval_every` and checkpoints every `checkpoint_every` steps (not at the last one)."""
+    from accelerate.utils import broadcast
+    from tqdm.auto import tqdm
+
+    s, main, total_steps = settings, accelerator.is_main_process, recipe.total_steps
+    max_seconds = s.max_minutes * 60 if s.max_minutes is not None else None
+    unwrapped = accelerator.unwrap_model(state.net)
+    losses: list[tuple[int, float]] = []
+    bar = tqdm(
+        total=total_steps, initial=state.step, unit="step", desc="heal", disable=not (progress and main)
+    )
+    batches = iter(state.loader)
+    loss_value = float("nan")
+    while True:
+        done = total_steps is not None and state.step >= total_steps
+        if max_seconds is not None:
+            spent = state.train_cpu_seconds if s.budget_clock == "cpu" else state.train_seconds
+            flag = torch.tensor([float(done or spent >= max_seconds)], device=accelerator.device)
+            multi = accelerator.num_processes > 1
+            done = bool(broadcast(flag).item()) if multi else bool(flag.item())  # main decides
+        if done:
+            break
+        start, cpu_start = time.perf_counter(), time.process_time()
+        step_loss = torch.zeros((), device=accelerator.device)
+        for _ in range(s.grad_accum):
+            batch = next(batches)  # (B, L)
+            with accelerator.accumulate(state.net):
+                loss = _lm_forward(state.net, batch)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and recipe.max_grad_norm:
+                    accelerator.clip_grad_norm_(state.params, recipe.max_grad_norm)
+                state.optimizer.step()
+                state.optimizer.zero_grad(set_to_none=True)
+            step_loss += loss.detach() / s.grad_accum
+        lr_now = state.scheduler.get_last_lr()[0]
+        state.scheduler.step()
+        loss_value = accelerator.reduce(step_loss, reduction="mean").item()
+        seconds = time.perf_counter() - start
+        state.step += 1
+        state.tokens += recipe.tokens_per_step
+        cpu_seconds = time.process_time() - cpu_start
+        state.train_seconds += seconds
+        state.train_cpu_seconds += cpu_seconds
+        losses.append((state.step, loss_value))
+        log.write(
+            event="step",
+            step=state.step,
+            loss=loss_value,
+            lr=lr_now,
+            tokens=state.tokens,
+            step_seconds=seconds,
+            cpu_seconds=cpu_seconds,  # of all threads of this process
+            **state.clocks(),
+        )
+        bar.update(1)
+        bar.set_postfix(
+            loss=f"{loss_value:.4f}", lr=f"{lr_now:.2e}", tok_s=f"{recipe.tokens_per_step / seconds:.0f}"
+        )
+        last = total_steps is not None and state.step >= total_steps
+        if s.eval_every and state.step % s.eval_every == 0 and not last:
+            result = evaluate(unwrapped)
+            state.evals.append({"step": state.step, "tokens": state.tokens, **state.clocks(), **result})
+            log.write(event="eval", **state.evals[-1])
+            if main:
+                bar.write(f"step {state.step}: held-out perplexity {result['perplexity']:.3f}")
+        if s.checkpoint_every and state.step % s.checkpoint_every == 0 and not last:
+            checkpoint()
+    bar.close()
+    return losses, loss_value
+
+
+# --------------------------------------------------------------------------------------------- output
+
+
+def write_output(model, source: Path, output: Path, record: dict, *, overwrite: bool) -> None:
+    """The healed model in the input's format (its config and dtype, side files copied), atomically, with
+    `record` appended to the conversion history."""
+    with atomic_directory(output, overwrite=overwrite) as tmp:
+        model.to(stored_dtype(source)).save_pretrained(tmp)
+        copy_side_files(source, tmp)
+        write_config(tmp, add_record(read_config(tmp), record))
+
+
+# --------------------------------------------------------------------------------------------- heal
+
+
+def heal(settings: HealSettings, *, progress: bool = True) -> dict:
+    """Heal `settings.model` into `settings.output`; returns the run record (also stored in the output's
+    config.json) with the output path, the log path, the losses and the evaluations.
+
+    ValueError / FileExistsError for user mistakes, raised before any training (an output that is, lies in
+    or contains the source is refused). `eval_tokens=0` skips the held-out evaluation. Call it once per
+    process under `accelerate launch` for data parallelism.
+    """
+    from accelerate.utils import set_seed
+
+    s = settings
+    s.validate()
+    output, state_dir = s.paths()
+    source = resolve_model(s.model)
+    check_output(source, output, overwrite=s.overwrite)  # fail fast: before any training
+    check_output(source, state_dir, overwrite=True, flag="--state-dir")
+    check_writable(output.parent, "Output directory")
+
+    accelerator = make_accelerator(s.autocast_dtype, s.grad_accum)
+    main, num_processes = accelerator.is_main_process, accelerator.num_processes
+    set_seed(s.seed)
+
+    data = load_data(s, source, num_processes=num_processes)
+    recipe = make_recipe(s, data, num_processes=num_processes, source_hash=checkpoint_hash(source))
+    saved, ckpt_dir, checkpoints = find_resume_point(
+        state_dir, recipe, resume=s.resume, overwrite=s.overwrite
+    )
+    accelerator.wait_for_everyone()  # every process has read the state before the main one cleans up
+    log = JsonLog(state_dir / LOG_FILE, enabled=main)
+    if main:
+        prepare_state_dir(state_dir, log, saved=saved, checkpoints=checkpoints)
+    accelerator.wait_for_everyone()
+
+    state = build_train_state(ckpt_dir if saved else source, s, recipe, data, accelerator, saved=saved)
+    unwrapped = accelerator.unwrap_model(state.net)
+    evaluate = held_out_evaluation(
+        data, context_length=s.eval_context, accelerator=accelerator, progress=progress and main
+    )
+
+    def checkpoint() -> None:
+        state.save(state_dir, recipe=recipe, source=source, accelerator=accelerator, log=log)
 
     if saved is None:
         log.write(
@@ -560,135 +826,58 @@ def heal(
             step=0,
             source=str(source),
             recipe=asdict(recipe),
-            train_corpus=train_corpus.name,
-            train_tokens=int(train_ids.numel()),
-            chunks=len(chunks),
-            trainable_parameters=sum(p.numel() for p in params),
+            train_corpus=data.train_corpus.name,
+            train_tokens=data.train_tokens,
+            chunks=len(data.chunks),
+            trainable_parameters=state.trainable_parameters,
         )
-        eval_before = evaluate()
-        if eval_before is not None:
-            log.write(event="eval", step=0, **eval_before)
+        state.eval_before = evaluate(unwrapped)
+        if state.eval_before is not None:
+            log.write(event="eval", step=0, **state.eval_before)
     else:
-        log.write(event="resume", step=step, checkpoint=str(ckpt_dir))
+        log.write(event="resume", step=state.step, checkpoint=str(ckpt_dir))
 
-    # ---- train
-    max_seconds = max_minutes * 60 if max_minutes is not None else None
+    losses, final_loss = train_steps(
+        state, s, recipe, accelerator, log, evaluate=evaluate, checkpoint=checkpoint, progress=progress
+    )
 
-    def clocks() -> dict:
-        return {"train_seconds": train_seconds, "train_cpu_seconds": train_cpu_seconds}
-
-    losses: list[tuple[int, float]] = []
-    bar = tqdm(total=total_steps, initial=step, unit="step", desc="heal", disable=not (progress and main))
-    batches = iter(loader)
-    loss_value = float("nan")
-    while True:
-        done = total_steps is not None and step >= total_steps
-        if max_seconds is not None:
-            spent = train_cpu_seconds if budget_clock == "cpu" else train_seconds
-            flag = torch.tensor([float(done or spent >= max_seconds)], device=accelerator.device)
-            done = bool(broadcast(flag).item()) if num_processes > 1 else bool(flag.item())  # main decides
-        if done:
-            break
-        start, cpu_start = time.perf_counter(), time.process_time()
-        step_loss = torch.zeros((), device=accelerator.device)
-        for _ in range(grad_accum):
-            batch = next(batches)  # (B, L)
-            with accelerator.accumulate(net):
-                loss = _lm_forward(net, batch)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and max_grad_norm:
-                    accelerator.clip_grad_norm_(params, max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            step_loss += loss.detach() / grad_accum
-        lr_now = scheduler.get_last_lr()[0]
-        scheduler.step()
-        loss_value = accelerator.reduce(step_loss, reduction="mean").item()
-        seconds = time.perf_counter() - start
-        step += 1
-        tokens += recipe.tokens_per_step
-        cpu_seconds = time.process_time() - cpu_start
-        train_seconds += seconds
-        train_cpu_seconds += cpu_seconds
-        losses.append((step, loss_value))
-        log.write(
-            event="step",
-            step=step,
-            loss=loss_value,
-            lr=lr_now,
-            tokens=tokens,
-            step_seconds=seconds,
-            cpu_seconds=cpu_seconds,  # of all threads of this process
-            train_seconds=train_seconds,
-            train_cpu_seconds=train_cpu_seconds,
-        )
-        bar.update(1)
-        bar.set_postfix(
-            loss=f"{loss_value:.4f}", lr=f"{lr_now:.2e}", tok_s=f"{recipe.tokens_per_step / seconds:.0f}"
-        )
-        last = total_steps is not None and step >= total_steps
-        if eval_every and step % eval_every == 0 and not last:
-            result = evaluate()
-            evals.append({"step": step, "tokens": tokens, **clocks(), **result})
-            log.write(event="eval", **evals[-1])
-            if main:
-                bar.write(f"step {step}: held-out perplexity {result['perplexity']:.3f}")
-        if checkpoint_every and step % checkpoint_every == 0 and not last:
-            save_checkpoint()
-    bar.close()
-
-    # ---- evaluate, write the output in the input's format, record the run
-    eval_after = evaluate()
+    eval_after = evaluate(unwrapped)
     if eval_after is not None:
-        evals.append({"step": step, "tokens": tokens, **clocks(), **eval_after})
-        log.write(event="eval", **evals[-1])
-    if keep_checkpoints:  # a final checkpoint: a later --resume with a larger budget continues from here
-        save_checkpoint()
-    record = {
-        "step": "heal",
-        "source": str(source),
-        "source_hash": recipe.source_hash,
-        "steps": step,
-        "tokens": tokens,
-        "lr": lr,
-        "schedule": recipe.schedule,
-        "warmup_steps": warmup_steps,
-        "seq_len": seq_len,
-        "global_batch": recipe.global_batch,
-        "trainable": trainable,
-        "trainable_parameters": sum(p.numel() for p in params),
-        "dtype": dtype,
-        "seed": seed,
-        "num_processes": num_processes,
-        "train_data": {
-            "corpus": train_corpus.name,
-            "sha256": train_corpus.sha256,
-            "tokens": int(train_ids.numel()),
-        },
-        "final_loss": loss_value,
-        "eval_before": eval_before,
-        "eval_after": eval_after,
-        "train_seconds": train_seconds,
-        "train_cpu_seconds": train_cpu_seconds,
-        "state_dir": str(state_dir),
-    }
+        state.evals.append({"step": state.step, "tokens": state.tokens, **state.clocks(), **eval_after})
+        log.write(event="eval", **state.evals[-1])
+    if s.keep_checkpoints:  # a final checkpoint: a later --resume with a larger budget continues from here
+        checkpoint()
+    record = conversion_record(
+        kind="heal",
+        source=source,
+        source_hash=recipe.source_hash,
+        settings=s.record(),
+        steps=state.step,
+        tokens=state.tokens,
+        schedule=recipe.schedule,
+        global_batch=recipe.global_batch,
+        trainable_parameters=state.trainable_parameters,
+        num_processes=num_processes,
+        train_data=data.record(),
+        final_loss=final_loss,
+        eval_before=state.eval_before,
+        eval_after=eval_after,
+        **state.clocks(),
+        state_dir=str(state_dir),
+    )
     if main:
-        with atomic_directory(output, overwrite=overwrite) as tmp:
-            unwrapped.to(stored_dtype(source)).save_pretrained(tmp)
-            copy_side_files(source, tmp)
-            config = read_config(tmp)
-            write_config(tmp, add_record(config, record))
-        if not keep_checkpoints:
+        write_output(unwrapped, source, output, record, overwrite=s.overwrite)
+        if not s.keep_checkpoints:
             for _, path in find_checkpoints(state_dir):
                 shutil.rmtree(path, ignore_errors=True)
-        log.write(event="end", step=step, output=str(output), final_loss=loss_value)
+        log.write(event="end", step=state.step, output=str(output), final_loss=final_loss)
     accelerator.wait_for_everyone()
     return {
         **record,
         "output": str(output),
         "log": str(state_dir / LOG_FILE),
         "losses": losses,
-        "evals": evals,
+        "evals": state.evals,
     }
 
 
@@ -697,63 +886,7 @@ def heal(
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--model", default=None, help="checkpoint directory or hub id (default: the embedded SmolLM2)"
-    )
-    p.add_argument("--output", required=True, help="directory of the healed checkpoint")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument(
-        "--train-text", nargs="+", default=None, metavar="FILE", help="default: the 5 non-eval novels"
-    )
-    src.add_argument("--dataset", default=None, help="datasets id of the training text, e.g. wikitext")
-    p.add_argument("--dataset-config", default=None)
-    p.add_argument("--dataset-split", default="train")
-    p.add_argument("--text-column", default="text")
-    p.add_argument("--eval-text", nargs="+", default=None, metavar="FILE", help="default: Persuasion")
-    p.add_argument(
-        "--max-steps", type=int, default=None, help=f"default {DEFAULT_MAX_STEPS} if no budget is given"
-    )
-    p.add_argument("--max-tokens", type=int, default=None, help="training tokens (rounded up to whole steps)")
-    p.add_argument("--max-minutes", type=float, default=None, help="training time, evaluation excluded")
-    p.add_argument(
-        "--budget-clock",
-        default="wall",
-        help="what --max-minutes counts: wall (default) or cpu (process CPU time: fair on a shared machine)",
-    )
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--batch-size", type=int, default=1, help="chunks per process per micro-step")
-    p.add_argument("--grad-accum", type=int, default=1)
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--warmup-steps", type=int, default=0)
-    p.add_argument("--schedule", default=None, help="cosine | constant (default: cosine with a step budget)")
-    p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--max-grad-norm", type=float, default=1.0, help="0 disables clipping")
-    p.add_argument("--trainable", default="all", help="all | attention (only *.self_attn.* parameters)")
-    p.add_argument(
-        "--dtype", default="float32", help="compute precision: float32 | bfloat16 | float16 (autocast)"
-    )
-    p.add_argument("--attn-implementation", default=None)
-    p.add_argument("--trust-remote-code", action="store_true")
-    p.add_argument("--eval-every", type=int, default=0, help="held-out perplexity every S steps (0: off)")
-    p.add_argument(
-        "--eval-tokens", type=int, default=8192, help="first N tokens of the eval text (0: no eval)"
-    )
-    p.add_argument("--eval-context", type=int, default=1024, help="window length (disjoint windows)")
-    p.add_argument(
-        "--checkpoint-every", type=int, default=0, help="atomic resumable checkpoint every N steps"
-    )
-    p.add_argument("--state-dir", default=None, help="checkpoints + log.jsonl (default: OUTPUT.heal)")
-    p.add_argument(
-        "--keep-checkpoints",
-        action="store_true",
-        help="end with a checkpoint (resume later with a larger budget)",
-    )
-    p.add_argument(
-        "--resume", action="store_true", help="continue from the newest checkpoint in the state dir"
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--gradient-checkpointing", action="store_true")
-    p.add_argument("--overwrite", action="store_true")
+    add_settings_arguments(p, HealSettings)
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -761,44 +894,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        result = heal(
-            model=args.model,
-            output=args.output,
-            train_text=args.train_text,
-            dataset=args.dataset,
-            dataset_config=args.dataset_config,
-            dataset_split=args.dataset_split,
-            text_column=args.text_column,
-            eval_text=args.eval_text,
-            max_steps=args.max_steps,
-            max_tokens=args.max_tokens,
-            max_minutes=args.max_minutes,
-            budget_clock=args.budget_clock,
-            seq_len=args.seq_len,
-            batch_size=args.batch_size,
-            grad_accum=args.grad_accum,
-            lr=args.lr,
-            warmup_steps=args.warmup_steps,
-            schedule=args.schedule,
-            weight_decay=args.weight_decay,
-            max_grad_norm=args.max_grad_norm or None,
-            trainable=args.trainable,
-            dtype=args.dtype,
-            attn_implementation=args.attn_implementation,
-            trust_remote_code=args.trust_remote_code,
-            eval_every=args.eval_every,
-            eval_tokens=args.eval_tokens,
-            eval_context=args.eval_context,
-            checkpoint_every=args.checkpoint_every,
-            state_dir=args.state_dir,
-            keep_checkpoints=args.keep_checkpoints,
-            resume=args.resume,
-            seed=args.seed,
-            gradient_checkpointing=args.gradient_checkpointing,
-            overwrite=args.overwrite,
-            progress=not args.no_progress,
-        )
-    except (ValueError, OSError, KeyError) as err:
+        result = heal(settings_from_args(HealSettings, args), progress=not args.no_progress)
+    except USER_ERRORS as err:
         return error(PROG, err)
     from accelerate import PartialState
 

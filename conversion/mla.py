@@ -60,6 +60,7 @@ from hf_attn.conversion.checkpoint import (
     attn_key,
     check_attention_tensors,
     check_supported,
+    conversion_record,
     copy_side_files,
     dtype_name,
     parse_attn_key,
@@ -523,21 +524,22 @@ class MLAConversion:
 
     def record(self) -> dict:
         s = self.shape
-        return {
-            "converter": "conversion.mla",
-            "method": "mla",
-            "source": str(self.src_dir),
-            "source_checkpoint_hash": checkpoint_hash(self.src_dir),
-            "kv_lora_rank": s.kv_lora_rank,
-            "rope_pairs": s.rope_pairs,
-            "rope_selection": self.selection,
-            "query_fit": self.selection == "attention",
-            "factorization": self.factorization,
-            "kv_budget": self.kv_budget,
-            "kv_numbers_per_token_per_layer": {"source": s.source_cache_numbers, "mla": s.cache_numbers},
-            "kv_fraction": s.kv_fraction,
-            "calibration": None if self.calibration is None else self.calibration.record,
-        }
+        return conversion_record(
+            kind="mla",
+            source=self.src_dir,
+            source_hash=checkpoint_hash(self.src_dir),
+            settings={
+                "kv_budget": self.kv_budget,
+                "rope_selection": self.selection,
+                "factorization": self.factorization,
+            },
+            kv_lora_rank=s.kv_lora_rank,
+            rope_pairs=s.rope_pairs,
+            query_fit=self.selection == "attention",
+            kv_numbers_per_token_per_layer={"source": s.source_cache_numbers, "mla": s.cache_numbers},
+            kv_fraction=s.kv_fraction,
+            calibration=None if self.calibration is None else self.calibration.record,
+        )
 
     def config(self, dtype: torch.dtype | None = None) -> dict:
         """config.json without the record (see `record`)."""

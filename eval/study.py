@@ -186,19 +186,20 @@ def convert(
 
 
 def heal(src: Path, dst: Path, settings: Settings) -> dict:
+    from hf_attn.conversion.heal import HealSettings
     from hf_attn.conversion.heal import heal as heal_checkpoint
 
-    return heal_checkpoint(
-        model=src,
-        output=dst,
+    recipe = HealSettings(
+        model=str(src),
+        output=str(dst),
         max_minutes=settings.heal_minutes,
         seq_len=settings.heal_seq_len,
         batch_size=settings.heal_batch_size,
         lr=settings.heal_lr,
         trainable=settings.heal_trainable,
         eval_tokens=0,  # the study measures every checkpoint itself, with one protocol
-        progress=False,
     )
+    return heal_checkpoint(recipe, progress=False)
 
 
 def measure(path: Path, settings: Settings) -> dict:
@@ -436,7 +437,7 @@ def run_study(
         "settings": dataclasses.asdict(settings),
         "protocol": settings.protocol,
         "source": str(study.source),
-        "source_checkpoint_hash": study.source_hash,
+        "source_hash": study.source_hash,
         "code_hashes": study.code,
         "rows": rows,
         "counts": study.counts,

@@ -98,7 +98,8 @@ def test_mean_pooling_matches_independent_computation(tmp_path, model_type, grou
     assert config["num_key_value_heads"] == groups
     assert config["num_attention_heads"] == TINY["num_attention_heads"]
     record = config["hf_attn"]["last"]
-    assert record["method"] == "mean" and record["source_checkpoint_hash"] == checkpoint_hash(src)
+    assert record["settings"]["method"] == "mean" and record["source_hash"] == checkpoint_hash(src)
+    assert record["kind"] == "gqa" and record["source"] == str(src.resolve())
     assert record["groups"] == [list(range(g * 4 // groups, (g + 1) * 4 // groups)) for g in range(groups)]
     assert config["hf_attn"]["history"] == [record]
     assert (dst / "generation_config.json").read_text() == (src / "generation_config.json").read_text()
@@ -197,7 +198,7 @@ def test_calibrated_pooling_of_repeated_heads_is_exact(tmp_path, smollm2_path):
             logits.append(model(input_ids=ids).logits)
     torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-4)
     record = json.loads((back / "config.json").read_text())["hf_attn"]["last"]
-    assert record["method"] == "calibrated" and record["calibration"]["tokens"] == 256
+    assert record["settings"]["method"] == "calibrated" and record["calibration"]["tokens"] == 256
 
 
 # ----------------------------------------------------------------------------------------- loading
@@ -252,7 +253,7 @@ def test_smollm2_expand_then_mean_pool_returns_original_bits(tmp_path, smollm2_p
     old, new = weights(smollm2_path), weights(back)
     assert set(old) == set(new) and all(torch.equal(old[n], new[n]) for n in old)
     history = json.loads((back / "config.json").read_text())["hf_attn"]["history"]
-    assert [h["converter"] for h in history] == ["conversion.expand", "conversion.gqa"]
+    assert [h["kind"] for h in history] == ["expand", "gqa"]
 
 
 @pytest.mark.slow

@@ -19,13 +19,14 @@ from conftest import exit_status
 from safetensors.torch import load_file
 
 from hf_attn.conversion import heal as heal_mod
-from hf_attn.conversion.heal import HealRecipe, find_checkpoints, heal, read_log
+from hf_attn.conversion.heal import HealRecipe, HealSettings, find_checkpoints, heal, read_log
 from hf_attn.conversion.train_data import ChunkOrder, check_disjoint, load_eval_corpus, load_train_corpus
 from hf_attn.tooling import assets
+from hf_attn.tooling.files import checkpoint_hash, sha256_file
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
-SMALL = dict(seq_len=32, batch_size=4, lr=3e-3, eval_context=64, eval_tokens=640, progress=False)
+SMALL = dict(seq_len=32, batch_size=4, lr=3e-3, eval_context=64, eval_tokens=640)
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +76,10 @@ def _one_thread():
 
 def _run(tiny, output, **kwargs) -> dict:
     model_dir, train, held_out = tiny
-    return heal(
+    settings = HealSettings(
         model=model_dir, output=output, train_text=[train], eval_text=[held_out], **{**SMALL, **kwargs}
     )
+    return heal(settings, progress=False)
 
 
 def _losses(log_path) -> dict[int, float]:
@@ -160,7 +162,9 @@ def test_tiny_llama_learns_and_output_has_the_input_format(tiny, tmp_path):
     src_cfg, out_cfg = (json.loads((d / "config.json").read_text()) for d in (model_dir, out))
     record = out_cfg.pop("hf_attn")
     assert out_cfg == src_cfg
-    assert record["last"]["step"] == "heal" and record["history"] == [record["last"]]
+    assert record["last"]["kind"] == "heal" and record["history"] == [record["last"]]
+    assert record["last"]["source_hash"] == checkpoint_hash(model_dir)
+    assert record["last"]["settings"]["lr"] == 3e-3 and record["last"]["settings"]["seq_len"] == 32
     assert record["last"]["steps"] == 15 and record["last"]["tokens"] == 15 * 4 * 32
     assert record["last"]["final_loss"] == pytest.approx(losses[15])
     assert record["last"]["train_data"]["corpus"] == "train.txt"
@@ -342,9 +346,9 @@ def test_bad_inputs_give_one_line_errors(tiny, tmp_path, capsys):
         capsys, [*base, *out, "--train-text", str(tmp_path / "mixed.txt"), "--eval-text", str(held_out)]
     )
     assert "share" in err and "paragraph" in err
-    assert "Unknown --trainable" in _fails(
-        capsys, [*base, *out, "--train-text", str(train), "--trainable", "mlp"]
-    )
+    assert "--trainable" in _fails(capsys, [*base, *out, "--train-text", str(train), "--trainable", "mlp"])
+    with pytest.raises(ValueError, match="Unknown --trainable 'mlp'"):  # the library checks it too
+        HealSettings(output=str(tmp_path / "o"), trainable="mlp").validate()
     (tmp_path / "file").write_text("not a directory")
     err = _fails(capsys, [*base, "--output", str(tmp_path / "file" / "out"), "--train-text", str(train)])
     assert "not writable" in err
@@ -393,9 +397,40 @@ def test_bfloat16_checkpoint_stays_bfloat16_and_bf16_autocast_trains(tiny, tmp_p
     AutoModelForCausalLM.from_pretrained(tiny[0], dtype=torch.bfloat16).save_pretrained(src)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tiny[0] / name, src / name)
-    result = _run((src, *tiny[1:]), tmp_path / "out", max_steps=6, dtype="bfloat16", eval_tokens=0)
+    result = _run((src, *tiny[1:]), tmp_path / "out", max_steps=6, autocast_dtype="bfloat16", eval_tokens=0)
     losses = list(_losses(result["log"]).values())
     assert losses[-1] < losses[0]
     weights = load_file(tmp_path / "out" / "model.safetensors")
     assert {t.dtype for t in weights.values()} == {torch.bfloat16}
     assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_output_over_inside_or_around_the_source_is_refused_before_training(tiny, tmp_path, capsys):
+    import shutil
+
+    src = tmp_path / "parent" / "src"
+    shutil.copytree(tiny[0], src)
+
+    def hashes() -> dict:
+        return {
+            str(p.relative_to(tmp_path)): sha256_file(p) for p in sorted(tmp_path.rglob("*")) if p.is_file()
+        }
+
+    before = hashes()
+    base = ["--model", str(src), "--train-text", str(tiny[1]), "--max-steps", "2", "--overwrite"]
+    for output, where in ((src, "is"), (src / "healed", "is inside"), (src.parent, "contains")):
+        err = _fails(capsys, [*base, "--output", str(output)])
+        assert f"--output {output.resolve()} {where} the source checkpoint {src.resolve()}" in err, err
+    assert hashes() == before  # nothing written, nothing trained: the source's files are unchanged
+    assert not (tmp_path / "parent" / "src.heal").exists()
+
+
+def test_deprecated_dtype_flag_still_sets_the_autocast_dtype():
+    parser = heal_mod.build_parser()
+    args = parser.parse_args(["--output", "o", "--dtype", "bfloat16"])
+    assert (
+        HealSettings(**{k: v for k, v in vars(args).items() if k != "no_progress"}).autocast_dtype
+        == "bfloat16"
+    )
+    assert parser.parse_args(["--output", "o"]).autocast_dtype == "float32"
+    assert "--autocast-dtype" in parser.format_help() and "--dtype" not in parser.format_help()

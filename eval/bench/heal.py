@@ -15,7 +15,7 @@ OMP_NUM_THREADS=1) is the meaningful one.
 curve: one healing run, stopped and resumed at each mark (a final checkpoint lets the next segment `--resume`
 with the same data order and optimizer state), so the marks lie on one trajectory with a constant lr after
 warmup. A mark is `--max-minutes` of training time (evaluation excluded), counted on the wall clock or, with
-`--clock cpu`, in process CPU time (`heal(budget_clock="cpu")`): on a shared machine the second is the fair
+`--clock cpu`, in process CPU time (`budget_clock="cpu"`): on a shared machine the second is the fair
 measure of "minutes of healing on this CPU", since the wall clock also counts the others' load (run it with
 OMP_NUM_THREADS=1 so that CPU time is compute, not spin-waiting threads). With `--cpu-seconds-per-step S`
 (the CPU cost of one step measured here), a mark is `minutes * 60 / S` steps instead: the trajectory depends
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from hf_attn.conversion.heal import heal, read_log
+from hf_attn.conversion.heal import HealSettings, heal, read_log
 from hf_attn.conversion.train_data import ChunkOrder, chunk_tokens, load_train_corpus
 from hf_attn.tooling import assets, loading
 from hf_attn.tooling.corpus import tokenize
@@ -96,10 +96,10 @@ def throughput(
     for r in range(rounds):
         bare += bare_loop(source, chunks, steps=steps, batch_size=batch_size, lr=lr, seed=r)[SKIP:]
         out = work_dir() / "throughput"
-        result = heal(
-            model=source,
-            output=out,
-            train_text=[train_file],
+        run = HealSettings(
+            model=str(source),
+            output=str(out),
+            train_text=[str(train_file)],
             max_steps=steps,
             seq_len=seq_len,
             batch_size=batch_size,
@@ -109,6 +109,7 @@ def throughput(
             seed=r,
             overwrite=True,
         )
+        result = heal(run)
         log = [e for e in read_log(result["log"]) if e["event"] == "step"]
         healed += [(e["step_seconds"], e["cpu_seconds"]) for e in log][SKIP:]
     tokens = seq_len * batch_size
@@ -158,9 +159,9 @@ def curve(
     marks = []
     for i, m in enumerate(sorted(minutes)):
         out = root / f"healed-{m:g}min"
-        result = heal(
+        run = HealSettings(
             model=model,
-            output=out,
+            output=str(out),
             max_minutes=None if cpu_seconds_per_step else m,
             max_steps=round(m * 60 / cpu_seconds_per_step) if cpu_seconds_per_step else None,
             budget_clock=clock,
@@ -176,6 +177,7 @@ def curve(
             resume=i > 0,
             overwrite=True,
         )
+        result = heal(run)
         marks.append(
             {
                 "minutes": m,

@@ -1,9 +1,9 @@
 """The one command-line error path, and settings dataclasses that argparse parsers are built from.
 
 Every command is `main(argv=None) -> int` over keyword-only library functions that raise for user mistakes;
-`run_command` turns those into one line `hf-attn <command>: error: <what is wrong and what fixes it>` on stderr
-and exit status 2 (no traceback, nothing written: outputs are atomic). Library functions return results;
-only commands print.
+`run_command` turns those into one line `hf-attn <command>: error: <what is wrong and what fixes it>` on
+stderr and exit status 2 (no traceback, nothing written: outputs are atomic). Library functions return
+results; only commands print.
 """
 
 from __future__ import annotations
@@ -56,34 +56,58 @@ def _field_type(tp) -> tuple[type, bool]:
     return tp, False
 
 
+def _flag(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+
+
 def add_settings_arguments(parser: argparse.ArgumentParser, settings: type, *, skip: tuple[str, ...] = ()):
     """One `--flag` per field of the dataclass `settings` (underscores -> dashes), its default, its type and
     the `help` / `choices` / `metavar` / `flag` given in the field's metadata. bool fields with default False
-    become store_true flags, with default True `--no-...` flags."""
+    become store_true flags, with default True `--no-...` flags. A field without a default is a required
+    flag. Fields with the same `exclusive` name form a mutually exclusive group; `deprecated_flags` are
+    hidden aliases (old spellings that keep working, absent from --help)."""
     hints = typing.get_type_hints(settings)
+    groups: dict[str, Any] = {}
     for f in dataclasses.fields(settings):
         if f.name in skip or f.metadata.get("cli") is False:
             continue
-        flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        target = parser
+        if "exclusive" in f.metadata:
+            if f.metadata["exclusive"] not in groups:
+                groups[f.metadata["exclusive"]] = parser.add_mutually_exclusive_group()
+            target = groups[f.metadata["exclusive"]]
+        flag = _flag(f)
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = dataclasses.MISSING  # a required flag
         kwargs: dict[str, Any] = {"dest": f.name, "help": f.metadata.get("help")}
         tp, is_list = _field_type(hints[f.name])
         if tp is bool:
             if default:
                 flag = f.metadata.get("flag", "--no-" + f.name.replace("_", "-"))
-                parser.add_argument(flag, action="store_false", **kwargs)
+                target.add_argument(flag, action="store_false", **kwargs)
             else:
-                parser.add_argument(flag, action="store_true", **kwargs)
+                target.add_argument(flag, action="store_true", **kwargs)
             continue
-        kwargs.update(default=default, type=tp)
+        kwargs["type"] = tp
+        if default is dataclasses.MISSING:
+            kwargs["required"] = True
+        else:
+            kwargs["default"] = default
         if is_list:
             kwargs["nargs"] = "+"
         for key in ("choices", "metavar", "required"):
             if key in f.metadata:
                 kwargs[key] = f.metadata[key]
         if kwargs.get("required"):
-            kwargs.pop("default")
-        parser.add_argument(flag, **kwargs)
+            kwargs.pop("default", None)
+        target.add_argument(flag, **kwargs)
+        for old in f.metadata.get("deprecated_flags", ()):
+            hidden = {k: v for k, v in kwargs.items() if k not in ("help", "required", "default")}
+            target.add_argument(old, **hidden, help=argparse.SUPPRESS, default=argparse.SUPPRESS)
 
 
 def settings_from_args(settings: type, args: argparse.Namespace, **overrides):
@@ -93,8 +117,21 @@ def settings_from_args(settings: type, args: argparse.Namespace, **overrides):
     return settings(**{**values, **overrides})
 
 
+def check_choices(settings) -> None:
+    """ValueError naming the flag, the value and the choices for a field outside its metadata `choices`
+    (a None default stays allowed): library callers get the check the parser does."""
+    for f in dataclasses.fields(settings):
+        choices, value = f.metadata.get("choices"), getattr(settings, f.name)
+        if choices is not None and value not in choices and not (value is None and f.default is None):
+            raise ValueError(f"Unknown {_flag(f)} {value!r}; choose one of {', '.join(map(str, choices))}")
+
+
 def setting(default=None, help: str | None = None, **metadata):  # noqa: A002
-    """A settings field: its default and the metadata `add_settings_arguments` reads."""
+    """A settings field: its default and the metadata `add_settings_arguments` reads (`required=True`: a
+    field without a default, a required flag)."""
+    metadata = {"help": help, **metadata}
+    if metadata.get("required"):
+        return dataclasses.field(metadata=metadata)
     if isinstance(default, list):
-        return dataclasses.field(default_factory=lambda: list(default), metadata={"help": help, **metadata})
-    return dataclasses.field(default=default, metadata={"help": help, **metadata})
+        return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)

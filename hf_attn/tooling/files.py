@@ -67,3 +67,21 @@ def atomic_directory(final: str | os.PathLike, *, overwrite: bool = False) -> It
             tmp.rename(final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_output(
+    source: str | os.PathLike, output: str | os.PathLike, *, overwrite: bool, flag: str = "--output"
+) -> Path:
+    """The one output guard of every command, called before any work: ValueError if `output` is `source`,
+    lies inside it or contains it (a command never modifies its source); FileExistsError if `output` exists
+    and `overwrite` is False. Returns `output` as an absolute path."""
+    src, out = Path(source).expanduser().resolve(), Path(output).expanduser().resolve()
+    if out == src or src in out.parents or out in src.parents:
+        where = "is" if out == src else "is inside" if src in out.parents else "contains"
+        raise ValueError(
+            f"{flag} {out} {where} the source checkpoint {src}; choose a {flag} outside it "
+            "(commands never modify their source)"
+        )
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"Output {out} already exists; pass --overwrite to replace it")
+    return out

@@ -1,0 +1,44 @@
+"""The one output guard (`hf_attn.tooling.files.check_output`): an output that is, lies inside or contains its
+source is refused, and an existing output needs overwrite; the streamed converters go through it too."""
+
+from __future__ import annotations
+
+import pytest
+from test_gqa import file_hashes, make_tiny
+
+from hf_attn.conversion import expand, gqa
+from hf_attn.tooling.files import check_output
+
+
+def test_check_output_refuses_the_source_its_inside_and_its_parents(tmp_path):
+    src = tmp_path / "a" / "src"
+    src.mkdir(parents=True)
+    for out, where in (
+        (src, "is"),
+        (src / "x" / "y", "is inside"),
+        (tmp_path / "a", "contains"),
+        (tmp_path, "contains"),
+    ):
+        with pytest.raises(ValueError, match=f"--output {out.resolve()} {where} the source checkpoint"):
+            check_output(src, out, overwrite=True)
+    sibling = tmp_path / "a" / "src-out"  # a name that starts like the source's is outside it
+    assert check_output(src, sibling, overwrite=False) == sibling.resolve()
+    sibling.mkdir()
+    with pytest.raises(FileExistsError, match=f"Output {sibling.resolve()} already exists; pass --overwrite"):
+        check_output(src, sibling, overwrite=False)
+    assert check_output(src, sibling, overwrite=True) == sibling.resolve()
+    with pytest.raises(ValueError, match="--state-dir .* is inside"):
+        check_output(src, src / "state", overwrite=True, flag="--state-dir")
+
+
+@pytest.mark.parametrize("convert", ["gqa", "expand"])
+def test_streamed_converters_never_write_into_their_source(tmp_path, convert):
+    src = make_tiny(tmp_path / "src")
+    before = file_hashes(src)
+    for dst in (src, src / "converted"):
+        with pytest.raises(ValueError, match="the source checkpoint"):
+            if convert == "gqa":
+                gqa.convert_gqa(src=src, dst=dst, num_kv_heads=1, overwrite=True)
+            else:
+                expand.expand_checkpoint(src=src, dst=dst, overwrite=True)
+    assert file_hashes(src) == before and not (src / "converted").exists()
