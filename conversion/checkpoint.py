@@ -352,7 +352,7 @@ def copy_side_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]
     return copied
 
 
-RECORD_KINDS = ("gqa", "mla", "expand", "heal")
+RECORD_KINDS = ("gqa", "mla", "expand", "heal", "export")
 
 
 def conversion_record(

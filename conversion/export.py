@@ -60,6 +60,7 @@ from hf_attn.conversion.checkpoint import (
     DEFAULT_MAX_SHARD_BYTES,
     ShardedWriter,
     add_record,
+    conversion_record,
     copy_side_files,
     dtype_name,
     read_config,
@@ -69,7 +70,7 @@ from hf_attn.conversion.checkpoint import (
 )
 from hf_attn.models.llama_mla import LlamaMLAConfig
 from hf_attn.tooling.cli import run_command
-from hf_attn.tooling.files import atomic_directory, checkpoint_hash
+from hf_attn.tooling.files import atomic_directory, check_output, checkpoint_hash
 from hf_attn.tooling.loading import parse_dtype, resolve_model
 
 PROG = "hf-attn export"
@@ -581,11 +582,7 @@ def export_checkpoint(
         latent_norm_eps_for=latent_norm_eps_for,
         max_position_embeddings=max_position_embeddings,
     )
-    dst = Path(dst).expanduser().resolve()
-    if dst == src_dir.resolve():
-        raise ValueError(f"--output {dst} is the source checkpoint; the export never modifies its source.")
-    if dst.exists() and not overwrite:
-        raise FileExistsError(f"Output {dst} already exists; pass --overwrite to replace it.")
+    dst = check_output(src_dir, dst, overwrite=overwrite)
     cast = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     index = tensor_index(src_dir)
     names = {n for n in index if not (config.tie_word_embeddings and n == "lm_head.weight")}
@@ -594,24 +591,22 @@ def export_checkpoint(
     out_config = deepseek_config(config=config, plan=plan)
     if cast is not None:
         out_config["dtype"] = out_config["torch_dtype"] = dtype_name(cast)
-    record = {
-        "converter": "conversion.export",
-        "to": to,
-        "source": str(src_dir),
-        "source_checkpoint_hash": checkpoint_hash(src_dir),
-        "flashmla_dims": flashmla_dims,
-        "latent_norm_eps_for": latent_norm_eps_for,
-        "rope": {
+    record = conversion_record(
+        kind="export",
+        source=src_dir,
+        source_hash=checkpoint_hash(src_dir),
+        settings={"to": to, "flashmla_dims": flashmla_dims, "latent_norm_eps_for": latent_norm_eps_for},
+        rope={
             "stride": plan.rope_stride,
             "slots_per_stride": plan.slots_per_stride,
             "slots": plan.rope_slots,
             "source_pairs": [list(p) for p in plan.pairs],
         },
-        "cache_numbers_per_token_and_layer": {
+        cache_numbers_per_token_and_layer={
             "source": plan.source_cache_numbers(),
             "export": plan.cache_numbers(),
         },
-    }
+    )
     out_config = add_record(out_config, record)
     generation = _generation_config(src_dir, config)
     with atomic_directory(dst, overwrite=overwrite) as tmp:
