@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from hf_attn.models.llama_mla import LlamaMLAConfig
 from hf_attn.tooling.loading import dtype_name
 
 _ATTENTION_LAYERS = ("full_attention", "sliding_attention", "chunked_attention")
@@ -63,7 +64,7 @@ def numbers_per_token_per_layer(config) -> int:
     hq = config.num_attention_heads
     hkv = getattr(config, "num_key_value_heads", None) or hq
     if config.model_type == "llama_mla":
-        return int(config.kv_lora_rank) + hkv * 2 * int(config.rope_pairs)
+        return LlamaMLAConfig.cache_numbers(int(config.kv_lora_rank), hkv, int(config.rope_pairs))
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // hq
     return 2 * hkv * head_dim
 
