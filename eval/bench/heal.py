@@ -37,11 +37,11 @@ from pathlib import Path
 
 import torch
 
-from hf_attn.conversion.checkpoint import resolve_model
 from hf_attn.conversion.heal import heal, read_log
 from hf_attn.conversion.train_data import ChunkOrder, chunk_tokens, load_train_corpus
 from hf_attn.tooling import assets, loading
 from hf_attn.tooling.corpus import tokenize
+from hf_attn.tooling.loading import resolve_model
 
 PROG = "hf-attn bench heal"
 
