@@ -7,10 +7,9 @@
   `fn(layer, hidden_states, position_embeddings)` with the input of every `self_attn` (the post-norm hidden
   states, (B, T, C), and RoPE's (cos, sin), each (B, T, D)). Nothing is kept: the caller accumulates what it
   needs, so memory is the model plus one window's activations.
-- `attention_input_moments(model, ids, window=...)`: the usual such statistic, per layer the float64 second
-  moment of the augmented input [x; 1]: M = sum_t [x_t; 1][x_t; 1]^T, (C + 1, C). Every second moment of q, k
-  and v (with biases) follows from it: E[k k^T] = [W_k | b_k] M [W_k | b_k]^T / N. Memory: layers * (C + 1)^2
-  float64 (30 * 577^2 * 8 B = 80 MB for SmolLM2).
+- `augmented_moment(x)`: the usual statistic to accumulate there, the float64 second moment of the augmented
+  input [x; 1], M = sum_t [x_t; 1][x_t; 1]^T of shape (C + 1, C + 1). Every second moment of q, k and v (with
+  biases) follows from it: E[k k^T] = [W_k | b_k] M [W_k | b_k]^T / N. Memory: (C + 1)^2 float64 per layer.
 - `capture_attention_inputs(model, ids, layers=...)`: the raw inputs of the chosen layers, concatenated
   (layers * tokens * C floats: pass few layers at a time for a big model or corpus).
 """
@@ -138,29 +137,15 @@ def for_each_attention_input(
             h.remove()
 
 
-def attention_input_moments(
-    model,
-    input_ids: torch.Tensor,
-    *,
-    window: int = DEFAULT_WINDOW,
-    layers: Iterable[int] | None = None,
-    progress: bool = True,
-) -> dict[int, torch.Tensor]:
-    """Per layer, the float64 second moment of [x; 1] over all calibration tokens, (C + 1, C + 1).
+def augmented_moment(x: torch.Tensor) -> torch.Tensor:
+    """sum_t [x_t; 1][x_t; 1]^T in float64: x (..., C) -> M (C + 1, C + 1).
 
     The last row/column holds sum x and the token count, so biases are covered: for a projection W (out, C)
     with bias b, sum_t (W x_t + b)(W x_t + b)^T = [W | b] M [W | b]^T.
     """
-    out: dict[int, torch.Tensor] = {}
-
-    def accumulate(idx: int, x: torch.Tensor, _pos) -> None:
-        x = x.reshape(-1, x.shape[-1]).double()  # (B*T, C)
-        xa = torch.cat([x, torch.ones_like(x[:, :1])], dim=1)  # (B*T, C + 1)
-        m = xa.T @ xa  # (C + 1, C + 1)
-        out[idx] = out[idx] + m if idx in out else m
-
-    for_each_attention_input(model, input_ids, accumulate, window=window, layers=layers, progress=progress)
-    return out
+    x = x.reshape(-1, x.shape[-1]).double()  # (N, C)
+    xa = torch.cat([x, torch.ones_like(x[:, :1])], dim=1)  # (N, C + 1)
+    return xa.T @ xa  # (C + 1, C + 1)
 
 
 def capture_attention_inputs(

@@ -1,5 +1,7 @@
 """Converter plumbing shared by every converter (GQA pooling, GQA expansion, MLA, healing).
 
+- `open_source` -> `Source`: every converter's prologue (resolve the model, read and check config.json and
+  the attention tensors, parse the dtype, refuse a bad output) before any slow work.
 - `read_config` / `check_supported` / `AttentionGeometry`: what a converter may rely on.
 - `tensor_index` / `iter_tensors` / `read_tensor`: safetensors read with plain file reads (no mmap), one
   tensor in memory at a time, over a single `model.safetensors` or a sharded `model.safetensors.index.json`.
@@ -19,21 +21,21 @@ import json
 import os
 import shutil
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from hf_attn.tooling.loading import dtype_name
+from hf_attn.models.llama_mla.configuration_llama_mla import SOURCE_MODEL_TYPES
+from hf_attn.tooling.files import TENSOR_SUFFIXES, check_output
+from hf_attn.tooling.loading import dtype_name, parse_dtype, resolve_model
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 CONFIG_NAME = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
-# Files a converter rewrites itself (weights and config); everything else in a checkpoint is a side file.
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".npz")
+# A converter rewrites weights and config itself; every other file (not a TENSOR_SUFFIXES one) is a side file.
 _NOT_SIDE_FILES = (CONFIG_NAME, INDEX_FILE, "pytorch_model.bin.index.json")
 # Config flags whose presence breaks the pooling / factorisation math (a norm or a quantizer after k_proj).
 _UNSUPPORTED_FLAGS = ("qk_norm", "use_qk_norm", "qk_layernorm", "quantization_config")
@@ -74,10 +76,9 @@ def write_config(directory: str | os.PathLike, config: dict) -> Path:
 def check_supported(config: dict) -> None:
     """Raise ValueError unless this is a Llama-family checkpoint whose K/V rows can be pooled linearly."""
     model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in SOURCE_MODEL_TYPES:
         raise ValueError(
-            f"Unsupported model_type {model_type!r}; "
-            f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}."
+            f"Unsupported model_type {model_type!r}; supported model types: {', '.join(SOURCE_MODEL_TYPES)}."
         )
     flags = [k for k in _UNSUPPORTED_FLAGS if config.get(k)]
     if flags:
@@ -125,10 +126,18 @@ class AttentionGeometry:
         return self.num_kv_heads * self.head_dim
 
 
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
 def attn_key(layer: int, proj: str, kind: str = "weight") -> str:
     """Name of an attention tensor: attn_key(3, "k_proj") -> "model.layers.3.self_attn.k_proj.weight"."""
-    assert proj in ("q_proj", "k_proj", "v_proj", "o_proj") and kind in ("weight", "bias"), (proj, kind)
+    assert proj in ATTENTION_PROJECTIONS and kind in ("weight", "bias"), (proj, kind)
     return f"model.layers.{layer}.self_attn.{proj}.{kind}"
+
+
+def layer_attn_keys(layer: int) -> dict[str, str]:
+    """ "q_proj.weight", "q_proj.bias", ... -> the checkpoint names of one layer's attention tensors."""
+    return {f"{p}.{k}": attn_key(layer, p, k) for p in ATTENTION_PROJECTIONS for k in ("weight", "bias")}
 
 
 def parse_attn_key(name: str) -> tuple[int, str, str] | None:
@@ -178,7 +187,7 @@ def weight_files(model_dir: str | os.PathLike) -> list[Path]:
         return files
     if (directory / SINGLE_FILE).exists():
         return [directory / SINGLE_FILE]
-    others = sorted(p.name for p in directory.iterdir() if p.suffix in _WEIGHT_SUFFIXES)
+    others = sorted(p.name for p in directory.iterdir() if p.suffix in TENSOR_SUFFIXES)
     raise FileNotFoundError(
         f"No {SINGLE_FILE} or {INDEX_FILE} in {directory} (found: {others or 'no weight files'}); "
         "converters read safetensors only (re-save with `save_pretrained(safe_serialization=True)`)."
@@ -345,7 +354,7 @@ def copy_side_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]
     for path in sorted(src.iterdir()):
         if not path.is_file() or path.name.startswith("."):
             continue
-        if path.name in _NOT_SIDE_FILES or path.suffix in _WEIGHT_SUFFIXES:
+        if path.name in _NOT_SIDE_FILES or path.suffix in TENSOR_SUFFIXES:
             continue
         shutil.copy2(path, dst / path.name)
         copied.append(path.name)
@@ -409,7 +418,7 @@ def check_attention_tensors(index: dict[str, TensorInfo], geometry: AttentionGeo
     missing = [
         attn_key(layer, proj)
         for layer in range(geometry.num_layers)
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj")
+        for proj in ATTENTION_PROJECTIONS
         if attn_key(layer, proj) not in index
     ]
     if missing:
@@ -434,6 +443,42 @@ def check_attention_tensors(index: dict[str, TensorInfo], geometry: AttentionGeo
             )
 
 
+# --------------------------------------------------------------------------------------------- the source
+
+
+@dataclass(frozen=True)
+class Source:
+    """A resolved, validated source checkpoint: what every converter reads before it converts."""
+
+    dir: Path
+    config: dict  # config.json as read
+    geometry: AttentionGeometry
+    index: dict[str, TensorInfo]  # every tensor, from the headers (`tensor_index`)
+    dtype: torch.dtype | None  # cast of the written floating weights; None keeps the source's
+
+
+def open_source(
+    src: str | os.PathLike | None,
+    *,
+    dst: str | os.PathLike | None = None,
+    overwrite: bool = False,
+    dtype: str | torch.dtype | None = None,
+) -> Source:
+    """The converters' prologue: resolve `src` (None: the embedded SmolLM2), read and check config.json
+    (`check_supported`) and the attention tensors (`check_attention_tensors`), parse `dtype`, and (when
+    `dst` is given) refuse an output that is the source or exists without `overwrite`. Reads headers only."""
+    dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    src_dir = resolve_model(src)
+    config = read_config(src_dir)
+    check_supported(config)
+    geometry = AttentionGeometry.from_config(config)
+    index = tensor_index(src_dir)
+    check_attention_tensors(index, geometry)
+    if dst is not None:
+        check_output(src_dir, dst, overwrite=overwrite)
+    return Source(src_dir, config, geometry, index, dtype)
+
+
 # --------------------------------------------------------------------------------------------- saving
 
 
@@ -442,19 +487,26 @@ def save_streamed(
     src_dir: str | os.PathLike,
     dst: str | os.PathLike,
     tensors: Iterable[tuple[str, torch.Tensor]],
-    config: dict,
+    config: dict | Callable[[], dict],
     overwrite: bool = False,
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    extra_files: Callable[[Path], object] | None = None,
 ) -> Path:
     """Write a complete checkpoint atomically: `tensors` streamed into shards (floating ones cast to `dtype`
-    if given), `config` as config.json, and the side files of `src_dir`. Returns the final directory."""
-    from hf_attn.tooling.files import atomic_directory, check_output
+    if given), `config` as config.json (a callable is called once the weights are written), the side files
+    of `src_dir`, then `extra_files(directory)` if given. Returns the final directory."""
+    from hf_attn.tooling.files import atomic_directory
 
     dst = check_output(src_dir, dst, overwrite=overwrite)
-    if dtype is not None:
-        config = {**config, "dtype": dtype_name(dtype)}
-        config.pop("torch_dtype", None)
+
+    def final_config() -> dict:
+        out = config() if callable(config) else config
+        if dtype is not None:
+            out = {**out, "dtype": dtype_name(dtype)}
+            out.pop("torch_dtype", None)
+        return out
+
     with atomic_directory(dst, overwrite=overwrite) as tmp:
         with ShardedWriter(tmp, max_shard_bytes=max_shard_bytes) as writer:
             for name, tensor in tensors:
@@ -462,15 +514,18 @@ def save_streamed(
                     tensor = tensor.to(dtype)
                 writer.add(name, tensor)
                 del tensor  # let it go before the next one is read
-        write_config(tmp, config)
+        write_config(tmp, final_config())
         copy_side_files(src_dir, tmp)
+        if extra_files is not None:
+            extra_files(tmp)
     return dst
 
 
 __all__ = [
-    "SUPPORTED_MODEL_TYPES",
+    "ATTENTION_PROJECTIONS",
     "AttentionGeometry",
     "ShardedWriter",
+    "Source",
     "TensorInfo",
     "add_record",
     "conversion_record",
@@ -481,7 +536,9 @@ __all__ = [
     "dtype_name",
     "expected_attention_shapes",
     "iter_tensors",
+    "layer_attn_keys",
     "names_in_file_order",
+    "open_source",
     "parse_attn_key",
     "read_config",
     "read_tensor",

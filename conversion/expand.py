@@ -25,19 +25,15 @@ from hf_attn.conversion.checkpoint import (
     AttentionGeometry,
     TensorInfo,
     add_record,
-    check_attention_tensors,
-    check_supported,
     conversion_record,
     dtype_name,
     names_in_file_order,
+    open_source,
     parse_attn_key,
-    read_config,
     read_tensor,
     save_streamed,
-    tensor_index,
 )
 from hf_attn.tooling.files import checkpoint_hash
-from hf_attn.tooling.loading import parse_dtype, resolve_model
 
 PROG = "hf-attn convert expand"
 
@@ -100,16 +96,10 @@ def expand_checkpoint(
 ) -> Path:
     """Write `dst`: the checkpoint `src` with its K/V heads repeated up to `num_kv_heads` (default: MHA)."""
     start = time.perf_counter()
-    src_dir = resolve_model(src)
-    config = read_config(src_dir)
-    check_supported(config)
-    geometry = AttentionGeometry.from_config(config)
+    source = open_source(src, dst=dst, overwrite=overwrite, dtype=dtype)
+    src_dir, config, geometry = source.dir, source.config, source.geometry
+    index, dtype = source.index, source.dtype
     target = check_expansion(geometry, num_kv_heads)
-    index = tensor_index(src_dir)
-    check_attention_tensors(index, geometry)
-    dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
-    if Path(dst).expanduser().exists() and not overwrite:
-        raise FileExistsError(f"Output {dst} already exists; pass --overwrite to replace it.")
     repeats = target // geometry.num_kv_heads
     record = conversion_record(
         kind="expand",

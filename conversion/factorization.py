@@ -16,7 +16,7 @@ heads)] (W rows, C columns) with bias b (or None), and find `down` (rank, C), `u
   scores of the queries that read them (weighted by the group's E[q q^T] / d, keys centred since a constant
   key offset cancels in softmax), value errors through the output projection (weighted by O_h^T O_h of the
   group's heads); keys are scaled by the spread of their group's value outputs. The decoders are the
-  least-squares ones given the latent. Clearly best on SmolLM2 (see eval/mla_curve.py).
+  least-squares ones given the latent. (Compared on SmolLM2 in the README's MLA curve.)
 
 All arithmetic in float64; the caller casts.
 """
@@ -139,7 +139,6 @@ def attention_pca(
     moment: torch.Tensor,
     num_kv_heads: int,
     rank: int,
-    key_weight: float = 1.0,
 ) -> LowRank:
     """PCA in the metric of what attention computes, with least-squares decoders.
 
@@ -151,7 +150,7 @@ def attention_pca(
     - Value errors matter through the output projection: A_V,g = (sum_{h in g} O_h^T O_h)^(1/2); values are
       centred only if their up-projection has a bias to carry the mean.
     - Key weights are scaled by the spread of the group's value outputs (mean over its heads of
-      tr(O_h Cov(v_g) O_h^T)), the size of the output change per unit score error, times `key_weight`.
+      tr(O_h Cov(v_g) O_h^T)), the size of the output change per unit score error.
     The latent c = U_r^T A W x (top-r eigenvectors U_r of the weighted second moment); `up` and `up_bias` are
     the least-squares decoders of the keys (centred) and values from c.
     """
@@ -182,7 +181,7 @@ def attention_pca(
         sq = sum(
             wq_aug[h * dn : (h + 1) * dn] @ m @ wq_aug[h * dn : (h + 1) * dn].T for h in heads
         )  # (dn, dn)
-        a_blocks.append(_sqrt_psd(sq * (key_weight * v_spread[g] / d)) if dn else sq)
+        a_blocks.append(_sqrt_psd(sq * (v_spread[g] / d)) if dn else sq)
     for g in range(hkv):
         heads = range(g * group, (g + 1) * group)
         a_blocks.append(

@@ -11,32 +11,11 @@ accumulated in float64 and cast back, so pooling identical heads returns them bi
 projections are untouched. Streams tensor by tensor: memory is one tensor (see conversion/bench_stream.py).
 
 method="calibrated" (beyond the paper): the pooled K/V projections are fitted on calibration activations so
-that what attention computes changes least, and the query / output projections are refitted to read them.
-Notation per group: r = H/G source heads h, d = head_dim, p^{h'}_{s,t} the source's attention probabilities
-of query head h' (position s reading t), measured on the calibration text.
-- Keys. RoPE rotates each pair (i, i + d/2) of every head by the same angle: written as one complex number
-  z_{h,i} = k_{h,i} + j k_{h,i+d/2}, it multiplies z by exp(j theta_i t). So the only linear maps of the
-  stacked group keys that commute with RoPE combine, pair by pair, the r complex numbers of equal frequency
-  with complex coefficients (a d x d map mixing dimensions would not commute). For each pair i the pooled
-  key is z'_i = sum_h c_{h,i} z_{h,i}, and query head h' (reading source head h) becomes
-  q'_{h',i} = conj(u_{h,i}) q_{h',i} (again a per-pair complex scalar), so that Re(conj(q) z_h) ~
-  Re(conj(q') z'). Averaged over relative rotations, the score error that key t causes query s is
-  |q_{s,i}|^2 |z_{h,t,i} - u_{h,i} z'_{t,i}|^2 / 2; weighting it by p_{s,t} (the second-order change of the
-  attention distribution) gives, per head and pair, the weighted least-squares problem
-  min sum_h sum_t w_{h,t,i} |z_{h,t,i} - u_{h,i} z'_{t,i}|^2 with w_{h,t,i} = sum_{h' reads h} sum_s
-  p^{h'}_{s,t} |q^{h'}_{s,i}|^2 (query power sent to token t). Solved from a complex principal-component
-  start by alternating least squares on the r x r statistics S_{h,i} = sum_t w_{h,t,i} z_t z_t^H.
-  Exact when the group's keys are rank one per pair (e.g. identical heads).
-- Values. Query head h' adds O_{h'} y_s to the output, y_s = sum_t p_{s,t} v_{h,t}; so fit the pooled value
-  v' = P [v_h]_{h in g} and per-query-head decoders D_{h'} to minimise sum_{h'} sum_s
-  |O_{h'} (y_{h,s} - D_{h'} P [y_{h'',s}]_{h''})|^2 on the attention-averaged stacked values: P starts as
-  the top d principal directions of the stacked values whitened by (sum_{h' reads h} O^T O)^{1/2}, D by
-  least squares, then alternating least squares (P by conjugate gradients). o_proj columns of h' become
-  O_{h'} D_{h'}. Exact when the group's value heads are identical.
-Calibration is one fp32 forward pass of the source over the calibration tokens (default 16,384 tokens of
-the five Austen novels other than Persuasion, windows of 1024) that keeps per layer only the statistics
-(`AttentionStatistics`: G r^2 (d/2) r^2 complex + Hq (r d)^2 real numbers); each layer's new attention
-tensors are then fitted and streamed to the output like the mean method's.
+that what attention computes changes least, and the query / output projections are refitted to read them:
+keys per RoPE pair with complex coefficients (the only maps that commute with RoPE), weighted by the attention
+each token receives (`fit_keys`); values in the metric of the output projection (`fit_values`). One fp32
+forward pass over the calibration text keeps per layer only the statistics (`AttentionStatistics`); each
+layer is then fitted and streamed like the mean method's. The derivation is in docs/gqa.md.
 """
 
 from __future__ import annotations
@@ -49,34 +28,30 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+from transformers.models.llama.modeling_llama import rotate_half
 
 from hf_attn.conversion import calibration as cal
 from hf_attn.conversion import cli
 from hf_attn.conversion.checkpoint import (
+    ATTENTION_PROJECTIONS,
     DEFAULT_MAX_SHARD_BYTES,
     AttentionGeometry,
     TensorInfo,
     add_record,
-    attn_key,
-    check_attention_tensors,
-    check_supported,
     conversion_record,
     dtype_name,
     expected_attention_shapes,
     names_in_file_order,
+    open_source,
     parse_attn_key,
-    read_config,
     read_tensor,
     save_streamed,
-    tensor_index,
 )
 from hf_attn.tooling.files import checkpoint_hash
-from hf_attn.tooling.loading import parse_dtype, resolve_model
 
 PROG = "hf-attn convert gqa"
 
 METHODS = ("mean", "calibrated")
-_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
 _RIDGE = 1e-9  # relative ridge on the covariances that are inverted or square-rooted
 _CG_STEPS, _CG_TOL = 50, 1e-4  # conjugate-gradient budget of one value refit (relative residual)
 
@@ -170,11 +145,6 @@ def _ridge_inverse(a: torch.Tensor) -> torch.Tensor:
     return torch.linalg.inv(a + ridge * torch.eye(a.shape[0], dtype=a.dtype))
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
 @dataclass
 class AttentionStatistics:
     """What calibrated pooling needs from one attention layer, summed over the calibration tokens.
@@ -211,8 +181,8 @@ def _window_statistics(att, x: torch.Tensor, position_embeddings, pooling: Pooli
     k = att.k_proj(x).view(t, h, d).transpose(0, 1).float()  # (H, T, d)
     v = att.v_proj(x).view(t, h, d).transpose(0, 1).float()  # (H, T, d)
     cos, sin = (e[0].float() for e in position_embeddings)  # each (T, d)
-    q_rot = q * cos + _rotate_half(q) * sin  # (Hq, T, d)
-    k_rot = (k * cos + _rotate_half(k) * sin).repeat_interleave(n, dim=0)  # (Hq, T, d)
+    q_rot = q * cos + rotate_half(q) * sin  # (Hq, T, d)
+    k_rot = (k * cos + rotate_half(k) * sin).repeat_interleave(n, dim=0)  # (Hq, T, d)
     scores = (q_rot @ k_rot.transpose(1, 2)) * att.scaling  # (Hq, T, T)
     future = torch.ones(t, t, dtype=torch.bool).triu(1)  # (T, T)
     window = getattr(att, "sliding_window", None)
@@ -421,11 +391,6 @@ def calibrated_pool_layer(
 # ----------------------------------------------------------------------------------------- conversion
 
 
-def _layer_names(layer: int) -> dict[str, str]:
-    """ "q_proj.weight" ... -> the checkpoint names of one layer's attention tensors."""
-    return {f"{p}.{k}": attn_key(layer, p, k) for p in _PROJ for k in ("weight", "bias")}
-
-
 def _pooled_tensors(
     index: dict[str, TensorInfo],
     pooling: Pooling,
@@ -466,11 +431,8 @@ def calibrate(
     """Calibrated pooling of every layer: one fp32 forward pass of the source over the calibration text
     collects each layer's AttentionStatistics, then each layer is fitted. Needs the source model in fp32
     (as transformers loads it) plus the statistics; returns the new attention tensors of every layer
-    (float32), keyed like `calibrated_pool_layer`'s output.
-
-    (Fitting layer l on the activations of the already pooled layers 0..l-1, as GPTQ does, was tried: on
-    SmolLM2 3 -> 1 it gave no gain (90.8 vs 90.2 perplexity on 2048 held-out tokens), so the simpler one-pass
-    statistics are used.)"""
+    (float32), keyed like `calibrated_pool_layer`'s output. Every layer is fitted on the source's own
+    activations (one pass; docs/gqa.md says why not sequentially)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(src_dir)
@@ -484,7 +446,11 @@ def calibrate(
     try:
         for layer in tqdm(range(pooling.geometry.num_layers), desc="fit", unit="layer", disable=not progress):
             att = model.model.layers[layer].self_attn
-            params = {f"{p}.{k}": getattr(getattr(att, p), k) for p in _PROJ for k in ("weight", "bias")}
+            params = {
+                f"{p}.{k}": getattr(getattr(att, p), k)
+                for p in ATTENTION_PROJECTIONS
+                for k in ("weight", "bias")
+            }
             weights = {k: None if v is None else v.detach() for k, v in params.items()}
             out[layer] = calibrated_pool_layer(weights=weights, stats=stats.pop(layer), pooling=pooling)
     finally:
@@ -509,16 +475,10 @@ def convert_gqa(
     start = time.perf_counter()
     if method not in METHODS:
         raise ValueError(f"Unknown --method {method!r}; choose one of {', '.join(METHODS)}.")
-    src_dir = resolve_model(src)
-    config = read_config(src_dir)
-    check_supported(config)
-    geometry = AttentionGeometry.from_config(config)
+    source = open_source(src, dst=dst, overwrite=overwrite, dtype=dtype)  # fails before any slow calibration
+    src_dir, config, geometry = source.dir, source.config, source.geometry
+    index, dtype = source.index, source.dtype
     pooling = check_pooling(geometry, num_kv_heads)
-    index = tensor_index(src_dir)
-    check_attention_tensors(index, geometry)
-    dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
-    if Path(dst).expanduser().exists() and not overwrite:  # fail before any slow calibration
-        raise FileExistsError(f"Output {dst} already exists; pass --overwrite to replace it.")
     record = conversion_record(
         kind="gqa",
         source=src_dir,

@@ -4,34 +4,14 @@
         [--rope-selection high|uniform|2norm|attention] [--factorization weight-svd|activation|attention]
         [--calibration-text FILE ...] [--calibration-tokens N] [--save-dtype float32|bfloat16] [--overwrite]
 
-Notation per layer: C hidden size, Hq / Hkv query / KV heads, d head_dim, G = Hq / Hkv, r RoPE pairs kept per
-KV head, d_c = kv_lora_rank. The output follows the checkpoint contract of `hf_attn.models.llama_mla`:
-
-1. Partial RoPE (`conversion.rope_selection`): each KV head g keeps RoPE on r pairs P_g; its q/k rows are
-   permuted to [rope (2r) | nope (d - 2r)] (query heads of group g with g's order; exact, q.k is unchanged).
-   Removing the rotation from the other d/2 - r pairs is the first lossy step (none if r = d/2). With the
-   `attention` selection the query rows of the dropped pairs are also refitted (a 2x2 mix per pair and query
-   head) to best reproduce the rotated scores on calibration text.
-2. Joint low rank (`conversion.factorization`): the stacked W = [k_nope rows of all KV heads; v rows of all
-   KV heads], Hkv (d - 2r) + Hkv d rows, becomes up (down x) with the latent c = down x of width d_c; the
-   exact identity construction when d_c is that full width, else `weight-svd`, `activation` (balanced PCA
-   of the activations) or `attention` (PCA in the metric of scores and outputs, least-squares decoders).
-3. q_proj keeps the source rows (permuted, refitted on dropped pairs), o_proj is unchanged; everything
-   outside attention is copied.
-
-Cache per token and layer: d_c + Hkv 2r numbers instead of the source's 2 Hkv d. `--kv-budget F` picks d_c
-(and r, unless given: RoPE keys take half the budget, with the default selection at most 3/8 of the pairs; see
-`default_rope_pairs`) so that this is at most F times the source's. The command's default, when no rank option
-is given, is `--kv-budget 0.5` (the knee of the measured curve, eval/mla_curve.py: SmolLM2 32.87 -> 45.6
-training-free at half the cache, 90.1 at 30%);
-`--rope-pairs d/2` alone gives the exact, full-rank conversion: with every pair kept at full rank the
-converted model reproduces the source's logits (tests/test_mla_conversion.py). Calibration (one fp32 pass of
-the source over --calibration-tokens tokens, default 8192 of the five Austen novels other than Persuasion)
-runs only when an option needs it.
-
-Safety: the source is never modified; the output appears atomically (hf_attn.files.atomic_directory) with
-config.json carrying the conversion record (config["hf_attn"]), `auto_map` and the model type's code (so
-`trust_remote_code=True` loads it without hf_attn), plus the source's side files (tokenizer, ...).
+Per layer: (1) partial RoPE: each KV head keeps RoPE on r of its d/2 frequency pairs
+(`conversion.rope_selection`), its q/k rows permuted to [rope (2r) | nope (d - 2r)]; (2) joint low rank: the
+stacked [k_nope; v] of all KV heads becomes up (down x) with the cached latent of width d_c = kv_lora_rank
+(`conversion.factorization`); (3) q_proj keeps the source rows, o_proj and everything outside attention are
+copied. The cache then holds d_c + Hkv 2r numbers per token and layer (`LlamaMLAConfig.cache_numbers`).
+`--kv-budget F` picks d_c and r for at most F of the source's cache (default 0.5 when no rank option is
+given); `--rope-pairs d/2` alone is exact. Calibration runs only when an option needs it. The construction is
+in docs/mla.md, the measured curve in the README.
 """
 
 from __future__ import annotations
@@ -54,23 +34,21 @@ from hf_attn.conversion import rope_selection as rs
 from hf_attn.conversion.checkpoint import (
     DEFAULT_MAX_SHARD_BYTES,
     AttentionGeometry,
-    ShardedWriter,
+    Source,
     TensorInfo,
     add_record,
-    attn_key,
-    check_attention_tensors,
-    check_supported,
     conversion_record,
-    copy_side_files,
     dtype_name,
+    layer_attn_keys,
+    names_in_file_order,
+    open_source,
     parse_attn_key,
-    read_config,
     read_tensor,
-    tensor_index,
-    write_config,
+    save_streamed,
 )
-from hf_attn.tooling.files import atomic_directory, checkpoint_hash
-from hf_attn.tooling.loading import parse_dtype, resolve_model
+from hf_attn.models.llama_mla.configuration_llama_mla import LlamaMLAConfig
+from hf_attn.models.llama_mla.modeling_llama_mla import rope_dim_indices
+from hf_attn.tooling.files import check_output, checkpoint_hash
 
 PROG = "hf-attn convert mla"
 
@@ -80,8 +58,7 @@ DEFAULT_ROPE_SHARE = 0.5  # of a --kv-budget's numbers per token go to the RoPE 
 # ... but with these selections at most this fraction of a head's d/2 frequency pairs (see default_rope_pairs)
 MAX_ROPE_FRACTION = {"attention": 0.375}
 DEFAULT_CALIBRATION_TOKENS = 8192
-DEFAULT_KV_BUDGET = 0.5  # of the command, when no rank option is given (the knee of the measured curve)
-_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
+DEFAULT_KV_BUDGET = 0.5  # of the command, when no rank option is given (the knee of the README's curve)
 _MLA_PROJ = ("q_proj", "k_rope_proj", "kv_down_proj", "k_up_proj", "v_up_proj", "o_proj")
 
 
@@ -109,7 +86,8 @@ class MLAShape:
     @property
     def full_rank(self) -> int:
         """Width of the stacked [k_nope; v]: Hkv (d - 2r) + Hkv d, the largest useful kv_lora_rank."""
-        return self.num_key_rows + self.geometry.kv_dim
+        g = self.geometry
+        return LlamaMLAConfig.full_kv_lora_rank(g.num_kv_heads, g.head_dim, self.rope_pairs)
 
     @property
     def is_full_rank(self) -> bool:
@@ -118,7 +96,7 @@ class MLAShape:
     @property
     def cache_numbers(self) -> int:
         """Numbers cached per token and layer: d_c + Hkv 2r."""
-        return self.kv_lora_rank + self.geometry.num_kv_heads * 2 * self.rope_pairs
+        return LlamaMLAConfig.cache_numbers(self.kv_lora_rank, self.geometry.num_kv_heads, self.rope_pairs)
 
     @property
     def source_cache_numbers(self) -> int:
@@ -141,12 +119,8 @@ def default_rope_pairs(
     of the budget's numbers, rounded to whole pairs per KV head, at least one, and leaving at least 1/8 of
     the budget to the latent.
 
-    The default (`share=None`) is DEFAULT_ROPE_SHARE, for the `attention` selection capped at 3/8 of the
-    d/2 pairs (MAX_ROPE_FRACTION), both from the measured curve (eval/mla_curve.py, SmolLM2): half the budget
-    is best from 12.5% to 30%, but 12 of 32 pairs chosen by `attention` (with the latent at full rank) already
-    score 34.0 (source 32.87), so at larger budgets more pairs only take rank from the latent (at 50%: r = 12
-    gives 45.6, r = 16 gives 51.7). The other selections need more pairs (61.5 / 56.1 with `high` / `2norm`
-    at r = 12) and keep the even split."""
+    The default (`share=None`) is DEFAULT_ROPE_SHARE, capped for the `attention` selection at
+    MAX_ROPE_FRACTION of the d/2 pairs; docs/mla.md says why (the README's allocation sweep measures it)."""
     half = geometry.head_dim // 2
     if kv_budget is None:
         return half
@@ -205,11 +179,11 @@ def plan_shape(
 
 
 def head_row_order(pairs: list[int], head_dim: int) -> tuple[list[int], list[int]]:
-    """Head-local rows (contract): rope part [P, P + d/2] (2r rows), nope part [C, C + d/2] (d - 2r rows)."""
-    half = head_dim // 2
-    kept = set(pairs)
-    comp = [i for i in range(half) if i not in kept]
-    return list(pairs) + [p + half for p in pairs], comp + [c + half for c in comp]
+    """Head-local rows (contract): rope part [P, P + d/2] (2r rows, the model's `rope_dim_indices`), nope
+    part the other d - 2r rows in ascending order ([C, C + d/2], C the dropped pairs)."""
+    rope = rope_dim_indices([list(pairs)], head_dim)[0].tolist()  # (2r,)
+    kept = set(rope)
+    return rope, [j for j in range(head_dim) if j not in kept]
 
 
 def layer_rows(pairs: list[list[int]], geometry: AttentionGeometry) -> dict[str, list[int]]:
@@ -381,8 +355,7 @@ def calibrate(
     def accumulate(idx: int, x: torch.Tensor, position_embeddings) -> None:
         x = x.reshape(-1, x.shape[-1])  # (T, C)
         if moments:
-            xa = torch.cat([x.double(), torch.ones_like(x[:, :1], dtype=torch.float64)], dim=1)  # (T, C+1)
-            m = xa.T @ xa  # (C+1, C+1)
+            m = cal.augmented_moment(x)  # (C+1, C+1)
             stats[idx].moment = m if stats[idx].moment is None else stats[idx].moment + m
         if norms is not None:
             attn = layers[idx].self_attn
@@ -426,10 +399,6 @@ def _sliding_window(config, layer: int) -> int | None:
 # --------------------------------------------------------------------------------------------- checkpoint
 
 
-def _layer_names(layer: int) -> dict[str, str]:
-    return {f"{p}.{k}": attn_key(layer, p, k) for p in _PROJ for k in ("weight", "bias")}
-
-
 def _mla_name(layer: int, key: str) -> str:
     return f"model.layers.{layer}.self_attn.{key}"
 
@@ -438,7 +407,7 @@ def _check_biases(index: dict[str, TensorInfo], geometry: AttentionGeometry) -> 
     """(qkv_bias, o_bias) from the tensors present; ValueError if q/k/v disagree or layers differ."""
     seen = set()
     for layer in range(geometry.num_layers):
-        names = _layer_names(layer)
+        names = layer_attn_keys(layer)
         qkv = {p: names[f"{p}.bias"] in index for p in ("q_proj", "k_proj", "v_proj")}
         if len(set(qkv.values())) != 1:
             raise ValueError(
@@ -555,7 +524,7 @@ class MLAConversion:
     def tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """The converted tensors in source file order; one layer's attention in memory at a time."""
         index = self.index
-        names = sorted(index, key=lambda n: (str(index[n].file), index[n].begin))
+        names = names_in_file_order(index)
         num_layers = self.shape.geometry.num_layers
         done: set[int] = set()
         for name in tqdm(names, desc="mla", unit="tensor"):
@@ -569,7 +538,7 @@ class MLAConversion:
                 continue
             done.add(layer)
             weights = {
-                k: read_tensor(index[n]) if n in index else None for k, n in _layer_names(layer).items()
+                k: read_tensor(index[n]) if n in index else None for k, n in layer_attn_keys(layer).items()
             }
             new = convert_layer(
                 weights={k: (w.double() if w is not None else None) for k, w in weights.items()},
@@ -587,7 +556,7 @@ class MLAConversion:
 
 def plan_conversion(
     *,
-    src: str | Path | None,
+    src: str | Path | Source | None,
     kv_lora_rank: int | None = None,
     kv_budget: float | None = None,
     rope_pairs: int | None = None,
@@ -607,14 +576,10 @@ def plan_conversion(
         raise ValueError(
             f"Unknown --factorization {factorization!r}; choose one of {', '.join(fac.FACTORIZATIONS)}."
         )
-    src_dir = resolve_model(src)
-    config = read_config(src_dir)
-    check_supported(config)
-    geometry = AttentionGeometry.from_config(config)
+    source = src if isinstance(src, Source) else open_source(src)
+    src_dir, geometry, index = source.dir, source.geometry, source.index
     if geometry.head_dim % 2:
         raise ValueError(f"head_dim {geometry.head_dim} is odd; RoPE pairs need an even head_dim.")
-    index = tensor_index(src_dir)
-    check_attention_tensors(index, geometry)
     qkv_bias, o_bias = _check_biases(index, geometry)
     shape = plan_shape(
         geometry,
@@ -679,15 +644,9 @@ def convert_to_mla(
     Austen novels other than Persuasion) runs only if the selection or factorization needs it.
     """
     start = time.perf_counter()
-    dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
-    src_dir = resolve_model(src)
-    dst = Path(dst).expanduser().resolve()
-    if dst == src_dir.resolve():
-        raise ValueError(f"--output {dst} is the source checkpoint; converters never modify their source.")
-    if dst.exists() and not overwrite:  # fail before any slow calibration
-        raise FileExistsError(f"Output {dst} already exists; pass --overwrite to replace it.")
+    source = open_source(src, dst=dst, overwrite=overwrite, dtype=dtype)  # fails before any slow calibration
     plan = plan_conversion(
-        src=src_dir,
+        src=source,
         kv_lora_rank=kv_lora_rank,
         kv_budget=kv_budget,
         rope_pairs=rope_pairs,
@@ -698,7 +657,7 @@ def convert_to_mla(
         calibration_window=calibration_window,
     )
     return write_conversion(
-        plan, dst, dtype=dtype, overwrite=overwrite, max_shard_bytes=max_shard_bytes, start=start
+        plan, dst, dtype=source.dtype, overwrite=overwrite, max_shard_bytes=max_shard_bytes, start=start
     )
 
 
@@ -714,19 +673,23 @@ def write_conversion(
     """Write a planned conversion atomically: weights, config.json (+ record), side files, model code.
     The record's `seconds` counts from `start` (perf_counter; default: now)."""
     start = time.perf_counter() if start is None else start
-    dst = Path(dst).expanduser().resolve()
-    if dst == plan.src_dir.resolve():
-        raise ValueError(f"--output {dst} is the source checkpoint; converters never modify their source.")
+    dst = check_output(plan.src_dir, dst, overwrite=overwrite)
     config, record = plan.config(dtype), plan.record()
     record["dtype"] = config.get("dtype")
-    with atomic_directory(dst, overwrite=overwrite) as tmp:
-        with ShardedWriter(tmp, max_shard_bytes=max_shard_bytes) as writer:
-            for name, tensor in plan.tensors(dtype):
-                writer.add(name, tensor)
+
+    def final_config() -> dict:  # once the weights are written: `seconds` counts them
         record["seconds"] = round(time.perf_counter() - start, 2)
-        write_config(tmp, add_record(config, record))
-        copy_side_files(plan.src_dir, tmp)
-        copy_model_code(tmp)
+        return add_record(config, record)
+
+    save_streamed(
+        src_dir=plan.src_dir,
+        dst=dst,
+        tensors=plan.tensors(dtype),
+        config=final_config,
+        overwrite=overwrite,
+        max_shard_bytes=max_shard_bytes,
+        extra_files=copy_model_code,
+    )
     shape = plan.shape
     print(
         f"MLA: r={shape.rope_pairs} ({plan.selection}), d_c={shape.kv_lora_rank} ({plan.factorization}), "

@@ -16,8 +16,8 @@ low-rank latent. Selections, each `[num_layers][Hkv][r]` lists of sorted pair in
   (`AttentionPairStats`): for every dropped pair the query rows are also refitted with the complex factor
   alpha that best reproduces the rotated score term from the un-rotated one (a 2x2 mix of the query rows
   i and i + d/2, i.e. an average rotation and damping, per query head), and the pairs kept are those whose
-  error remains largest after that fit. Frequency, norm and how far each head looks all enter, which is
-  why it beats `high` and `2norm` by a wide margin (see eval/mla_curve.py).
+  error remains largest after that fit. Frequency, norm and how far each head looks all enter (the
+  selections are compared in the README's MLA curve).
 """
 
 from __future__ import annotations

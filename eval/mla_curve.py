@@ -33,6 +33,8 @@ import torch
 
 from hf_attn.conversion import mla
 from hf_attn.conversion.checkpoint import AttentionGeometry, read_config
+from hf_attn.conversion.factorization import FACTORIZATIONS
+from hf_attn.conversion.rope_selection import SELECTIONS
 from hf_attn.eval.perplexity import evaluate_perplexity
 from hf_attn.tooling import loading
 from hf_attn.tooling.cli import error
@@ -41,8 +43,6 @@ from hf_attn.tooling.loading import resolve_model
 
 PROG = "hf-attn curve"
 
-SELECTIONS = ("high", "uniform", "2norm", "attention")
-FACTORIZATIONS = ("weight-svd", "activation", "attention")
 BUDGETS = (0.125, 0.25, 0.3, 0.375, 0.5, 0.75)
 COMPARE_BUDGETS = BUDGETS  # every selection x factorization at every budget (the default allocation)
 ROPE_SHARES = (0.25, 0.375, 0.5, 0.625, 0.75)  # the allocation sweep: share of the budget for RoPE keys

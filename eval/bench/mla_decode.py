@@ -30,7 +30,9 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from hf_attn.eval.kv_cache import numbers_per_token_per_layer
 from hf_attn.models.llama_mla import LlamaMLAConfig, LlamaMLAForCausalLM
+from hf_attn.models.llama_mla.configuration_llama_mla import SOURCE_MODEL_TYPES
 from hf_attn.tooling.cli import error
 from hf_attn.tooling.loading import library_versions, load_causal_lm, load_config, resolve_model
 
@@ -52,7 +54,7 @@ def load_source(source: str | Path, *, random_weights: bool = False, seed: int =
 def random_mla_like(src, *, kv_lora_rank: int, rope_pairs: int, seed: int = 0) -> LlamaMLAForCausalLM:
     """A llama_mla model with `src`'s config and non-attention weights, random MLA attention weights."""
     cfg = src.config
-    if cfg.model_type not in ("llama", "mistral", "qwen2"):
+    if cfg.model_type not in SOURCE_MODEL_TYPES:
         raise ValueError(
             f"--source must be a Llama / Mistral / Qwen2 model, got model type {cfg.model_type!r}"
         )
@@ -123,9 +125,7 @@ def decode_tokens_per_second(model, cache: DynamicCache, *, new_tokens: int, war
 
 def kv_numbers_per_token(config) -> int:
     """Cached numbers per token summed over layers (fp32 bytes = 4x)."""
-    if config.model_type == "llama_mla":
-        return config.kv_cache_numbers_per_token() * config.num_hidden_layers
-    return 2 * config.num_key_value_heads * config.head_dim * config.num_hidden_layers
+    return numbers_per_token_per_layer(config) * config.num_hidden_layers
 
 
 def run(

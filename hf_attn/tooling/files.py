@@ -10,7 +10,12 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+# A checkpoint's weight files: what transformers loads a model from, and what `checkpoint_hash` covers.
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
+# Other tensor files (training state such as heal's trainer_state.pt, other frameworks' weights): not hashed,
+# but, like the weights, never copied by a converter as a side file (see `TENSOR_SUFFIXES`).
+OTHER_TENSOR_SUFFIXES = (".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".npz")
+TENSOR_SUFFIXES = WEIGHT_SUFFIXES + OTHER_TENSOR_SUFFIXES
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:

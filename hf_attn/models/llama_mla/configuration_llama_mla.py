@@ -14,6 +14,7 @@ from transformers.models.llama.configuration_llama import LlamaConfig
 
 MLA_ATTENTION_PATHS = ("auto", "expanded", "absorbed")
 ROPE_LAYOUTS = ("per_head", "shared")
+# The model types a llama_mla checkpoint can come from; also the converters' supported sources (one home).
 SOURCE_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
@@ -69,7 +70,8 @@ class LlamaMLAConfig(LlamaConfig):
         if self.rope_pairs is None:
             self.rope_pairs = self.head_dim // 2
         if self.kv_lora_rank is None:
-            self.kv_lora_rank = self.num_key_value_heads * (2 * self.head_dim - 2 * self.rope_pairs)
+            hkv, d, r = self.num_key_value_heads, self.head_dim, self.rope_pairs
+            self.kv_lora_rank = self.full_kv_lora_rank(hkv, d, r)
         if self.qkv_bias is None:
             self.qkv_bias = self.attention_bias
         if self.o_bias is None:
@@ -162,7 +164,18 @@ class LlamaMLAConfig(LlamaConfig):
     def kv_cache_numbers_per_token(self) -> int:
         """Numbers cached per token and layer: the latent (d_c) plus the post-RoPE keys (Hr * 2r, Hr = Hkv
         per head or 1 shared)."""
-        return self.kv_lora_rank + self.num_rope_keys * 2 * self.rope_pairs
+        return self.cache_numbers(self.kv_lora_rank, self.num_rope_keys, self.rope_pairs)
+
+    @staticmethod
+    def cache_numbers(kv_lora_rank: int, num_rope_keys: int, rope_pairs: int) -> int:
+        """d_c + Hr * 2r (Hr RoPE keys per token: Hkv per head, 1 shared): numbers cached per token and layer
+        (the one home of this formula)."""
+        return kv_lora_rank + num_rope_keys * 2 * rope_pairs
+
+    @staticmethod
+    def full_kv_lora_rank(num_key_value_heads: int, head_dim: int, rope_pairs: int) -> int:
+        """Hkv * (d - 2r) + Hkv * d: the width of the stacked [k_nope; v], the largest useful d_c."""
+        return num_key_value_heads * (head_dim - 2 * rope_pairs) + num_key_value_heads * head_dim
 
 
 LlamaMLAConfig.register_for_auto_class()
