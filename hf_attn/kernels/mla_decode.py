@@ -11,16 +11,18 @@ Shape notation used throughout this module:
 
 The function computed (the attention part of `llama_mla`'s absorbed path; W_uk and W_uv stay outside):
 
-    score[b, h, m, s] = (q_rope[b, h, m] . k_rope[b, s, h or 0] + q_latent[b, h, m] . latent[b, s]) * scaling
-                        + additive mask, or -inf where the mask drops key s for row m's token t
-    out[b, h, m]      = sum_s softmax_s(score[b, h, m, :]) * latent[b, s]      (zeros where every key is dropped)
+    score[b, h, m, s] = (q_rope[b, h, m] . k_rope[b, s, h or 0] + q_latent[b, h, m] . latent[b, s])
+                        * scaling + additive mask, or -inf where the mask drops key s for row m's token t
+    out[b, h, m]      = sum_s softmax_s(score[b, h, m, :]) * latent[b, s]   (zeros where every key is dropped)
 
 Two kernels (flash-decoding):
-1. split: grid (splits, B * Hkv, row blocks). Each program walks its slice of the sequence in tiles of BLOCK_N
-   tokens with an online softmax (running max, running sum, fp32 accumulator). A latent tile (BLOCK_N, DC) and a
-   RoPE-key tile are loaded once and used for the scores of all M rows of the group (one matmul) and again for
-   the weighted sum (a second matmul), so the cache is read once per KV group, not once per query head. It
-   writes an unnormalised partial (M, DC) and its max and sum per row.
+1. split: grid (splits, B * Hkv, row blocks). Each program walks its slice of the sequence in tiles of
+   BLOCK_N tokens with an online softmax (running max, running sum, fp32 accumulator). A latent tile
+   (BLOCK_N, DC) and a RoPE-key tile are loaded once and used for the scores of all M rows of the group (one
+   matmul) and again for the weighted sum (a second matmul), so the cache is read once per KV group, not once
+   per query head (once per row block when M exceeds BLOCK_M, which keeps the fp32 accumulator
+   BLOCK_M x DC at most 16k elements: M > 32 rows at DC = 512). It writes an unnormalised partial (M, DC)
+   and its max and sum per row.
 2. combine: grid (B * Hkv * M,). Rescales the partials of all splits to a common max and normalises; rows with
    no attendable key (every split's max is -inf) get zeros and a log-sum-exp of -inf.
 Scores, softmax and accumulation are fp32 whatever the input dtype (fp16 / bf16 / fp32); the probabilities are
@@ -290,7 +292,9 @@ def _check(q_rope, q_latent, latent, k_rope, rope_heads):
             f"{q_rope.dtype}, {q_latent.dtype}, {latent.dtype}, {k_rope.dtype}: cast them to the cache dtype"
         )
     if len({t.device for t in (q_rope, q_latent, latent, k_rope)}) != 1:
-        raise ValueError(f"q_rope, q_latent, latent, k_rope must be on one device; latent is on {latent.device}")
+        raise ValueError(
+            f"q_rope, q_latent, latent, k_rope must be on one device; latent is on {latent.device}"
+        )
     return B, Hkv, G, T, R, DC, S, rope_heads
 
 
