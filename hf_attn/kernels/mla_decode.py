@@ -56,7 +56,7 @@ def _mla_decode_split(
     H_KV, M, T, S, DC, R, KR_HEAD_STEP, SPLIT_LEN, N_SPLITS,
     qk_scale, mask_floor,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_R: tl.constexpr,
-    HAS_ROPE: tl.constexpr, MASK_KIND: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_ROPE: tl.constexpr, MASK_KIND: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
     """One (split, batch * KV head, row block): online softmax over tokens [split * SPLIT_LEN, ...)."""
     split = tl.program_id(0)
@@ -73,6 +73,8 @@ def _mla_decode_split(
         mask=row_ok[:, None] & dc_ok[None, :],
         other=0.0,
     )
+    if DOT_FP32:  # interpreter + bf16 only (see _DOT_FP32)
+        q_lat = q_lat.to(tl.float32)
     if HAS_ROPE:
         rs = tl.arange(0, BLOCK_R)  # (BLOCK_R,)
         r_ok = rs < R
@@ -81,6 +83,8 @@ def _mla_decode_split(
             mask=row_ok[:, None] & r_ok[None, :],
             other=0.0,
         )
+        if DOT_FP32:
+            q_rope = q_rope.to(tl.float32)
         kr_cols = KR + b * stride_kr_b + (h * KR_HEAD_STEP + rs) * stride_kr_d  # (BLOCK_R,)
     if MASK_KIND != 0:
         mask_rows = MASK + b * stride_mask_b + (rows % T) * stride_mask_t  # (BLOCK_M,): row m is token m % T
@@ -98,13 +102,18 @@ def _mla_decode_split(
             mask=col_ok[:, None] & dc_ok[None, :],
             other=0.0,
         )
-        s = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N) fp32
+        c_dot = c
+        if DOT_FP32:
+            c_dot = c.to(tl.float32)
+        s = tl.dot(q_lat, tl.trans(c_dot), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N) fp32
         if HAS_ROPE:
             kr = tl.load(  # (BLOCK_R, BLOCK_N)
                 kr_cols[:, None] + cols[None, :] * stride_kr_s,
                 mask=r_ok[:, None] & col_ok[None, :],
                 other=0.0,
             )
+            if DOT_FP32:
+                kr = kr.to(tl.float32)
             s += tl.dot(q_rope, kr, input_precision=PRECISION)
         s = s * qk_scale
         keep = row_ok[:, None] & col_ok[None, :]  # (BLOCK_M, BLOCK_N)
@@ -122,7 +131,8 @@ def _mla_decode_split(
         alpha = tl.exp2(m_i - m_ref)  # (BLOCK_M,), 0 while m_i is -inf
         p = tl.exp2(s - m_ref[:, None])  # (BLOCK_M, BLOCK_N), 0 where dropped
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=PRECISION)
+        p = p.to(c.dtype).to(c_dot.dtype)  # rounded to the latent dtype, as the PyTorch path does
+        acc = acc * alpha[:, None] + tl.dot(p, c_dot, input_precision=PRECISION)
         m_i = m_new
 
     part = bh * N_SPLITS + split
@@ -162,6 +172,12 @@ def _mla_decode_combine(
     lse = tl.where(total > 0.0, (m_ref + tl.log2(tl.where(total > 0.0, total, 1.0))) * 0.6931471805599453,
                    float("-inf"))  # fmt: skip
     tl.store(LSE + pid, lse)
+
+
+# Triton's CPU interpreter (TRITON_INTERPRET=1, checked with triton 3.9) multiplies the raw bits of bf16
+# tl.dot operands. Under it, bf16 operands are cast to fp32 for the dots: exact (a bf16 product fits in fp32),
+# so the math matches the GPU's bf16 MMA with fp32 accumulation up to summation order.
+_DOT_FP32 = type(_mla_decode_split).__name__ == "InterpretedFunction"
 
 
 def mla_decode(
@@ -231,14 +247,15 @@ def mla_decode(
     part_acc = torch.empty(B * Hkv, num_splits, M, DC, dtype=torch.float32, device=latent.device)
     part_m = torch.empty(B * Hkv, num_splits, M, dtype=torch.float32, device=latent.device)
     part_l = torch.empty_like(part_m)
-    precision = "ieee" if latent.dtype == torch.float32 else "tf32"  # fp32 stays fp32 (no TF32)
+    dot_fp32 = _DOT_FP32 and latent.dtype == torch.bfloat16
+    precision = "ieee" if latent.dtype == torch.float32 or dot_fp32 else "tf32"  # fp32 stays fp32 (no TF32)
     _mla_decode_split[(num_splits, B * Hkv, row_blocks)](
         q_rope3, q_lat3, c, kr, mask_arg, part_acc, part_m, part_l,
         *q_rope3.stride(), *q_lat3.stride(), *c.stride(), *kr.stride(), *mask_strides,
         Hkv, M, T, S, DC, R, R if Hr > 1 else 0, split_len, num_splits,
         float(scaling) * _LOG2E, mask_floor,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DC=block_dc, BLOCK_R=block_r,
-        HAS_ROPE=R > 0, MASK_KIND=mask_kind, PRECISION=precision,
+        HAS_ROPE=R > 0, MASK_KIND=mask_kind, PRECISION=precision, DOT_FP32=dot_fp32,
         num_warps=num_warps, num_stages=2 if num_stages is None else num_stages,
     )  # fmt: skip
     _mla_decode_combine[(B * Hkv * M,)](
