@@ -44,8 +44,8 @@ CASES = {
     "rank80_rope2_heuristic_split": dict(
         B=1, Hkv=2, G=2, T=1, R=2, DC=80, S=33, Hr=2, mask="none", dead_row=False, splits=None, block_n=None
     ),
-    "rank600_two_row_blocks": dict(
-        B=1, Hkv=1, G=6, T=3, R=4, DC=600, S=20, Hr=1, mask="bool", dead_row=False, splits=2, block_n=16
+    "rank600_two_row_blocks": dict(  # 18 rows, 16 per block at DC 600: a block boundary inside KV head 1
+        B=1, Hkv=2, G=3, T=3, R=4, DC=600, S=20, Hr=2, mask="bool", dead_row=False, splits=2, block_n=16
     ),
     "mask_broadcast_over_batch": dict(
         B=2, Hkv=3, G=1, T=2, R=4, DC=16, S=21, Hr=3, mask="additive_b1", dead_row=False, splits=1, block_n=16

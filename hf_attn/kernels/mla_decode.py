@@ -3,7 +3,7 @@
 Shape notation used throughout this module:
     B    batch size
     Hkv  KV heads (KV groups); G query heads per group; T query tokens (decode: 1 or a few)
-    M    = G * T query rows of one group, row m = g * T + t
+    M    = Hkv * G * T query rows of one batch element, row m = (h * G + g) * T + t
     S    cached tokens (including the T new ones)
     DC   latent width (kv_lora_rank), any size
     R    RoPE key width per RoPE-key head (2r), any size including 0
@@ -16,14 +16,16 @@ The function computed (the attention part of `llama_mla`'s absorbed path; W_uk a
     out[b, h, m]      = sum_s softmax_s(score[b, h, m, :]) * latent[b, s]   (zeros where every key is dropped)
 
 Two kernels (flash-decoding):
-1. split: grid (splits, B * Hkv, row blocks). Each program walks its slice of the sequence in tiles of
-   BLOCK_N tokens with an online softmax (running max, running sum, fp32 accumulator). A latent tile
-   (BLOCK_N, DC) and a RoPE-key tile are loaded once and used for the scores of all M rows of the group (one
-   matmul) and again for the weighted sum (a second matmul), so the cache is read once per KV group, not once
-   per query head (once per row block when M exceeds BLOCK_M, which keeps the fp32 accumulator
-   BLOCK_M x DC at most 16k elements: M > 32 rows at DC = 512). It writes an unnormalised partial (M, DC)
-   and its max and sum per row.
-2. combine: grid (B * Hkv * M,). Rescales the partials of all splits to a common max and normalises; rows with
+1. split: grid (row blocks, splits, B). Each program takes BLOCK_M query rows (all KV heads' rows together;
+   one block when M <= BLOCK_M) and walks its slice of the sequence in tiles of BLOCK_N tokens with an online
+   softmax (running max, running sum, fp32 accumulator). A latent tile (BLOCK_N, DC) and the whole cached
+   RoPE-key tile (BLOCK_N, Hr * R) are loaded once and used by one matmul for the scores of all rows (each
+   row's q_rope sits at its KV head's columns, zeros elsewhere) and again by one matmul for the weighted sum.
+   So each cached number is read once per row block: once in all when M <= BLOCK_M (BLOCK_M x DC, the fp32
+   accumulator, is kept at most 16k elements: 32 rows at DC = 512, 64 at DC = 256); the row blocks of a split
+   run side by side (fastest grid axis) and share the tiles in L2. It writes an unnormalised partial
+   (M, DC) and its max and sum per row.
+2. combine: grid (B * M,). Rescales the partials of all splits to a common max and normalises; rows with
    no attendable key (every split's max is -inf) get zeros and a log-sum-exp of -inf.
 Scores, softmax and accumulation are fp32 whatever the input dtype (fp16 / bf16 / fp32); the probabilities are
 cast to the latent dtype for the weighted-sum matmul, as the PyTorch path does.
@@ -48,44 +50,45 @@ _MAX_ACC_ELEMENTS = 16 * 1024  # BLOCK_M * BLOCK_DC: fp32 accumulator of one pro
 @triton.jit
 def _mla_decode_split(
     QR, QL, C, KR, MASK, PACC, PM, PL,
-    stride_qr_b, stride_qr_h, stride_qr_m, stride_qr_d,
-    stride_ql_b, stride_ql_h, stride_ql_m, stride_ql_d,
+    stride_qr_b, stride_qr_m, stride_qr_d,
+    stride_ql_b, stride_ql_m, stride_ql_d,
     stride_c_b, stride_c_s, stride_c_d,
     stride_kr_b, stride_kr_s, stride_kr_d,
     stride_mask_b, stride_mask_t, stride_mask_s,
-    H_KV, M, T, S, DC, R, KR_HEAD_STEP, SPLIT_LEN, N_SPLITS,
+    M, GT, T, S, DC, R, RW, KR_HEAD_STEP, SPLIT_LEN, N_SPLITS,
     qk_scale, mask_floor,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_RW: tl.constexpr,
     HAS_ROPE: tl.constexpr, MASK_KIND: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
-    """One (split, batch * KV head, row block): online softmax over tokens [split * SPLIT_LEN, ...)."""
-    split = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H_KV
-    h = bh % H_KV
-    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
+    """One (row block, split, batch): online softmax over tokens [split * SPLIT_LEN, ...) for BLOCK_M rows."""
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,): row m = (h * G + g) * T + t
     row_ok = rows < M
     dcs = tl.arange(0, BLOCK_DC)  # (BLOCK_DC,)
     dc_ok = dcs < DC
 
     q_lat = tl.load(  # (BLOCK_M, BLOCK_DC)
-        QL + b * stride_ql_b + h * stride_ql_h + rows[:, None] * stride_ql_m + dcs[None, :] * stride_ql_d,
+        QL + b * stride_ql_b + rows[:, None] * stride_ql_m + dcs[None, :] * stride_ql_d,
         mask=row_ok[:, None] & dc_ok[None, :],
         other=0.0,
     )
     if DOT_FP32:  # interpreter + bf16 only (see _DOT_FP32)
         q_lat = q_lat.to(tl.float32)
     if HAS_ROPE:
-        rs = tl.arange(0, BLOCK_R)  # (BLOCK_R,)
-        r_ok = rs < R
-        q_rope = tl.load(  # (BLOCK_M, BLOCK_R)
-            QR + b * stride_qr_b + h * stride_qr_h + rows[:, None] * stride_qr_m + rs[None, :] * stride_qr_d,
-            mask=row_ok[:, None] & r_ok[None, :],
+        # Each row's q_rope placed at its RoPE-key head's columns of the cached row (width RW = Hr * R), zeros
+        # elsewhere: one matmul against the whole cached RoPE row serves the rows of every KV head.
+        js = tl.arange(0, BLOCK_RW)  # (BLOCK_RW,)
+        jq = js[None, :] - ((rows // GT) * KR_HEAD_STEP)[:, None]  # (BLOCK_M, BLOCK_RW): column in q_rope
+        q_rope = tl.load(  # (BLOCK_M, BLOCK_RW)
+            QR + b * stride_qr_b + rows[:, None] * stride_qr_m + jq * stride_qr_d,
+            mask=row_ok[:, None] & (jq >= 0) & (jq < R),
             other=0.0,
         )
         if DOT_FP32:
             q_rope = q_rope.to(tl.float32)
-        kr_cols = KR + b * stride_kr_b + (h * KR_HEAD_STEP + rs) * stride_kr_d  # (BLOCK_R,)
+        kr_cols = KR + b * stride_kr_b + js * stride_kr_d  # (BLOCK_RW,)
+        js_ok = js < RW
     if MASK_KIND != 0:
         mask_rows = MASK + b * stride_mask_b + (rows % T) * stride_mask_t  # (BLOCK_M,): row m is token m % T
 
@@ -107,9 +110,9 @@ def _mla_decode_split(
             c_dot = c.to(tl.float32)
         s = tl.dot(q_lat, tl.trans(c_dot), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N) fp32
         if HAS_ROPE:
-            kr = tl.load(  # (BLOCK_R, BLOCK_N)
+            kr = tl.load(  # (BLOCK_RW, BLOCK_N): the whole cached RoPE row, read once
                 kr_cols[:, None] + cols[None, :] * stride_kr_s,
-                mask=r_ok[:, None] & col_ok[None, :],
+                mask=js_ok[:, None] & col_ok[None, :],
                 other=0.0,
             )
             if DOT_FP32:
@@ -135,7 +138,7 @@ def _mla_decode_split(
         acc = acc * alpha[:, None] + tl.dot(p, c_dot, input_precision=PRECISION)
         m_i = m_new
 
-    part = bh * N_SPLITS + split
+    part = b * N_SPLITS + split
     tl.store(PM + part * M + rows, m_i, mask=row_ok)
     tl.store(PL + part * M + rows, l_i, mask=row_ok)
     tl.store(
@@ -149,9 +152,9 @@ def _mla_decode_combine(
     M, DC, N_SPLITS,
     BLOCK_DC: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
 ):  # fmt: skip
-    """One (batch * KV head, row): merge the splits' partials; zeros and lse -inf for fully masked rows."""
+    """One (batch, row): merge the splits' partials; zeros and lse -inf for fully masked rows."""
     pid = tl.program_id(0)
-    bh = pid // M
+    bh = pid // M  # the batch index
     row = pid % M
     ks = tl.arange(0, BLOCK_SPLITS)  # (BLOCK_SPLITS,)
     k_ok = ks < N_SPLITS
@@ -213,17 +216,17 @@ def mla_decode(
     `num_warps`, `num_stages` override the launch heuristics (tuning and tests only).
     """
     B, Hkv, G, T, R, DC, S, Hr = _check(q_rope, q_latent, latent, k_rope, rope_heads)
-    M = G * T
+    M = Hkv * G * T
     out = latent.new_empty(B, Hkv, G, T, DC)
     lse = torch.empty(B, Hkv, G, T, dtype=torch.float32, device=latent.device)
-    if M == 0 or B * Hkv == 0:  # nothing to compute: empty outputs
+    if M == 0 or B == 0:  # nothing to compute: empty outputs
         return (out, lse) if return_lse else out
     if S == 0:  # nothing to attend to: every row is fully masked
         return (out.zero_(), lse.fill_(-math.inf)) if return_lse else out.zero_()
     mask_kind, mask_arg, mask_strides, mask_floor = _mask_args(mask, B, T, S, latent)
 
     block_dc = max(_MIN_BLOCK, triton.next_power_of_2(DC))
-    block_r = max(_MIN_BLOCK, triton.next_power_of_2(R)) if R else _MIN_BLOCK
+    block_rw = max(_MIN_BLOCK, triton.next_power_of_2(Hr * R)) if R else _MIN_BLOCK
     block_m = max(_MIN_BLOCK, min(triton.next_power_of_2(M), _MAX_ACC_ELEMENTS // block_dc))
     row_blocks = triton.cdiv(M, block_m)
     if block_n is None:
@@ -232,7 +235,7 @@ def mla_decode(
         raise ValueError(f"block_n must be a power of two >= {_MIN_BLOCK}, got {block_n}")
     n_blocks = triton.cdiv(S, block_n)
     if num_splits is None:
-        num_splits = _default_splits(B * Hkv * row_blocks, n_blocks, latent.device)
+        num_splits = _default_splits(B * row_blocks, n_blocks, latent.device)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     split_len = triton.cdiv(n_blocks, min(num_splits, n_blocks)) * block_n  # a multiple of block_n
@@ -240,25 +243,25 @@ def mla_decode(
     if num_warps is None:
         num_warps = 4 if block_m * block_dc <= 8 * 1024 else 8
 
-    q_rope3 = q_rope.reshape(B, Hkv, M, R)  # (B, Hkv, M, R), a view where strides allow
-    q_lat3 = q_latent.reshape(B, Hkv, M, DC)  # (B, Hkv, M, DC)
+    q_rope3 = q_rope.reshape(B, M, R)  # (B, Hkv*G*T, R), a view where strides allow
+    q_lat3 = q_latent.reshape(B, M, DC)  # (B, Hkv*G*T, DC)
     c = latent.squeeze(1)  # (B, S, DC)
     kr = k_rope.squeeze(1)  # (B, S, Hr * R)
-    part_acc = torch.empty(B * Hkv, num_splits, M, DC, dtype=torch.float32, device=latent.device)
-    part_m = torch.empty(B * Hkv, num_splits, M, dtype=torch.float32, device=latent.device)
+    part_acc = torch.empty(B, num_splits, M, DC, dtype=torch.float32, device=latent.device)
+    part_m = torch.empty(B, num_splits, M, dtype=torch.float32, device=latent.device)
     part_l = torch.empty_like(part_m)
     dot_fp32 = _DOT_FP32 and latent.dtype == torch.bfloat16
     precision = "ieee" if latent.dtype == torch.float32 or dot_fp32 else "tf32"  # fp32 stays fp32 (no TF32)
-    _mla_decode_split[(num_splits, B * Hkv, row_blocks)](
+    _mla_decode_split[(row_blocks, num_splits, B)](  # row blocks fastest: they share cache tiles in L2
         q_rope3, q_lat3, c, kr, mask_arg, part_acc, part_m, part_l,
         *q_rope3.stride(), *q_lat3.stride(), *c.stride(), *kr.stride(), *mask_strides,
-        Hkv, M, T, S, DC, R, R if Hr > 1 else 0, split_len, num_splits,
+        M, G * T, T, S, DC, R, Hr * R, R if Hr > 1 else 0, split_len, num_splits,
         float(scaling) * _LOG2E, mask_floor,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DC=block_dc, BLOCK_R=block_r,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DC=block_dc, BLOCK_RW=block_rw,
         HAS_ROPE=R > 0, MASK_KIND=mask_kind, PRECISION=precision, DOT_FP32=dot_fp32,
         num_warps=num_warps, num_stages=2 if num_stages is None else num_stages,
     )  # fmt: skip
-    _mla_decode_combine[(B * Hkv * M,)](
+    _mla_decode_combine[(B * M,)](
         part_acc, part_m, part_l, out, lse, M, DC, num_splits,
         BLOCK_DC=block_dc, BLOCK_SPLITS=max(2, triton.next_power_of_2(num_splits)), num_warps=4,
     )  # fmt: skip
