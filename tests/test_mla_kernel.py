@@ -132,18 +132,20 @@ def torch_path(q_rope, q_latent, latent, k_rope, mask, scaling):
 # ------------------------------------------------------------------------- child process (interpreter)
 
 
-def _kernel_results(mla_decode) -> dict:
+def _kernel_results(mla_decode, device: str = "cpu") -> dict:
     results = {}
     for name, case in CASES.items():
         for dname, dtype in DTYPES.items():
-            q_rope, q_latent, latent, k_rope, mask = make_inputs(case, dtype)
+            inputs = make_inputs(case, dtype)  # q_rope, q_latent, latent, k_rope, mask
+            on_device = [None if t is None else t.to(device) for t in inputs]
             scaling = 0.37
             out, lse = mla_decode(
-                q_rope, q_latent, latent, k_rope, mask, scaling=scaling, rope_heads=case["Hr"],
-                return_lse=True, num_splits=case["splits"], block_n=case["block_n"],
+                *on_device, scaling=scaling, rope_heads=case["Hr"], return_lse=True,
+                num_splits=case["splits"], block_n=case["block_n"],
             )  # fmt: skip
-            ref, ref_lse = reference(q_rope, q_latent, latent, k_rope, mask, scaling)
-            pt = torch_path(q_rope, q_latent, latent, k_rope, mask, scaling)
+            out, lse = out.cpu(), lse.cpu()
+            ref, ref_lse = reference(*inputs, scaling)
+            pt = torch_path(*on_device, scaling).cpu()
             dead = torch.isinf(ref_lse)  # (B, Hkv, G, T)
             live = ~dead
             results[f"{name}/{dname}"] = {
@@ -190,7 +192,7 @@ def _decode_logits(model, ids, mask, **kwargs) -> tuple[torch.Tensor, tuple | No
     return torch.cat(logits, dim=1), attentions
 
 
-def _model_results(mla_decode) -> dict:
+def _model_results(mla_decode, device: str = "cpu") -> dict:
     import hf_attn.models.llama_mla.modeling_llama_mla as modeling
 
     calls = []
@@ -202,9 +204,10 @@ def _model_results(mla_decode) -> dict:
     ids = torch.randint(1, 61, (2, 7), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(2, 7, dtype=torch.long)
     mask[1, :3] = 0  # left padding: the pad tokens' rows attend to nothing in the prefill
+    ids, mask = ids.to(device), mask.to(device)
     results, original = {}, modeling.triton_mla_decode
     for name, pairs in MODEL_CASES.items():
-        model = tiny_mla_model(pairs)
+        model = tiny_mla_model(pairs).to(device)
         with torch.no_grad():
             ref, _ = _decode_logits(model, ids, mask)
             calls.clear()
@@ -253,10 +256,31 @@ def interpreted():
 # ------------------------------------------------------------------------------------------------ tests
 
 
+@pytest.fixture(scope="module")
+def compiled():
+    """The same computations with the compiled kernel on the GPU, in this process."""
+    from hf_attn.kernels.mla_decode import mla_decode
+
+    return {"kernel": _kernel_results(mla_decode, "cuda"), "model": _model_results(mla_decode, "cuda")}
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("case", list(CASES))
 def test_kernel_matches_reference(interpreted, case, dtype):
-    r = interpreted["kernel"][f"{case}/{dtype}"]
+    check_kernel_case(interpreted["kernel"][f"{case}/{dtype}"], case, dtype)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("case", list(CASES))
+def test_compiled_kernel_matches_reference_on_gpu(compiled, case, dtype):
+    check_kernel_case(compiled["kernel"][f"{case}/{dtype}"], case, dtype)
+
+
+def check_kernel_case(r: dict, case: str, dtype: str) -> None:
     assert r["dtype_ok"] and r["finite"], r
     # flash-attention's rule, plus a floor of a few fp32 ulps for when the PyTorch path is nearly exact
     assert r["err_kernel"] <= 2 * r["err_torch"] + 1e-6 * r["scale"], r
@@ -268,7 +292,16 @@ def test_kernel_matches_reference(interpreted, case, dtype):
 
 @pytest.mark.parametrize("case", list(MODEL_CASES))
 def test_llama_mla_decode_through_kernel(interpreted, case):
-    r = interpreted["model"][case]
+    check_model_case(interpreted["model"][case])
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", list(MODEL_CASES))
+def test_llama_mla_decode_through_compiled_kernel_on_gpu(compiled, case):
+    check_model_case(compiled["model"][case])
+
+
+def check_model_case(r: dict) -> None:
     assert r["kernel_calls"] == 3 * 2, r  # 3 forward calls x 2 layers, all on the absorbed path
     assert r["diff"] <= 1e-5 * r["scale"], r
     assert r["calls_with_weights"] == 0 and r["weights_returned"], r  # output_attentions: the PyTorch path
