@@ -18,10 +18,11 @@ The function computed (the attention part of `llama_mla`'s absorbed path; W_uk a
 Two kernels (flash-decoding):
 1. split: grid (row blocks, splits, B). Each program takes BLOCK_M query rows (all KV heads' rows together;
    one block when M <= BLOCK_M) and walks its slice of the sequence in tiles of BLOCK_N tokens with an online
-   softmax (running max, running sum, fp32 accumulator). A latent tile (BLOCK_N, DC) and the whole cached
-   RoPE-key tile (BLOCK_N, Hr * R) are loaded once and used by one matmul for the scores of all rows (each
-   row's q_rope sits at its KV head's columns, zeros elsewhere) and again by one matmul for the weighted sum.
-   So each cached number is read once per row block: once in all when M <= BLOCK_M (BLOCK_M x DC, the fp32
+   softmax (running max, running sum, fp32 accumulator). Per tile it loads the latent tile (BLOCK_N, DC) once
+   and uses it in one matmul for the latent scores of all rows and again in one matmul for the weighted sum;
+   the cached RoPE keys are loaded once per RoPE-key head met by the block, each (BLOCK_N, R) tile scored by
+   one matmul against the block's rows of that head (zeros for the others; q_rope reloads hit L1). So each
+   cached number is read once per row block: once in all when M <= BLOCK_M (BLOCK_M x DC, the fp32
    accumulator, is kept at most 16k elements: 32 rows at DC = 512, 64 at DC = 256); the row blocks of a split
    run side by side (fastest grid axis) and share the tiles in L2. It writes an unnormalised partial
    (M, DC) and its max and sum per row.
@@ -55,10 +56,11 @@ def _mla_decode_split(
     stride_c_b, stride_c_s, stride_c_d,
     stride_kr_b, stride_kr_s, stride_kr_d,
     stride_mask_b, stride_mask_t, stride_mask_s,
-    M, GT, T, S, DC, R, RW, KR_HEAD_STEP, SPLIT_LEN, N_SPLITS,
+    M, GT, T, S, DC, R, SPLIT_LEN, N_SPLITS,
     qk_scale, mask_floor,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_RW: tl.constexpr,
-    HAS_ROPE: tl.constexpr, MASK_KIND: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_R: tl.constexpr,
+    HAS_ROPE: tl.constexpr, PER_HEAD_ROPE: tl.constexpr, MASK_KIND: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
 ):  # fmt: skip
     """One (row block, split, batch): online softmax over tokens [split * SPLIT_LEN, ...) for BLOCK_M rows."""
     split = tl.program_id(1)
@@ -76,19 +78,15 @@ def _mla_decode_split(
     if DOT_FP32:  # interpreter + bf16 only (see _DOT_FP32)
         q_lat = q_lat.to(tl.float32)
     if HAS_ROPE:
-        # Each row's q_rope placed at its RoPE-key head's columns of the cached row (width RW = Hr * R), zeros
-        # elsewhere: one matmul against the whole cached RoPE row serves the rows of every KV head.
-        js = tl.arange(0, BLOCK_RW)  # (BLOCK_RW,)
-        jq = js[None, :] - ((rows // GT) * KR_HEAD_STEP)[:, None]  # (BLOCK_M, BLOCK_RW): column in q_rope
-        q_rope = tl.load(  # (BLOCK_M, BLOCK_RW)
-            QR + b * stride_qr_b + rows[:, None] * stride_qr_m + jq * stride_qr_d,
-            mask=row_ok[:, None] & (jq >= 0) & (jq < R),
-            other=0.0,
-        )
-        if DOT_FP32:
-            q_rope = q_rope.to(tl.float32)
-        kr_cols = KR + b * stride_kr_b + js * stride_kr_d  # (BLOCK_RW,)
-        js_ok = js < RW
+        rs = tl.arange(0, BLOCK_R)  # (BLOCK_R,)
+        r_ok = rs < R
+        qr_ptrs = QR + b * stride_qr_b + rows[:, None] * stride_qr_m + rs[None, :] * stride_qr_d
+        kr_cols = KR + b * stride_kr_b + rs * stride_kr_d  # (BLOCK_R,) columns of RoPE-key head 0
+        head_lo = 0  # RoPE-key heads met by this row block: [head_lo, head_hi)
+        head_hi = 1
+        if PER_HEAD_ROPE:  # rows of KV head h read RoPE-key head h
+            head_lo = (tl.program_id(0) * BLOCK_M) // GT
+            head_hi = (tl.minimum(tl.program_id(0) * BLOCK_M + BLOCK_M, M) - 1) // GT + 1
     if MASK_KIND != 0:
         mask_rows = MASK + b * stride_mask_b + (rows % T) * stride_mask_t  # (BLOCK_M,): row m is token m % T
 
@@ -109,15 +107,21 @@ def _mla_decode_split(
         if DOT_FP32:
             c_dot = c.to(tl.float32)
         s = tl.dot(q_lat, tl.trans(c_dot), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N) fp32
-        if HAS_ROPE:
-            kr = tl.load(  # (BLOCK_RW, BLOCK_N): the whole cached RoPE row, read once
-                kr_cols[:, None] + cols[None, :] * stride_kr_s,
-                mask=js_ok[:, None] & col_ok[None, :],
-                other=0.0,
-            )
-            if DOT_FP32:
-                kr = kr.to(tl.float32)
-            s += tl.dot(q_rope, kr, input_precision=PRECISION)
+        if HAS_ROPE:  # one matmul per RoPE-key head: its (BLOCK_R, BLOCK_N) tile, read once, against
+            for hr in range(head_lo, head_hi):  # the block's query rows of that head (zeros elsewhere)
+                in_head = row_ok
+                if PER_HEAD_ROPE:
+                    in_head = row_ok & (rows // GT == hr)
+                q_rope = tl.load(qr_ptrs, mask=in_head[:, None] & r_ok[None, :], other=0.0)  # (BM, BR)
+                kr = tl.load(  # (BLOCK_R, BLOCK_N)
+                    kr_cols[:, None] + hr * R * stride_kr_d + cols[None, :] * stride_kr_s,
+                    mask=r_ok[:, None] & col_ok[None, :],
+                    other=0.0,
+                )
+                if DOT_FP32:
+                    q_rope = q_rope.to(tl.float32)
+                    kr = kr.to(tl.float32)
+                s += tl.dot(q_rope, kr, input_precision=PRECISION)
         s = s * qk_scale
         keep = row_ok[:, None] & col_ok[None, :]  # (BLOCK_M, BLOCK_N)
         if MASK_KIND == 1:  # boolean (uint8 view): nonzero = attend
@@ -226,7 +230,7 @@ def mla_decode(
     mask_kind, mask_arg, mask_strides, mask_floor = _mask_args(mask, B, T, S, latent)
 
     block_dc = max(_MIN_BLOCK, triton.next_power_of_2(DC))
-    block_rw = max(_MIN_BLOCK, triton.next_power_of_2(Hr * R)) if R else _MIN_BLOCK
+    block_r = max(_MIN_BLOCK, triton.next_power_of_2(R)) if R else _MIN_BLOCK
     block_m = max(_MIN_BLOCK, min(triton.next_power_of_2(M), _MAX_ACC_ELEMENTS // block_dc))
     row_blocks = triton.cdiv(M, block_m)
     if block_n is None:
@@ -240,8 +244,8 @@ def mla_decode(
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     split_len = triton.cdiv(n_blocks, min(num_splits, n_blocks)) * block_n  # a multiple of block_n
     num_splits = triton.cdiv(S, split_len)  # every split holds at least one token
-    if num_warps is None:
-        num_warps = 4 if block_m * block_dc <= 8 * 1024 else 8
+    if num_warps is None:  # spill-free in ptxas's sm_90 report for the shapes in docs/mla-kernel.md
+        num_warps = 4 if block_m * block_dc <= 4 * 1024 else 8
 
     q_rope3 = q_rope.reshape(B, M, R)  # (B, Hkv*G*T, R), a view where strides allow
     q_lat3 = q_latent.reshape(B, M, DC)  # (B, Hkv*G*T, DC)
@@ -255,10 +259,10 @@ def mla_decode(
     _mla_decode_split[(row_blocks, num_splits, B)](  # row blocks fastest: they share cache tiles in L2
         q_rope3, q_lat3, c, kr, mask_arg, part_acc, part_m, part_l,
         *q_rope3.stride(), *q_lat3.stride(), *c.stride(), *kr.stride(), *mask_strides,
-        M, G * T, T, S, DC, R, Hr * R, R if Hr > 1 else 0, split_len, num_splits,
+        M, G * T, T, S, DC, R, split_len, num_splits,
         float(scaling) * _LOG2E, mask_floor,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DC=block_dc, BLOCK_RW=block_rw,
-        HAS_ROPE=R > 0, MASK_KIND=mask_kind, PRECISION=precision, DOT_FP32=dot_fp32,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DC=block_dc, BLOCK_R=block_r,
+        HAS_ROPE=R > 0, PER_HEAD_ROPE=Hr > 1, MASK_KIND=mask_kind, PRECISION=precision, DOT_FP32=dot_fp32,
         num_warps=num_warps, num_stages=2 if num_stages is None else num_stages,
     )  # fmt: skip
     _mla_decode_combine[(B * M,)](
