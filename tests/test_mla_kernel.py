@@ -311,6 +311,19 @@ def test_import_hf_attn_does_not_load_the_kernel(interpreted):
     assert interpreted["import_hf_attn_loads_kernel"] is False
 
 
+def test_compiles_for_a_gpu_without_one():
+    """The interpreter does not lower to GPU code: compile the split kernel for sm_90 ahead of time (per-head
+    RoPE keys, additive mask, bf16, Llama-3-8B shape defaults) to catch errors only the compiler sees."""
+    from eval.bench.mla_kernel_registers import launch_config, ptxas_report
+    from hf_attn.kernels import mla_decode
+
+    if type(mla_decode._mla_decode_split).__name__ == "InterpretedFunction":
+        pytest.skip("TRITON_INTERPRET is set in this process")
+    cfg = launch_config(512, 48, 32)
+    report = ptxas_report(dtype="bfloat16", arch=90, per_head=True, has_rope=True, cfg=cfg, mask_kind=2)
+    assert report["registers"] is not None and report["shared_bytes"] > 0, report
+
+
 BAD_CALLS = {
     "latent_rank": (dict(latent=(2, 1, 9, 5)), "q_latent must be"),
     "rope_heads": (dict(k_rope=(2, 1, 9, 12)), "rope_heads 1"),

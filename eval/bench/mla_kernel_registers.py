@@ -46,7 +46,9 @@ def launch_config(dc: int, rope: int, rows: int, block_n=None, num_warps=None) -
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DC=block_dc, BLOCK_R=block_r, num_warps=num_warps)
 
 
-def ptxas_report(*, dtype: str, arch: int, per_head: bool, has_rope: bool, cfg: dict) -> dict:
+def ptxas_report(
+    *, dtype: str, arch: int, per_head: bool, has_rope: bool, cfg: dict, mask_kind: int = 0
+) -> dict:
     """Compile the split kernel for sm_<arch> and return ptxas's registers / spill bytes."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -57,10 +59,10 @@ def ptxas_report(*, dtype: str, arch: int, per_head: bool, has_rope: bool, cfg: 
     fn = k._mla_decode_split
     t = TRITON_DTYPES[dtype]
     sig = {name: "i32" for name in fn.arg_names}
-    sig.update({n: f"*{t}" for n in ("QR", "QL", "C", "KR", "MASK")})
+    sig.update({n: f"*{t}" for n in ("QR", "QL", "C", "KR")}, MASK="*u8" if mask_kind == 1 else f"*{t}")
     sig.update({n: "*fp32" for n in ("PACC", "PM", "PL")}, qk_scale="fp32", mask_floor="fp32")
     const = {key: cfg[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_DC", "BLOCK_R")}
-    const.update(HAS_ROPE=has_rope, PER_HEAD_ROPE=per_head, MASK_KIND=0, DOT_FP32=False)
+    const.update(HAS_ROPE=has_rope, PER_HEAD_ROPE=per_head, MASK_KIND=mask_kind, DOT_FP32=False)
     const["PRECISION"] = "ieee" if dtype == "float32" else "tf32"
     sig.update({key: "constexpr" for key in const})
     compiled = triton.compile(
