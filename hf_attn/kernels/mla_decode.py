@@ -34,6 +34,7 @@ cast to the latent dtype for the weighted-sum matmul, as the PyTorch path does.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -64,7 +65,7 @@ def _mla_decode_split(
 ):  # fmt: skip
     """One (row block, split, batch): online softmax over tokens [split * SPLIT_LEN, ...) for BLOCK_M rows."""
     split = tl.program_id(1)
-    b = tl.program_id(2)
+    b = tl.program_id(2).to(tl.int64)  # b * stride_b exceeds int32 for large caches
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,): row m = (h * G + g) * T + t
     row_ok = rows < M
     dcs = tl.arange(0, BLOCK_DC)  # (BLOCK_DC,)
@@ -274,9 +275,16 @@ def mla_decode(
 
 def _default_splits(programs_per_split: int, n_blocks: int, device: torch.device) -> int:
     """Splits so that about two waves of programs fill the GPU, each split at least 4 tiles long."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    sms = 8  # CPU tensors (Triton's interpreter): any count works
+    if device.type == "cuda":
+        sms = _sm_count(torch.cuda.current_device() if device.index is None else device.index)
     wanted = triton.cdiv(2 * sms, programs_per_split)
     return max(1, min(wanted, triton.cdiv(n_blocks, 4)))
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _check(q_rope, q_latent, latent, k_rope, rope_heads):
