@@ -86,7 +86,7 @@ def make_inputs(case: dict, dtype: torch.dtype, seed: int = 0):
         bias = torch.randn(B, 1, T, S, generator=g).to(dtype)
         mask = torch.where(keep, bias, torch.finfo(dtype).min)
         if case["mask"] == "additive_b1":
-            mask = mask[:1]  # (1, 1, T, S)
+            mask = mask[:1, :, :1]  # (1, 1, 1, S): broadcast over the batch and the query tokens
     return q_rope, q_latent, latent, k_rope, mask
 
 

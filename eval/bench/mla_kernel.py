@@ -6,8 +6,8 @@ Per case (shape, batch B, context S; one new token per sequence, T = 1; random d
   itemsize, over its time; compared with the GPU's copy bandwidth, measured here as (read + write bytes) /
   time of `dst.copy_(src)` on a 1 GiB tensor.
 - layer: `LlamaMLAAttention.absorbed_attention` (W_uk and W_uv products included) through the kernel and
-  through today's PyTorch path (`need_weights=True` forces it); per-head RoPE keys only (the layout the layer
-  reads today).
+  through today's PyTorch path (`need_weights=True` forces it); the shared RoPE layout only where the runtime
+  has it.
 - GQA: the source model's decode attention as a layer calls it, `ALL_ATTENTION_FUNCTIONS[name](module, q,
   k, v, None, scaling=d**-0.5, dropout=0.0)` with q (B, Hq, 1, d), k / v (B, Hkv, S, d), for `sdpa` and
   `hf_attn_grouped`; bytes read 2 * B * Hkv * S * d * itemsize.
@@ -94,8 +94,8 @@ class _Layer(torch.nn.Module):
         self.num_key_value_groups = groups
 
 
-def mla_layer(shape: Shape, rope_pairs: int, dtype: torch.dtype, device):
-    """A `LlamaMLAAttention` with the given shape and random weights."""
+def mla_layer(shape: Shape, rope_pairs: int, dtype: torch.dtype, device, *, shared_rope: bool = False):
+    """A `LlamaMLAAttention` with the given shape and random weights (one shared RoPE key if asked)."""
     from hf_attn.models.llama_mla import LlamaMLAConfig
     from hf_attn.models.llama_mla.modeling_llama_mla import LlamaMLAAttention
 
@@ -103,6 +103,7 @@ def mla_layer(shape: Shape, rope_pairs: int, dtype: torch.dtype, device):
         vocab_size=128, hidden_size=shape.heads * shape.head_dim, intermediate_size=128, num_hidden_layers=1,
         num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
         kv_lora_rank=shape.kv_lora_rank, rope_pairs=rope_pairs,
+        **({"rope_layout": "shared"} if shared_rope else {}),
     )  # fmt: skip
     layer = LlamaMLAAttention(cfg, layer_idx=0).to(device=device, dtype=dtype).eval()
     with torch.no_grad():
@@ -127,6 +128,13 @@ def bench_case(*, name, shape, rope_pairs, rope_layout, batch, context, dtype, w
     return row
 
 
+def layer_has_shared_rope() -> bool:
+    """Whether this runtime's llama_mla has the shared RoPE-key layout (config.rope_layout = "shared")."""
+    from hf_attn.models.llama_mla import LlamaMLAConfig
+
+    return hasattr(LlamaMLAConfig, "num_rope_keys")
+
+
 def _random(device, dtype):
     gen = torch.Generator(device=device).manual_seed(0)
     return lambda *size, scale=1.0: torch.randn(*size, generator=gen, device=device, dtype=dtype) * scale
@@ -145,9 +153,9 @@ def _bench_mla(shape, rope_pairs, rope_layout, B, S, dtype, time) -> dict:
     cache_bytes = B * S * (dc + Hr * R) * torch.empty((), dtype=dtype).element_size()
     out = dict(kernel_ms=ms, kernel_gbps=cache_bytes / (ms * 1e-3) / 1e9, cache_bytes=cache_bytes)
     out.update(layer_triton_ms=None, layer_torch_ms=None, layer_max_rel_diff=None)
-    if rope_layout != "per-head":  # the layer reads per-head RoPE keys today
+    if rope_layout == "shared" and not layer_has_shared_rope():
         return out
-    layer = mla_layer(shape, rope_pairs, dtype, latent.device)
+    layer = mla_layer(shape, rope_pairs, dtype, latent.device, shared_rope=rope_layout == "shared")
     args = (q_rope, rnd(B, Hkv, G, 1, d - R), latent, k_rope, None)  # q_nope (B, Hkv, G, 1, d - 2r)
     fast = layer.absorbed_attention(*args, need_weights=False)[0].float()
     slow = layer.absorbed_attention(*args, need_weights=True)[0].float()
