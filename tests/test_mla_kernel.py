@@ -228,13 +228,18 @@ def _model_results(mla_decode, device: str = "cpu") -> dict:
                 kernel_calls = len(calls)
                 calls.clear()
                 _, attentions = _decode_logits(model, ids, mask, output_attentions=True)
+                weights_calls = len(calls)
+                calls.clear()
+                with torch.enable_grad():  # autograd wanted: the PyTorch path (the kernel has no backward)
+                    _decode_logits(model, ids, mask)
             finally:
                 modeling.triton_mla_decode = original
         results[name] = {
             "diff": (got - ref).abs().max().item(),
             "scale": ref.abs().max().item(),
             "kernel_calls": kernel_calls,
-            "calls_with_weights": len(calls),
+            "calls_with_weights": weights_calls,
+            "calls_with_autograd": len(calls),
             "weights_returned": attentions is not None and all(a is not None for a in attentions),
         }
     return results
@@ -318,6 +323,7 @@ def check_model_case(r: dict) -> None:
     assert r["kernel_calls"] == 3 * 2, r  # 3 forward calls x 2 layers, all on the absorbed path
     assert r["diff"] <= 1e-5 * r["scale"], r
     assert r["calls_with_weights"] == 0 and r["weights_returned"], r  # output_attentions: the PyTorch path
+    assert r["calls_with_autograd"] == 0, r
 
 
 def test_import_hf_attn_does_not_load_the_kernel(interpreted):

@@ -235,14 +235,15 @@ class LlamaMLAAttention(nn.Module):
 
     def absorbed_attention(self, q_rope, q_nope, latent, k_rope, attention_mask, need_weights=True):
         """Attend over the cached latent and RoPE keys directly; W_uk goes into the query, W_uv after the
-        attention-weighted latent sum. Fully masked rows give zeros. Without need_weights or dropout, CUDA
-        tensors go through hf_attn's Triton kernel when installed (`absorbed_attention_triton`; weights None).
+        attention-weighted latent sum. Fully masked rows give zeros. Without need_weights, dropout or
+        autograd, CUDA tensors use hf_attn's Triton kernel when installed (`absorbed_attention_triton`).
 
         q_rope (B, Hkv, G, T, 2r), q_nope (B, Hkv, G, T, dn), latent (B, 1, S, d_c), k_rope (B, 1, S, Hkv*2r)
         -> out (B, T, Hq, d), probs (B, Hq, T, S)
         """
         dropout = self.training and self.attention_dropout > 0
-        kernel = None if need_weights or dropout else triton_mla_decode(latent)
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_rope, q_nope, latent, k_rope))
+        kernel = None if need_weights or dropout or grad else triton_mla_decode(latent)  # it has no backward
         if kernel is not None:
             out = self.absorbed_attention_triton(kernel, q_rope, q_nope, latent, k_rope, attention_mask)
             return out, None  # (B, T, Hq, d), no weights
