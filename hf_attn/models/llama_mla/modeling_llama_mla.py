@@ -34,6 +34,7 @@ Choice: `config.mla_attention_path` = "auto" (absorbed iff a cache is in use and
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 
@@ -97,6 +98,21 @@ def attention_keep_mask(
     if attention_mask.dtype == torch.bool:
         return None, attention_mask  # (B, 1, T, S)
     return attention_mask, attention_mask > torch.finfo(attention_mask.dtype).min / 2  # (B, 1, T, S) each
+
+
+def triton_mla_decode(latent: torch.Tensor) -> Callable | None:
+    """hf_attn's Triton kernel for the absorbed decode (`hf_attn.kernels.mla_decode.mla_decode`) when the
+    cache is on CUDA and triton is installed (`pip install hf-attn[kernels]`), else None: the PyTorch path."""
+    return _load_triton_mla_decode() if latent.is_cuda else None
+
+
+@functools.cache
+def _load_triton_mla_decode() -> Callable | None:
+    try:  # guarded: this file also runs via trust_remote_code without hf_attn (or triton) installed
+        from hf_attn.kernels.mla_decode import mla_decode
+    except ImportError:
+        return None
+    return mla_decode
 
 
 class LlamaMLAAttention(nn.Module):
@@ -189,7 +205,8 @@ class LlamaMLAAttention(nn.Module):
             latent, k_rope = past_key_values.update(latent, k_rope, self.layer_idx)
 
         if self.use_absorbed(T, past_key_values, attention_mask):
-            out, weights = self.absorbed_attention(q_rope, q_nope, latent, k_rope, attention_mask)
+            want = bool(kwargs.get("output_attentions"))  # weights wanted: the Triton kernel gives none
+            out, weights = self.absorbed_attention(q_rope, q_nope, latent, k_rope, attention_mask, want)
         else:
             out, weights = self.expanded_attention(q_rope, q_nope, latent, k_rope, attention_mask, **kwargs)
         out = out.reshape(B, T, self.num_heads * d)  # (B, T, Hq * d)
@@ -225,13 +242,20 @@ class LlamaMLAAttention(nn.Module):
             **kwargs,
         )
 
-    def absorbed_attention(self, q_rope, q_nope, latent, k_rope, attention_mask):
+    def absorbed_attention(self, q_rope, q_nope, latent, k_rope, attention_mask, need_weights=True):
         """Attend over the cached latent and RoPE keys directly; W_uk goes into the query, W_uv after the
-        attention-weighted latent sum. Fully masked rows give zeros.
+        attention-weighted latent sum. Fully masked rows give zeros. Without need_weights, dropout or
+        autograd, CUDA tensors use hf_attn's Triton kernel when installed (`absorbed_attention_triton`).
 
         q_rope (B, Hkv, G, T, 2r), q_nope (B, Hkv, G, T, dn), latent (B, 1, S, d_c), k_rope (B, 1, S, Hr*2r)
         -> out (B, T, Hq, d), probs (B, Hq, T, S)
         """
+        dropout = self.training and self.attention_dropout > 0
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q_rope, q_nope, latent, k_rope))
+        kernel = None if need_weights or dropout or grad else triton_mla_decode(latent)  # it has no backward
+        if kernel is not None:
+            out = self.absorbed_attention_triton(kernel, q_rope, q_nope, latent, k_rope, attention_mask)
+            return out, None  # (B, T, Hq, d), no weights
         B, Hkv, G, T, rd = q_rope.shape
         S, d, dc, dn = latent.shape[2], self.head_dim, self.kv_lora_rank, self.nope_dim
         Hr = self.num_rope_keys
@@ -268,6 +292,29 @@ class LlamaMLAAttention(nn.Module):
             out = out + mass * self.v_up_proj.bias.view(1, Hkv, 1, d)  # (B, Hkv, G*T, d)
         out = out.view(B, Hkv, G, T, d).permute(0, 3, 1, 2, 4)  # (B, T, Hkv, G, d)
         return out.reshape(B, T, Hkv * G, d), probs.view(B, Hkv * G, T, S)  # (B, T, Hq, d), (B, Hq, T, S)
+
+    def absorbed_attention_triton(self, kernel, q_rope, q_nope, latent, k_rope, attention_mask):
+        """`absorbed_attention` with `kernel` (`mla_decode`) attending over the cache; W_uk, W_uv applied here
+
+        q_rope (B, Hkv, G, T, 2r), q_nope (B, Hkv, G, T, dn), latent (B, 1, S, d_c), k_rope (B, 1, S, Hr*2r)
+        -> out (B, T, Hq, d)
+        """
+        B, Hkv, G, T, rd = q_rope.shape
+        S, d, dc, dn = latent.shape[2], self.head_dim, self.kv_lora_rank, self.nope_dim
+        w_uk = self.k_up_proj.weight.view(Hkv, dn, dc)  # (Hkv, dn, d_c)
+        q_latent = torch.matmul(q_nope.reshape(B, Hkv, G * T, dn), w_uk)  # (B, Hkv, G*T, d_c); 0 if dn = 0
+        bias, keep = attention_keep_mask(attention_mask, T, S, latent.device)
+        context, lse = kernel(  # (B, Hkv, G, T, d_c), (B, Hkv, G, T); RoPE-key heads Hr read off k_rope
+            q_rope, q_latent.view(B, Hkv, G, T, dc), latent, k_rope, keep if bias is None else bias,
+            scaling=self.scaling, return_lse=True,
+        )  # fmt: skip
+        w_uv = self.v_up_proj.weight.view(Hkv, d, dc)  # (Hkv, d, d_c)
+        out = torch.matmul(context.view(B, Hkv, G * T, dc), w_uv.transpose(1, 2))  # (B, Hkv, G*T, d)
+        if self.v_up_proj.bias is not None:
+            mass = torch.isfinite(lse).to(out.dtype).view(B, Hkv, G * T, 1)  # 0 on fully masked rows
+            out = out + mass * self.v_up_proj.bias.view(1, Hkv, 1, d)  # (B, Hkv, G*T, d)
+        out = out.view(B, Hkv, G, T, d).permute(0, 3, 1, 2, 4)  # (B, T, Hkv, G, d)
+        return out.reshape(B, T, Hkv * G, d)  # (B, T, Hq, d)
 
 
 class LlamaMLADecoderLayer(GradientCheckpointingLayer):
