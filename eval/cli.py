@@ -34,6 +34,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench mla-decode": ("hf_attn.eval.bench.mla_decode", "MLA absorbed vs expanded decode"),
     "bench perplexity": ("hf_attn.eval.bench.perplexity", "perplexity evaluation vs a bare forward loop"),
     "bench deepseek-export": ("hf_attn.eval.deepseek_export_check", "an export vs its source on real text"),
+    "bench mla-kernel": ("hf_attn.eval.bench.mla_kernel", "the Triton MLA decode kernel vs PyTorch and GQA (GPU)"),
+    "bench mla-kernel-registers": ("hf_attn.eval.bench.mla_kernel_registers", "the kernel's sm_90 registers"),
     "bench stream": ("hf_attn.eval.bench.stream", "peak memory of the streamed mean-pooling conversion"),
 }
 PROG = "hf-attn"

@@ -112,3 +112,17 @@ def test_every_subcommand_and_module_alias_resolves():
     finally:
         sys.path.remove(str(ROOT))
     assert not missing, missing
+
+
+def test_every_package_folder_is_installed():
+    """pyproject.toml lists packages explicitly (conversion/ and eval/ are mapped under hf_attn): a new folder
+    with an __init__.py must be listed, or an installed (non-editable) hf-attn would lack it."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = set()
+    for folder, (package, _) in LAYERS.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            parts = init.parent.relative_to(ROOT / folder).parts
+            found.add(".".join((package, *parts)))
+    assert found == listed, {"not listed": sorted(found - listed), "listed, missing": sorted(listed - found)}

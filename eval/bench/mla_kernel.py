@@ -304,10 +304,7 @@ def _versions() -> dict:
 
 def write_outputs(record: dict, directory: str, *, overwrite: bool) -> None:
     """results.json + table.md into a new directory, atomically."""
-    try:  # hf_attn.tooling.files after the tooling restructure (issue 11)
-        from hf_attn.tooling.files import atomic_directory
-    except ImportError:
-        from hf_attn.files import atomic_directory
+    from hf_attn.tooling.files import atomic_directory
 
     with atomic_directory(directory, overwrite=overwrite) as tmp:
         (tmp / "results.json").write_text(json.dumps(record, indent=2) + "\n")
