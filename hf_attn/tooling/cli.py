@@ -56,14 +56,37 @@ def _field_type(tp) -> tuple[type, bool]:
     return tp, False
 
 
+class _DeprecatedAlias(argparse.Action):
+    """A hidden old spelling of a flag: stores into the same field and says which flag replaces it."""
+
+    def __init__(self, option_strings, dest, *, new_flag: str, **kwargs):
+        self.new_flag = new_flag
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"{parser.prog}: warning: {option_string} is deprecated; use {self.new_flag}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def add_deprecated_alias(parser, alias: str, *, new_flag: str, dest: str, **kwargs) -> None:
+    """A hidden old spelling `alias` of `new_flag` (same dest, type, choices): it still works and warns."""
+    kwargs = {**kwargs, "default": argparse.SUPPRESS, "help": argparse.SUPPRESS, "required": False}
+    parser.add_argument(alias, dest=dest, action=_DeprecatedAlias, new_flag=new_flag, **kwargs)
+
+
 def add_settings_arguments(parser: argparse.ArgumentParser, settings: type, *, skip: tuple[str, ...] = ()):
     """One `--flag` per field of the dataclass `settings` (underscores -> dashes), its default, its type and
     the `help` / `choices` / `metavar` / `flag` given in the field's metadata. bool fields with default False
-    become store_true flags, with default True `--no-...` flags."""
+    become store_true flags, with default True `--no-...` flags. Fields with the same `group` metadata are
+    mutually exclusive; `aliases` are hidden deprecated spellings of the flag (they warn on stderr)."""
     hints = typing.get_type_hints(settings)
+    groups: dict[str, Any] = {}
     for f in dataclasses.fields(settings):
         if f.name in skip or f.metadata.get("cli") is False:
             continue
+        target = parser
+        if f.metadata.get("group"):
+            target = groups.setdefault(f.metadata["group"], parser.add_mutually_exclusive_group())
         flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         kwargs: dict[str, Any] = {"dest": f.name, "help": f.metadata.get("help")}
@@ -71,9 +94,9 @@ def add_settings_arguments(parser: argparse.ArgumentParser, settings: type, *, s
         if tp is bool:
             if default:
                 flag = f.metadata.get("flag", "--no-" + f.name.replace("_", "-"))
-                parser.add_argument(flag, action="store_false", **kwargs)
+                target.add_argument(flag, action="store_false", **kwargs)
             else:
-                parser.add_argument(flag, action="store_true", **kwargs)
+                target.add_argument(flag, action="store_true", **kwargs)
             continue
         kwargs.update(default=default, type=tp)
         if is_list:
@@ -83,7 +106,9 @@ def add_settings_arguments(parser: argparse.ArgumentParser, settings: type, *, s
                 kwargs[key] = f.metadata[key]
         if kwargs.get("required"):
             kwargs.pop("default")
-        parser.add_argument(flag, **kwargs)
+        target.add_argument(flag, **kwargs)
+        for alias in f.metadata.get("aliases", ()):
+            add_deprecated_alias(target, alias, new_flag=flag, **kwargs)
 
 
 def settings_from_args(settings: type, args: argparse.Namespace, **overrides):
