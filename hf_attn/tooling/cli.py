@@ -86,7 +86,9 @@ def add_settings_arguments(parser: argparse.ArgumentParser, settings: type, *, s
             continue
         target = parser
         if f.metadata.get("group"):
-            target = groups.setdefault(f.metadata["group"], parser.add_mutually_exclusive_group())
+            if f.metadata["group"] not in groups:
+                groups[f.metadata["group"]] = parser.add_mutually_exclusive_group()
+            target = groups[f.metadata["group"]]
         flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         kwargs: dict[str, Any] = {"dest": f.name, "help": f.metadata.get("help")}
