@@ -7,8 +7,8 @@ Protocol: the source is converted once per grid point (one calibration pass shar
 source model over `--calibration-tokens` tokens of the five Austen novels other than *Persuasion*, windows of
 1024); each converted checkpoint is written by the converter itself (`conversion.mla.write_conversion`,
 the same code as `python -m conversion.mla`), loaded with `AutoModelForCausalLM` in fp32 (sdpa) and scored
-with `hf_attn.tooling.perplexity.evaluate_perplexity` on the first `--max-tokens` tokens of *Persuasion* (disjoint
-windows of `--context-length`, no special tokens). The source itself is row 0.
+with `hf_attn.tooling.perplexity.evaluate_perplexity` on the first `--max-tokens` tokens of *Persuasion*
+(disjoint windows of `--context-length`, no special tokens). The source itself is row 0.
 
 Grid sections:
 - `rope`: partial RoPE alone (full-rank latent, so only the removed rotations cost), r pairs x selection.

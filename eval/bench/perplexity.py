@@ -3,8 +3,8 @@
 Both sides run the same model on the same windows of *Persuasion* (`--windows` disjoint windows of
 `--context-length` tokens), one window per forward, under `torch.inference_mode()`:
 - bare: `model(input_ids=window, use_cache=False)`, full logits, nothing else (no loss, no labels);
-- eval: `hf_attn.tooling.perplexity.evaluate_perplexity` (logits only for the scored positions, chunked cross-entropy,
-  float64 accumulation, bookkeeping).
+- eval: `hf_attn.tooling.perplexity.evaluate_perplexity` (logits only for the scored positions, chunked
+  cross-entropy, float64 accumulation, bookkeeping).
 The two alternate `--repeats` times after one warm-up window; each side's best (shortest) pass is reported,
 the most robust statistic on a shared machine, plus every pass. Target: eval >= 95% of bare tokens/s.
 
