@@ -2,8 +2,8 @@
 
 Every command is `main(argv=None) -> int` over keyword-only library functions that raise for user mistakes;
 `run_command` turns those into one line `hf-attn <command>: error: <what is wrong and what fixes it>` on
-stderr and exit status 2 (no traceback, nothing written: outputs are atomic). Library functions return results;
-only commands print.
+stderr and exit status 2 (no traceback, nothing written: outputs are atomic). Library functions return
+results; only commands print.
 """
 
 from __future__ import annotations
