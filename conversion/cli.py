@@ -10,7 +10,7 @@ import argparse
 from collections.abc import Callable
 
 from hf_attn.conversion import calibration as cal
-from hf_attn.tooling.cli import run_command
+from hf_attn.tooling.cli import add_deprecated_alias, run_command
 
 
 def converter_parser(prog: str, doc: str, *, output_help: str) -> argparse.ArgumentParser:
@@ -38,11 +38,10 @@ def add_write_arguments(parser: argparse.ArgumentParser) -> None:
     """--save-dtype (cast of the written weights; `--dtype`, its old spelling, still works) and --overwrite."""
     parser.add_argument(
         "--save-dtype",
-        "--dtype",
-        dest="save_dtype",
         default=None,
         help="cast the written floating weights to this dtype (float32, bfloat16, float16; default: the source's)",
     )
+    add_deprecated_alias(parser, "--dtype", new_flag="--save-dtype", dest="save_dtype")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
 
 

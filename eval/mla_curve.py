@@ -7,15 +7,17 @@ Protocol: the source is converted once per grid point (one calibration pass shar
 source model over `--calibration-tokens` tokens of the five Austen novels other than *Persuasion*, windows of
 1024); each converted checkpoint is written by the converter itself (`conversion.mla.write_conversion`,
 the same code as `python -m conversion.mla`), loaded with `AutoModelForCausalLM` in fp32 (sdpa) and scored
-with `hf_attn.tooling.perplexity.evaluate_perplexity` on the first `--max-tokens` tokens of *Persuasion* (disjoint
-windows of `--context-length`, no special tokens). The source itself is row 0.
+with `hf_attn.tooling.perplexity.evaluate_perplexity` on the first `--max-tokens` tokens of *Persuasion*
+(disjoint windows of `--context-length`, no special tokens). The source itself is row 0.
 
 Grid sections:
 - `rope`: partial RoPE alone (full-rank latent, so only the removed rotations cost), r pairs x selection.
 - `budget`: at each KV budget, every (selection, factorization) at the budget's default r, and a sweep of r
   for the default selection / factorization (the allocation between RoPE keys and the latent).
 
-Writes `curve.json` (rows + protocol; resumable: rows already there are skipped unless --fresh) and
+Rows are kept in the study's row store (`OUTPUT_DIR/rows/`, `eval/rows.py`): each finished row is keyed by
+the protocol, its grid point and the code that converts and measures it, so an interrupted or extended run
+measures only the rows it lacks (`--fresh` re-measures all). Writes `curve.json` (protocol + rows),
 `curve.md` (the tables) and `curve.png` (KV fraction vs perplexity for every option). Timings are wall
 seconds on whatever machine ran it.
 """
@@ -27,6 +29,7 @@ import json
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -36,6 +39,8 @@ from hf_attn.conversion.checkpoint import AttentionGeometry, read_config
 from hf_attn.conversion.factorization import FACTORIZATIONS
 from hf_attn.conversion.rope_selection import SELECTIONS
 from hf_attn.eval.perplexity import evaluate_perplexity
+from hf_attn.eval.rows import RowStore, row_key
+from hf_attn.eval.study import CONVERSION_CODE, code_hash
 from hf_attn.tooling import loading
 from hf_attn.tooling.cli import error
 from hf_attn.tooling.corpus import load_corpus, tokenize
@@ -43,6 +48,8 @@ from hf_attn.tooling.loading import resolve_model
 
 PROG = "hf-attn curve"
 
+# the code a curve row depends on besides the converter (CONVERSION_CODE): editing it re-measures the rows
+MEASUREMENT_CODE = ("hf_attn.tooling.loading", "hf_attn.tooling.corpus", "hf_attn.tooling.perplexity")
 BUDGETS = (0.125, 0.25, 0.3, 0.375, 0.5, 0.75)
 COMPARE_BUDGETS = BUDGETS  # every selection x factorization at every budget (the default allocation)
 ROPE_SHARES = (0.25, 0.375, 0.5, 0.625, 0.75)  # the allocation sweep: share of the budget for RoPE keys
@@ -112,6 +119,16 @@ def key(p: dict) -> str:
     )
 
 
+def point_name(p: dict) -> str:
+    """The file name of a grid point's row in the row store."""
+    name = f"{p['section']}-r{p['rope_pairs']}-{p['selection']}-{p['factorization']}"
+    if p["kv_budget"] is not None:
+        name += f"-budget{p['kv_budget']:g}"
+    if p["kv_lora_rank"] is not None:
+        name += f"-rank{p['kv_lora_rank']}"
+    return name
+
+
 def evaluate_checkpoint(path: Path, ids: torch.Tensor, context_length: int) -> dict:
     model = loading.load_causal_lm(str(path), attn_implementation="sdpa", dtype=torch.float32)
     res = evaluate_perplexity(model, ids, context_length=context_length, progress=False)
@@ -133,11 +150,15 @@ def run_curve(
     context_length: int = 1024,
     calibration_tokens: int = 8192,
     fresh: bool = False,
+    log: Callable[[str], None] | None = None,
 ) -> dict:
+    """Measure the grid's rows that the row store lacks; write curve.json / .md / .png; return the record.
+    `log` receives one line per measured row."""
+    log = log or (lambda line: None)
     src_dir = resolve_model(model)
     geometry = AttentionGeometry.from_config(read_config(src_dir))
     output_dir.mkdir(parents=True, exist_ok=True)
-    out_json = output_dir / "curve.json"
+    store = RowStore(output_dir / "rows", fresh=fresh)
 
     corpus = load_corpus()
     ids = tokenize(loading.load_tokenizer(str(src_dir)), corpus)[:max_tokens]
@@ -152,77 +173,85 @@ def run_curve(
         "calibration_tokens": calibration_tokens,
         "dtype": "float32",
     }
+    measurement = row_key(protocol, code_hash(MEASUREMENT_CODE))
+    conversion = row_key(measurement, code_hash(CONVERSION_CODE))
     record = {"protocol": protocol, "rows": []}
-    if out_json.exists() and not fresh:
-        old = json.loads(out_json.read_text())
-        if old.get("protocol", {}) | {"calibration": None} == protocol | {"calibration": None}:
-            record = old
-    done = {r["key"] for r in record["rows"]}
 
     def save() -> None:
-        out_json.write_text(json.dumps(record, indent=2) + "\n")
+        (output_dir / "curve.json").write_text(json.dumps(record, indent=2) + "\n")
         (output_dir / "curve.md").write_text(markdown(record))
 
-    if "source" not in done:
+    row = store.get("source", measurement)
+    if row is None:
         row = {
-            "key": "source",
             "section": "source",
             "kv_fraction": 1.0,
             "cache_numbers": 2 * geometry.kv_dim,
             **evaluate_checkpoint(src_dir, ids, context_length),
         }
-        record["rows"].append(row)
-        save()
-        print(f"source: ppl {row['perplexity']:.2f}", flush=True)
-
-    points = [p for p in grid(grid_name, geometry) if key(p) not in done]
-    calibration = None
-    if points:
-        start = time.perf_counter()
-        calibration = mla.calibrate(src_dir=src_dir, geometry=geometry, tokens=calibration_tokens)
-        protocol["calibration"] = {**calibration.record, "seconds": round(time.perf_counter() - start, 1)}
-        record["protocol"] = protocol
-    for i, p in enumerate(points):
-        start = time.perf_counter()
-        plan = mla.plan_conversion(
-            src=src_dir,
-            kv_lora_rank=p["kv_lora_rank"],
-            kv_budget=p["kv_budget"],
-            rope_pairs=p["rope_pairs"],
-            rope_selection=p["selection"],
-            factorization=p["factorization"],
-            calibration=calibration,
-        )
-        tmp = Path(tempfile.mkdtemp(prefix="mla_curve_", dir=output_dir))
-        try:
-            path = mla.write_conversion(plan, tmp / "ckpt", start=start)
-            convert_seconds = round(time.perf_counter() - start, 1)
-            result = evaluate_checkpoint(path, ids, context_length)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        shape = plan.shape
-        row = {
-            "key": key(p),
-            **p,
-            "kv_lora_rank": shape.kv_lora_rank,
-            "factorization": plan.factorization,
-            "selection": plan.selection,
-            "cache_numbers": shape.cache_numbers,
-            "kv_fraction": round(shape.kv_fraction, 4),
-            "convert_seconds": convert_seconds,
-            **result,
-        }
-        record["rows"].append(row)
-        save()
-        print(
-            f"[{i + 1}/{len(points)}] {row['section']} r={shape.rope_pairs} d_c={shape.kv_lora_rank} "
-            f"{plan.selection}/{plan.factorization} ({100 * shape.kv_fraction:.1f}%): "
-            f"ppl {row['perplexity']:.2f}",
-            flush=True,
-        )
+        row = store.put("source", measurement, row)
+        log(f"source: ppl {row['perplexity']:.2f}")
+    record["rows"].append(row)
     save()
+
+    points = grid(grid_name, geometry)
+    calibration = None
+    stored_calibration = store.get("calibration", conversion)
+    if stored_calibration is not None:
+        protocol["calibration"] = stored_calibration["record"]
+    for i, p in enumerate(points):
+        name, key_p = point_name(p), row_key(conversion, key(p))
+        row = store.get(name, key_p)
+        if row is None:
+            if calibration is None:  # one pass, shared by every point measured in this run
+                start = time.perf_counter()
+                calibration = mla.calibrate(src_dir=src_dir, geometry=geometry, tokens=calibration_tokens)
+                calib = {**calibration.record, "seconds": round(time.perf_counter() - start, 1)}
+                protocol["calibration"] = store.put("calibration", conversion, {"record": calib})["record"]
+            row = store.put(
+                name, key_p, measure_point(p, src_dir, calibration, ids, context_length, output_dir)
+            )
+            log(
+                f"[{i + 1}/{len(points)}] {row['section']} r={row['rope_pairs']} d_c={row['kv_lora_rank']} "
+                f"{row['selection']}/{row['factorization']} ({100 * row['kv_fraction']:.1f}%): "
+                f"ppl {row['perplexity']:.2f}"
+            )
+        record["rows"].append(row)
+        save()
     plot_curve(record, output_dir / "curve.png")
     return record
+
+
+def measure_point(p: dict, src_dir, calibration, ids: torch.Tensor, context_length: int, work: Path) -> dict:
+    """Convert the source at grid point `p` (a temporary checkpoint under `work`) and score it."""
+    start = time.perf_counter()
+    plan = mla.plan_conversion(
+        src=src_dir,
+        kv_lora_rank=p["kv_lora_rank"],
+        kv_budget=p["kv_budget"],
+        rope_pairs=p["rope_pairs"],
+        rope_selection=p["selection"],
+        factorization=p["factorization"],
+        calibration=calibration,
+    )
+    tmp = Path(tempfile.mkdtemp(prefix="mla_curve_", dir=work))
+    try:
+        path = mla.write_conversion(plan, tmp / "ckpt", start=start)
+        convert_seconds = round(time.perf_counter() - start, 1)
+        result = evaluate_checkpoint(path, ids, context_length)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    shape = plan.shape
+    return {
+        **p,
+        "kv_lora_rank": shape.kv_lora_rank,
+        "factorization": plan.factorization,
+        "selection": plan.selection,
+        "cache_numbers": shape.cache_numbers,
+        "kv_fraction": round(shape.kv_fraction, 4),
+        "convert_seconds": convert_seconds,
+        **result,
+    }
 
 
 def _ppl(row: dict | None) -> str:
@@ -458,6 +487,7 @@ def main(argv: list[str] | None = None) -> int:
             context_length=args.context_length,
             calibration_tokens=args.calibration_tokens,
             fresh=args.fresh,
+            log=lambda line: print(line, flush=True),
         )
     except (ValueError, OSError, KeyError) as err:
         return error(PROG, err)

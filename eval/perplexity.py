@@ -16,12 +16,15 @@ processes and (NLL sum, token count) is summed with one reduce; the result equal
     python -m eval.perplexity --model PATH_OR_HUB_ID [--attn-implementation NAME]
         [--text FILE ... | --dataset NAME [--dataset-config C] [--split S] [--text-column COL]]
         [--context-length 1024] [--stride 1024] [--max-tokens N] [--batch-size B]
-        [--dtype float32|bfloat16|float16] [--device-map auto] [--output results.json]
+        [--load-dtype float32|bfloat16|float16] [--device-map auto] [--output results.json]
+
+`--load-dtype` is the dtype the weights are loaded in (`--dtype` is its deprecated spelling).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -30,40 +33,49 @@ import torch
 
 from hf_attn.eval.kv_cache import kv_bytes_per_token, measured_kv_bytes_per_token
 from hf_attn.tooling import loading
-from hf_attn.tooling.cli import error
+from hf_attn.tooling.cli import add_settings_arguments, run_command, setting, settings_from_args
 from hf_attn.tooling.corpus import load_corpus, tokenize
 from hf_attn.tooling.perplexity import check_window, evaluate_perplexity
 
 PROG = "hf-attn perplexity"
 
 
-def run(
-    *,
-    model: str | Path | None = None,
-    attn_implementation: str | None = None,
-    texts: list[str | Path] | None = None,
-    dataset: str | None = None,
-    dataset_config: str | None = None,
-    split: str = "test",
-    text_column: str = "text",
-    context_length: int = 1024,
-    stride: int | None = None,
-    max_tokens: int | None = None,
-    batch_size: int = 1,
-    dtype: str = "float32",
-    device_map: str | None = None,
-    output: str | Path | None = None,
-    progress: bool = True,
-    accelerator=None,
-) -> dict:
-    """Load model and corpus, evaluate; return the JSON record (written to `output` by the main process)."""
-    stride = check_window(context_length, stride)
-    torch_dtype = loading.parse_dtype(dtype)
-    loading.check_attn_implementation(attn_implementation)
-    corpus = load_corpus(
-        texts, dataset=dataset, dataset_config=dataset_config, split=split, text_column=text_column
+@dataclasses.dataclass(frozen=True)
+class PerplexitySettings:
+    """What `run` evaluates and how; `hf-attn perplexity`'s options are built from these fields."""
+
+    model: str | None = setting(None, help="checkpoint directory or hub id (default: the embedded SmolLM2)")
+    attn_implementation: str | None = setting(None, help="eager, sdpa, hf_attn_grouped, ...")
+    texts: list[str] | None = setting(
+        None, help="text file(s) (default: Persuasion)", flag="--text", metavar="FILE", exclusive="corpus"
     )
-    model_path = str(loading.resolve_model(model))
+    dataset: str | None = setting(None, help="datasets id, e.g. wikitext", exclusive="corpus")
+    dataset_config: str | None = setting(None, help="e.g. wikitext-2-raw-v1")
+    split: str = setting("test")
+    text_column: str = setting("text")
+    context_length: int = setting(1024)
+    stride: int | None = setting(None, help="default: the context length (disjoint windows)")
+    max_tokens: int | None = setting(None, help="evaluate only the first N tokens")
+    batch_size: int = setting(1)
+    load_dtype: str = setting(
+        "float32", help="dtype the weights are loaded in", choices=list(loading.DTYPES), deprecated_flags=("--dtype",)
+    )
+    device_map: str | None = setting(None, help='e.g. "auto" to spread a large model over devices')
+    output: str | None = setting(None, help="write the JSON record here")
+    progress: bool = setting(True, help="no progress bar")
+
+
+def run(settings: PerplexitySettings, *, accelerator=None) -> dict:
+    """Load model and corpus, evaluate; return the JSON record (written to `output` by the main process)."""
+    s = settings
+    context_length, max_tokens = s.context_length, s.max_tokens
+    stride = check_window(context_length, s.stride)
+    torch_dtype = loading.parse_dtype(s.load_dtype)
+    loading.check_attn_implementation(s.attn_implementation)
+    corpus = load_corpus(
+        s.texts, dataset=s.dataset, dataset_config=s.dataset_config, split=s.split, text_column=s.text_column
+    )
+    model_path = str(loading.resolve_model(s.model))
     config = loading.load_config(model_path)
     limit = loading.max_positions(config)
     if limit is not None and context_length > limit:
@@ -87,19 +99,19 @@ def run(
         # torchrun) starts N CPU processes that accelerate joins with gloo (MULTI_CPU); else they stay apart.
         accelerator = Accelerator(cpu=not torch.accelerator.is_available())
     lm = loading.load_causal_lm(
-        model_path, attn_implementation=attn_implementation, dtype=torch_dtype, device_map=device_map
+        model_path, attn_implementation=s.attn_implementation, dtype=torch_dtype, device_map=s.device_map
     )
-    if device_map is None:
+    if s.device_map is None:
         lm.to(accelerator.device)
     result = evaluate_perplexity(
         lm,
         input_ids,
         context_length=context_length,
         stride=stride,
-        batch_size=batch_size,
+        batch_size=s.batch_size,
         max_tokens=max_tokens,
         accelerator=accelerator,
-        progress=progress,
+        progress=s.progress,
     )
     try:
         kv = kv_bytes_per_token(lm.config, torch_dtype).to_dict()
@@ -119,20 +131,20 @@ def run(
         "context_length": result.context_length,
         "stride": result.stride,
         "windows": result.windows,
-        "batch_size": batch_size,
+        "batch_size": s.batch_size,
         "nll_sum": result.nll_sum,
         "perplexity": result.perplexity,
         "seconds": result.seconds,
         "tokens_per_second": result.tokens_per_second,
         "tokens_forwarded": result.tokens_forwarded,
         "processes": accelerator.num_processes,
-        "device": str(accelerator.device) if device_map is None else f"device_map={device_map}",
+        "device": str(accelerator.device) if s.device_map is None else f"device_map={s.device_map}",
         "kv_bytes_per_token": kv,
         "kv_bytes_per_token_measured": measured_kv_bytes_per_token(lm).to_dict(),
         "versions": loading.library_versions(),
     }
-    if output is not None and accelerator.is_main_process:
-        write_json(record, output)
+    if s.output is not None and accelerator.is_main_process:
+        write_json(record, s.output)
     return record
 
 
@@ -147,61 +159,31 @@ def write_json(record: dict, output: str | Path) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--model", default=None, help="checkpoint directory or hub id (default: the embedded SmolLM2)"
-    )
-    p.add_argument("--attn-implementation", default=None, help="eager, sdpa, hf_attn_grouped, ...")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument(
-        "--text", nargs="+", default=None, metavar="FILE", help="text file(s) (default: Persuasion)"
-    )
-    src.add_argument("--dataset", default=None, help="datasets id, e.g. wikitext")
-    p.add_argument("--dataset-config", default=None, help="e.g. wikitext-2-raw-v1")
-    p.add_argument("--split", default="test")
-    p.add_argument("--text-column", default="text")
-    p.add_argument("--context-length", type=int, default=1024)
-    p.add_argument("--stride", type=int, default=None, help="default: the context length (disjoint windows)")
-    p.add_argument("--max-tokens", type=int, default=None, help="evaluate only the first N tokens")
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--dtype", default="float32", choices=list(loading.DTYPES))
-    p.add_argument("--device-map", default=None, help='e.g. "auto" to spread a large model over devices')
-    p.add_argument("--output", default=None, help="write the JSON record here")
-    p.add_argument("--no-progress", action="store_true")
+    add_settings_arguments(p, PerplexitySettings)
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        record = run(
-            model=args.model,
-            attn_implementation=args.attn_implementation,
-            texts=args.text,
-            dataset=args.dataset,
-            dataset_config=args.dataset_config,
-            split=args.split,
-            text_column=args.text_column,
-            context_length=args.context_length,
-            stride=args.stride,
-            max_tokens=args.max_tokens,
-            batch_size=args.batch_size,
-            dtype=args.dtype,
-            device_map=args.device_map,
-            output=args.output,
-            progress=not args.no_progress,
-        )
-    except (ValueError, OSError, KeyError) as err:
-        return error(PROG, err)
-    from accelerate import PartialState
+def summary(record: dict) -> str:
+    """The one line `hf-attn perplexity` prints."""
+    return (
+        f"perplexity {record['perplexity']:.4f} | {record['tokens_scored']} tokens of {record['corpus']} "
+        f"(sha256 {record['corpus_sha256'][:12]}) | context {record['context_length']} stride "
+        f"{record['stride']} | {record['attn_implementation']} {record['dtype']} | "
+        f"{record['seconds']:.1f} s, {record['tokens_per_second']:.1f} tokens/s"
+    )
 
-    if PartialState().is_main_process:
-        print(
-            f"perplexity {record['perplexity']:.4f} | {record['tokens_scored']} tokens of {record['corpus']} "
-            f"(sha256 {record['corpus_sha256'][:12]}) | context {record['context_length']} stride "
-            f"{record['stride']} | {record['attn_implementation']} {record['dtype']} | "
-            f"{record['seconds']:.1f} s, {record['tokens_per_second']:.1f} tokens/s"
-        )
-    return 0
+
+def main(argv: list[str] | None = None) -> int:
+    settings = settings_from_args(PerplexitySettings, build_parser().parse_args(argv))
+
+    def evaluate() -> None:
+        record = run(settings)
+        from accelerate import PartialState
+
+        if PartialState().is_main_process:
+            print(summary(record))
+
+    return run_command(PROG, evaluate)
 
 
 if __name__ == "__main__":

@@ -27,12 +27,14 @@ import dataclasses
 import hashlib
 import json
 import shutil
-import sys
 import time
 import tomllib
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
+from hf_attn.eval.rows import RowStore
+from hf_attn.eval.rows import row_key as _key
 from hf_attn.tooling import assets
 from hf_attn.tooling.cli import error
 from hf_attn.tooling.files import checkpoint_hash
@@ -102,10 +104,6 @@ def load_config(path: str | Path, profile: str) -> tuple[Settings, list[Variant]
     return settings, variants
 
 
-def _key(*parts) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
 # The code a checkpoint or a row depends on: editing it invalidates what it built (no `--fresh` needed).
 CONVERSION_CODE = ("hf_attn.conversion", "hf_attn")
 MEASUREMENT_CODE = (
@@ -115,6 +113,8 @@ MEASUREMENT_CODE = (
     "hf_attn.eval.perplexity",
     "hf_attn.eval.kv_cache",
     "hf_attn.eval.bench.decode",
+    "hf_attn.eval.bench.decoding",
+    "hf_attn.eval.bench.memory",
 )
 
 
@@ -132,16 +132,20 @@ def code_hash(modules: tuple[str, ...]) -> str:
     return digest.hexdigest()[:16]
 
 
-class Progress:
-    """One line per step: which step, how far, elapsed."""
+def _silent(line: str) -> None:
+    pass
 
-    def __init__(self, total: int):
-        self.total, self.done, self.start = total, 0, time.perf_counter()
+
+class Progress:
+    """One line per step to `log` (the CLI passes print): which step, how far, elapsed."""
+
+    def __init__(self, total: int, log: Callable[[str], None] = _silent):
+        self.total, self.done, self.start, self.log = total, 0, time.perf_counter(), log
 
     def step(self, what: str, steps: int = 1) -> None:
         self.done += steps
         elapsed = time.perf_counter() - self.start
-        print(f"[{self.done}/{self.total} | {elapsed / 60:5.1f} min] {what}", flush=True)
+        self.log(f"[{self.done}/{self.total} | {elapsed / 60:5.1f} min] {what}")
 
 
 # ----------------------------------------------------------------------------------------- the steps
@@ -205,13 +209,16 @@ def heal(src: Path, dst: Path, settings: Settings) -> dict:
 def measure(path: Path, settings: Settings) -> dict:
     """Perplexity (with measured KV bytes per token) and decode speed of one checkpoint."""
     from hf_attn.eval.bench.decode import bench_decode
+    from hf_attn.eval.perplexity import PerplexitySettings
     from hf_attn.eval.perplexity import run as perplexity
 
     ppl = perplexity(
-        model=path,
-        context_length=settings.context_length,
-        max_tokens=settings.eval_tokens,
-        progress=False,
+        PerplexitySettings(
+            model=str(path),
+            context_length=settings.context_length,
+            max_tokens=settings.eval_tokens,
+            progress=False,
+        )
     )
     decode = bench_decode(
         path,
@@ -227,7 +234,7 @@ def measure(path: Path, settings: Settings) -> dict:
         "kv_bytes_per_token": ppl["kv_bytes_per_token_measured"]["total"],
         "kv_bytes_per_token_config": (ppl["kv_bytes_per_token"] or {}).get("total"),
         "kv_numbers_per_token_per_layer": ppl["kv_bytes_per_token_measured"]["numbers_per_token_per_layer"],
-        "decode_tokens_per_second": decode["tokens_per_second"],
+        "decode_tokens_per_second": decode["decode_tokens_per_second"],
         "eval_seconds": ppl["seconds"],
     }
 
@@ -239,7 +246,8 @@ class Study:
     """Runs the variants in order; see the module docstring for what is cached and resumed.
 
     `keep_checkpoints=False` deletes a variant's converted and healed checkpoints once its rows are measured
-    (about 0.5 GB each for SmolLM2 in fp32), so the study's disk use stays near two checkpoints."""
+    (about 0.5 GB each for SmolLM2 in fp32), so the study's disk use stays near two checkpoints. `log`
+    receives the progress lines and the errors of failed variants (the CLI prints them)."""
 
     def __init__(
         self,
@@ -250,11 +258,11 @@ class Study:
         fresh=False,
         store=None,
         keep_checkpoints=True,
+        log: Callable[[str], None] = _silent,
     ):
         self.settings, self.variants, self.results, self.fresh = settings, variants, Path(results), fresh
-        self.keep_checkpoints = keep_checkpoints
-        self.rows_dir = self.results / "rows"
-        self.rows_dir.mkdir(parents=True, exist_ok=True)
+        self.keep_checkpoints, self.log = keep_checkpoints, log
+        self.rows = RowStore(self.results / "rows", fresh=fresh)
         self.store = Path(store) if store is not None else assets.cache_dir() / "study"
         self.source = assets.smollm2_dir()
         self.source_hash = checkpoint_hash(self.source)
@@ -279,7 +287,7 @@ class Study:
         return path, seconds, False
 
     def run(self) -> list[dict]:
-        progress = Progress(sum(2 + 2 * v.heal for v in self.variants))
+        progress = Progress(sum(2 + 2 * v.heal for v in self.variants), self.log)
         rows = [row for v in self.variants for row in self._run_variant(v, progress)]
         source_kv = next(
             (r["kv_bytes_per_token"] for r in rows if r["kind"] == "source" and "error" not in r), None
@@ -363,23 +371,19 @@ class Study:
         """One row: resumed from an earlier run with the same key, or measured on the checkpoint that
         `checkpoint()` returns as (path, seconds it took to build, whether it was cached)."""
         name = v.name + ("+healed" if healed else "")
-        path = self.rows_dir / f"{name}.json"
-        if path.exists() and not self.fresh:
-            row = json.loads(path.read_text())
-            if row.get("key") == key and row.get("name") == name and "error" not in row:
-                progress.step(f"{v.name}: {label}, evaluate (resumed)", steps=2)
-                return {**row, "resumed": True}
+        row = self.rows.get(name, key)
+        if row is not None:
+            progress.step(f"{v.name}: {label}, evaluate (resumed)", steps=2)
+            return {**row, "resumed": True}
         progress.step(f"{v.name}: {label}")
         ckpt, build_seconds, cached = checkpoint()
         progress.step(f"{v.name}: evaluate" + (" healed" if healed else ""))
         row = {
-            "key": key,
             **measure(ckpt, self.settings),
             **self._describe(v, healed=healed, checkpoint=str(ckpt), cached=cached),
             ("heal_seconds" if healed else "convert_seconds"): build_seconds,
         }
-        path.write_text(json.dumps(row, indent=2))
-        return row
+        return self.rows.put(name, key, row)
 
     @staticmethod
     def _describe(v: Variant, *, healed: bool, **extra) -> dict:
@@ -396,9 +400,9 @@ class Study:
 
     def _failed(self, v: Variant, err, *, healed: bool) -> dict:
         if isinstance(err, BaseException):
-            traceback.print_exception(err, file=sys.stderr)
+            self.log("".join(traceback.format_exception(err)).rstrip())
             err = f"{type(err).__name__}: {err}"
-        print(f"  {v.name}{'+healed' if healed else ''} FAILED: {err}", flush=True)
+        self.log(f"  {v.name}{'+healed' if healed else ''} FAILED: {err}")
         return self._describe(v, healed=healed, error=str(err).splitlines()[0][:300])
 
 
@@ -412,8 +416,10 @@ def run_study(
     overrides: dict | None = None,
     store: str | Path | None = None,
     keep_checkpoints: bool = True,
+    log: Callable[[str], None] = _silent,
 ) -> dict:
-    """Run the study; write `results.json`, `report.md` and `pareto.png` into `results`; return the record."""
+    """Run the study; write `results.json`, `report.md` and `pareto.png` into `results`; return the record.
+    `log` receives one line per step (and the errors of failed variants)."""
     from hf_attn.eval.report import write_report
     from hf_attn.tooling.loading import library_versions
 
@@ -429,7 +435,13 @@ def run_study(
         variants = [v for v in variants if v.name in only]
     start = time.perf_counter()
     study = Study(
-        settings, variants, Path(results), fresh=fresh, store=store, keep_checkpoints=keep_checkpoints
+        settings,
+        variants,
+        Path(results),
+        fresh=fresh,
+        store=store,
+        keep_checkpoints=keep_checkpoints,
+        log=log,
     )
     rows = study.run()
     record = {
@@ -477,6 +489,7 @@ def main(argv: list[str] | None = None) -> int:
             only=args.only,
             fresh=args.fresh,
             keep_checkpoints=not args.discard_checkpoints,
+            log=lambda line: print(line, flush=True),
         )
     except (ValueError, OSError, KeyError) as err:
         return error(PROG, err)

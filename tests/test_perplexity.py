@@ -190,12 +190,14 @@ def test_two_processes_equal_one(cli_disjoint, tmp_path):
 
 def test_grouped_equals_sdpa(api_sliding, persuasion_path):
     grouped = perplexity.run(
-        attn_implementation="hf_attn_grouped",
-        texts=[persuasion_path],
-        context_length=CONTEXT,
-        stride=STRIDE,
-        max_tokens=N_SLIDING,
-        progress=False,
+        perplexity.PerplexitySettings(
+            attn_implementation="hf_attn_grouped",
+            texts=[persuasion_path],
+            context_length=CONTEXT,
+            stride=STRIDE,
+            max_tokens=N_SLIDING,
+            progress=False,
+        )
     )
     assert grouped["attn_implementation"] == "hf_attn_grouped"
     assert grouped["tokens_scored"] == api_sliding.tokens_scored
@@ -263,3 +265,21 @@ def test_tokenize_remembers_per_tokenizer_and_text(smollm2_path):
     other = AutoTokenizer.from_pretrained(smollm2_path)
     other.add_tokens(["Kellynch"])  # a different tokenizer: its own ids, not the remembered ones
     assert tokenize(other, text).tolist() == other(text, add_special_tokens=False)["input_ids"] != reference
+
+
+# ------------------------------------------------------------------------------------ settings and flags
+
+
+def test_parser_is_built_from_the_settings():
+    """Every settings field has its flag; `--dtype` is the hidden deprecated spelling of `--load-dtype`."""
+    parse = perplexity.build_parser().parse_args
+    default = perplexity.settings_from_args(perplexity.PerplexitySettings, parse([]))
+    assert default == perplexity.PerplexitySettings()
+    new = perplexity.settings_from_args(perplexity.PerplexitySettings, parse(["--load-dtype", "bfloat16"]))
+    old = perplexity.settings_from_args(perplexity.PerplexitySettings, parse(["--dtype", "bfloat16"]))
+    assert new.load_dtype == old.load_dtype == "bfloat16"
+    args = parse(["--text", "a.txt", "b.txt", "--no-progress", "--context-length", "64"])
+    assert (args.texts, args.progress, args.context_length) == (["a.txt", "b.txt"], False, 64)
+    assert "--dtype" not in perplexity.build_parser().format_help()
+    with pytest.raises(SystemExit):
+        parse(["--text", "a.txt", "--dataset", "wikitext"])  # one corpus source at a time

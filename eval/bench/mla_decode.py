@@ -1,10 +1,11 @@
 """Decode speed of a `llama_mla` model: absorbed vs expanded attention path, and the source GQA model (sdpa).
 
-Protocol: batch 1, fp32, greedy, `--threads` torch threads for decode (default 1: on a shared machine OpenMP
-barriers make multi-threaded small ops wait for preempted threads, 1000x slower here). For each model one
-context of max(contexts) random token ids is prefilled once in chunks (not timed, all cores); for each context
-length L a fresh cache holding its first L tokens is decoded for `warmup` + `new_tokens` steps, one token per
-forward call; tokens/s = 1 / median step time of the `new_tokens` timed steps (positions may run past
+Protocol: the decode protocol of `eval/bench/decoding.py` at batch 1, fp32, `--threads` torch threads for
+decode (default 1: on a shared machine OpenMP barriers make multi-threaded small ops wait for preempted
+threads, 1000x slower here). For each model one context of max(contexts) corpus token ids (random ids with
+`--random-weights`, which has no tokenizer) is prefilled once in chunks (not timed, all cores); for each
+context length L a fresh cache holding its first L tokens is decoded from the corpus token at L for `warmup`
+untimed + `new_tokens` timed steps; tokens/s = 1 / median step time (positions may run past
 max_position_embeddings by warmup + new_tokens: speed does not depend on it). The load average is recorded
 beside the numbers, since the machine may be shared.
 
@@ -22,14 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from hf_attn.eval.bench import decoding
 from hf_attn.eval.kv_cache import numbers_per_token_per_layer
 from hf_attn.models.llama_mla import LlamaMLAConfig, LlamaMLAForCausalLM
 from hf_attn.models.llama_mla.configuration_llama_mla import SOURCE_MODEL_TYPES
@@ -79,15 +79,6 @@ def random_mla_like(src, *, kv_lora_rank: int, rope_pairs: int, seed: int = 0) -
     return mla.eval()
 
 
-@torch.inference_mode()
-def prefill(model, ids: torch.Tensor, chunk: int = 1024) -> DynamicCache:
-    """Fill a DynamicCache with `ids` (1, L) in chunks of `chunk` tokens."""
-    cache = DynamicCache(config=model.config)
-    for start in tqdm(range(0, ids.shape[1], chunk), desc="prefill", leave=False):
-        model(input_ids=ids[:, start : start + chunk], past_key_values=cache, use_cache=True)
-    return cache
-
-
 def cache_prefix(cache: DynamicCache, length: int, config) -> DynamicCache:
     """A new DynamicCache holding copies of the first `length` tokens of `cache`."""
     out = DynamicCache(config=config)
@@ -96,31 +87,11 @@ def cache_prefix(cache: DynamicCache, length: int, config) -> DynamicCache:
     return out
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@torch.inference_mode()
-def decode_tokens_per_second(model, cache: DynamicCache, *, new_tokens: int, warmup: int = 2) -> float:
-    """Greedy single-token decode steps on `cache`; 1 / median step time of the `new_tokens` timed steps."""
-    device = model.device
-    pos = cache.get_seq_length()
-    token = torch.zeros(1, 1, dtype=torch.long, device=device)
-    times = []
-    for step in range(warmup + new_tokens):
-        position_ids = torch.tensor([[pos]], device=device)
-        _sync(device)
-        start = time.perf_counter()
-        logits = model(
-            input_ids=token, position_ids=position_ids, past_key_values=cache, use_cache=True
-        ).logits
-        token = logits[:, -1:].argmax(-1)
-        _sync(device)
-        if step >= warmup:
-            times.append(time.perf_counter() - start)
-        pos += 1
-    return 1.0 / statistics.median(times)
+def decode_tokens_per_second(
+    model, cache: DynamicCache, token: torch.Tensor, *, new_tokens: int, warmup: int = decoding.WARMUP
+) -> float:
+    """Decode tokens/s from `token` (1, 1) on `cache` under the protocol of `eval/bench/decoding.py`."""
+    return decoding.time_decode(model, cache, token, steps=new_tokens, warmup=warmup).tokens_per_second
 
 
 def kv_numbers_per_token(config) -> int:
@@ -141,8 +112,9 @@ def run(
     random_weights: bool = False,
     prefill_threads: int | None = None,
     seed: int = 0,
+    on_row: Callable[[dict], None] | None = None,
 ) -> dict:
-    """Measure decode tokens/s; returns the record (rows: context x variant)."""
+    """Measure decode tokens/s; returns the record (rows: context x variant; `on_row` sees each row)."""
     if new_tokens < 1 or min(contexts) < 1:
         raise ValueError(f"--new-tokens and --contexts must be positive, got {new_tokens} and {contexts}")
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -158,12 +130,18 @@ def run(
         mla = load_causal_lm(model, attn_implementation="sdpa")
         mla_desc = str(model)
     mla, src = mla.to(device), src.to(device)
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, src.config.vocab_size, (1, max(contexts)), generator=generator).to(device)
+    n_ids = max(contexts) + 1  # the token at L starts the decode of context L
+    if random_weights:  # no tokenizer needed: random ids
+        generator = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, src.config.vocab_size, (1, n_ids), generator=generator)
+    else:
+        ids = decoding.prompt_rows(decoding.corpus_ids(source), 1, n_ids)  # (1, max L + 1)
+    ids = ids.to(device)
     load_before = os.getloadavg()
     decode_threads = torch.get_num_threads()
     torch.set_num_threads(prefill_threads or os.cpu_count() or 1)  # big matmuls: all cores
-    caches = {"mla": prefill(mla, ids), "source": prefill(src, ids)}
+    prompt = ids[:, :-1]  # (1, max L)
+    caches = {"mla": decoding.prefill(mla, prompt)[0], "source": decoding.prefill(src, prompt)[0]}
     torch.set_num_threads(decode_threads)
     setups = dict(zip(VARIANTS, [(mla, "mla", "absorbed"), (mla, "mla", "expanded"), (src, "source", None)]))
     rows = []
@@ -172,12 +150,15 @@ def run(
             if path is not None:
                 lm.config.mla_attention_path = path
             cache = cache_prefix(caches[key], length, lm.config)
-            tps = decode_tokens_per_second(lm, cache, new_tokens=new_tokens, warmup=warmup)
+            token = ids[:, length : length + 1]  # (1, 1): the corpus token after the context
+            tps = decode_tokens_per_second(lm, cache, token, new_tokens=new_tokens, warmup=warmup)
             rows.append({"context": length, "variant": name, "tokens_per_s": tps})
-            print(f"context {length:>6}  {name:<18} {tps:8.2f} tok/s", flush=True)
+            if on_row is not None:
+                on_row(rows[-1])
     mla.config.mla_attention_path = "auto"
     return {
         "benchmark": "decode tokens/s, batch 1, fp32, greedy, 1 / median step time",
+        "prompt_ids": "random" if random_weights else "corpus",
         "mla_model": mla_desc,
         "source_model": str(source) + (" (random weights)" if random_weights else ""),
         "device": str(device),
@@ -244,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
             random_weights=args.random_weights,
             prefill_threads=args.prefill_threads,
             seed=args.seed,
+            on_row=lambda r: print(
+                f"context {r['context']:>6}  {r['variant']:<18} {r['tokens_per_s']:8.2f} tok/s", flush=True
+            ),
         )
     except (ValueError, OSError, KeyError) as err:
         return error(PROG, err)

@@ -3,13 +3,15 @@
 Both sides run the same model on the same windows of *Persuasion* (`--windows` disjoint windows of
 `--context-length` tokens), one window per forward, under `torch.inference_mode()`:
 - bare: `model(input_ids=window, use_cache=False)`, full logits, nothing else (no loss, no labels);
-- eval: `hf_attn.tooling.perplexity.evaluate_perplexity` (logits only for the scored positions, chunked cross-entropy,
-  float64 accumulation, bookkeeping).
+- eval: `hf_attn.tooling.perplexity.evaluate_perplexity` (logits only for the scored positions, chunked
+  cross-entropy, float64 accumulation, bookkeeping).
 The two alternate `--repeats` times after one warm-up window; each side's best (shortest) pass is reported,
 the most robust statistic on a shared machine, plus every pass. Target: eval >= 95% of bare tokens/s.
 
     python -m eval.bench_perplexity [--model PATH] [--attn-implementation sdpa] [--context-length 1024]
-        [--windows 8] [--repeats 3] [--dtype float32] [--threads N] [--output bench_perplexity.json]
+        [--windows 8] [--repeats 3] [--load-dtype float32] [--threads N] [--output bench_perplexity.json]
+
+`--load-dtype` is the dtype the weights are loaded in (`--dtype` is its deprecated spelling).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 
 from hf_attn.eval.perplexity import evaluate_perplexity, write_json
 from hf_attn.tooling import loading
-from hf_attn.tooling.cli import error
+from hf_attn.tooling.cli import add_deprecated_alias, error
 from hf_attn.tooling.corpus import load_corpus, tokenize
 
 PROG = "hf-attn bench perplexity"
@@ -46,12 +48,12 @@ def bench_perplexity(
     context_length: int = 1024,
     windows: int = 8,
     repeats: int = 3,
-    dtype: str = "float32",
+    load_dtype: str = "float32",
 ) -> dict:
     if windows < 1 or repeats < 1:
         raise ValueError(f"windows and repeats must be >= 1, got {windows} and {repeats}")
     model_path = str(loading.resolve_model(model_path))
-    model = loading.load_causal_lm(model_path, attn_implementation=attn_implementation, dtype=dtype)
+    model = loading.load_causal_lm(model_path, attn_implementation=attn_implementation, dtype=load_dtype)
     if torch.cuda.is_available():
         model.to("cuda")
     device = loading.model_device(model)
@@ -96,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context-length", type=int, default=1024)
     p.add_argument("--windows", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--dtype", default="float32", choices=list(loading.DTYPES))
+    dtype_flag = {"type": str, "choices": list(loading.DTYPES)}
+    p.add_argument("--load-dtype", default="float32", help="dtype the weights are loaded in", **dtype_flag)
+    add_deprecated_alias(p, "--dtype", new_flag="--load-dtype", dest="load_dtype", **dtype_flag)
     p.add_argument(
         "--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)"
     )
@@ -111,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             context_length=args.context_length,
             windows=args.windows,
             repeats=args.repeats,
-            dtype=args.dtype,
+            load_dtype=args.load_dtype,
         )
     except (ValueError, OSError, KeyError) as err:
         return error(PROG, err)

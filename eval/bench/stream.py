@@ -26,26 +26,20 @@ from pathlib import Path
 PROG = "hf-attn bench stream"
 
 _PEAK = r"""
-import resource
 from pathlib import Path
+
+from hf_attn.eval.bench.memory import reset_peak_rss, status_bytes
 
 
 def reset_peak():
     # reset the kernel's resident high-water mark (VmHWM) to the current RSS; return the RSS in KiB
-    Path("/proc/self/clear_refs").write_text("5")
-    return current_kib()
-
-
-def current_kib():
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
+    if not reset_peak_rss():
+        raise OSError("cannot reset the peak RSS through /proc/self/clear_refs (Linux only)")
+    return status_bytes("VmRSS") // 1024
 
 
 def peak_kib():
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
+    return status_bytes("VmHWM") // 1024
 """
 
 _CHILD_CONVERT = (

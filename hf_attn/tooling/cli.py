@@ -60,12 +60,30 @@ def _flag(f: dataclasses.Field) -> str:
     return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
 
 
+class _DeprecatedAlias(argparse.Action):
+    """A hidden old spelling of a flag: stores into the same field and says which flag replaces it."""
+
+    def __init__(self, option_strings, dest, *, new_flag: str, **kwargs):
+        self.new_flag = new_flag
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"{parser.prog}: warning: {option_string} is deprecated; use {self.new_flag}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def add_deprecated_alias(parser, alias: str, *, new_flag: str, dest: str, **kwargs) -> None:
+    """A hidden old spelling `alias` of `new_flag` (same dest, type, choices): it still works and warns."""
+    kwargs = {**kwargs, "default": argparse.SUPPRESS, "help": argparse.SUPPRESS, "required": False}
+    parser.add_argument(alias, dest=dest, action=_DeprecatedAlias, new_flag=new_flag, **kwargs)
+
+
 def add_settings_arguments(parser: argparse.ArgumentParser, settings: type, *, skip: tuple[str, ...] = ()):
     """One `--flag` per field of the dataclass `settings` (underscores -> dashes), its default, its type and
     the `help` / `choices` / `metavar` / `flag` given in the field's metadata. bool fields with default False
     become store_true flags, with default True `--no-...` flags. A field without a default is a required
     flag. Fields with the same `exclusive` name form a mutually exclusive group; `deprecated_flags` are
-    hidden aliases (old spellings that keep working, absent from --help)."""
+    hidden old spellings that keep working (absent from --help, they warn on stderr)."""
     hints = typing.get_type_hints(settings)
     groups: dict[str, Any] = {}
     for f in dataclasses.fields(settings):
@@ -106,8 +124,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser, settings: type, *, s
             kwargs.pop("default", None)
         target.add_argument(flag, **kwargs)
         for old in f.metadata.get("deprecated_flags", ()):
-            hidden = {k: v for k, v in kwargs.items() if k not in ("help", "required", "default")}
-            target.add_argument(old, **hidden, help=argparse.SUPPRESS, default=argparse.SUPPRESS)
+            add_deprecated_alias(target, old, new_flag=flag, **kwargs)
 
 
 def settings_from_args(settings: type, args: argparse.Namespace, **overrides):

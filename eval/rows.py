@@ -1,0 +1,49 @@
+"""The experiment runners' row store: one JSON file per finished row under `RESULTS/rows/`, keyed by settings.
+
+A row is stored with the `key` it was measured under (a hash of everything it depends on: inputs, settings,
+the code that built and measured it). A later run asks for the row by name and key and gets it back only
+if the key matches and the row did not fail, so an interrupted run resumes where it stopped, and a changed
+setting or code re-measures exactly the rows it touches. Used by `hf-attn study` and `hf-attn curve`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+
+def row_key(*parts) -> str:
+    """A short hash of JSON-able parts (dict keys sorted; other objects by str())."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class RowStore:
+    """Finished rows of one results directory, in `directory` (created if missing)."""
+
+    def __init__(self, directory: str | Path, *, fresh: bool = False):
+        self.directory, self.fresh = Path(directory), fresh
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def path(self, name: str) -> Path:
+        return self.directory / f"{name}.json"
+
+    def get(self, name: str, key: str) -> dict | None:
+        """The stored row `name` if it was measured under `key` and did not fail (never with `fresh`)."""
+        path = self.path(name)
+        if self.fresh or not path.exists():
+            return None
+        row = json.loads(path.read_text())
+        if row.get("key") == key and row.get("name") == name and "error" not in row:
+            return row
+        return None
+
+    def put(self, name: str, key: str, row: dict) -> dict:
+        """Store `row` as `name` under `key` (atomically: temporary file then rename); return it with both."""
+        row = {"key": key, "name": name, **row}
+        path = self.path(name)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(row, indent=2))
+        tmp.replace(path)
+        return row
