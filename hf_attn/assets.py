@@ -254,6 +254,9 @@ def main() -> None:
     """`python -m hf_attn.assets`: fetch the embedded default once and print where it lives."""
     print(f"model: {smollm2_dir()}")
     print(f"text:  {austen_dir()}")
+    from hf_attn.tooling import task_data  # the local accuracy tasks, built from the evaluation novel
+
+    print(f"tasks: {task_data.task_dir()}")
 
 
 if __name__ == "__main__":
