@@ -36,7 +36,7 @@ returns).
 
 _KWARGS_DESCRIPTION = """
 Args:
-    predictions (list of str): the texts; joined with blank lines ("\\n\\n") in the order given into one corpus.
+    predictions (list of str): the texts, joined with blank lines ("\\n\\n") in order into one corpus.
     model_id (str): a checkpoint directory or hub id of a causal LM (default: hf-attn's embedded
         SmolLM2-135M-Instruct). hf-attn checkpoints (grouped attention, `llama_mla`) load too.
     context_length (int): window length in tokens (default 1024).
