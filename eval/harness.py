@@ -118,6 +118,18 @@ def task_manager(names: list[str], include_paths: list[Path]):
     return tm
 
 
+def _check_task_data(names: list[str], manager) -> None:
+    """Load every task's data once (the datasets cache keeps it); an unreachable hub dataset -> one line."""
+    from lm_eval.tasks import get_task_dict
+
+    try:
+        get_task_dict(names, manager)
+    except Exception as err:
+        if _is_offline_error(err):
+            raise ConnectionError(_offline_message(f"Task data for {names}", err)) from err
+        raise ValueError(f"Could not load the task(s) {names}: {common._one_line(err)}") from err
+
+
 def evaluate_model(
     lm_model,
     tokenizer,
@@ -181,6 +193,7 @@ def run(
         raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
     names, paths = resolve_tasks(list(tasks), list(include_paths))  # check the tasks before loading
     manager = task_manager(names, paths)
+    _check_task_data(names, manager)  # before loading weights: offline hub datasets fail here
     model_path = common.resolve_model(model)
     try:
         lm_model = common.load_causal_lm(
