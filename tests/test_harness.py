@@ -72,6 +72,39 @@ def tiny_mla(tokenizer, tmp_path_factory):
     shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def tiny_deepseek(tokenizer, tmp_path_factory):
+    """A dense DeepSeek-V3 (MLA without q LoRA): the layout hf-attn's MLA checkpoints export to."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(2)
+    config = DeepseekV3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        first_k_dense_replace=2,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        max_position_embeddings=512,
+    )
+    path = tmp_path_factory.mktemp("tiny-deepseek")
+    yield _save(DeepseekV3ForCausalLM(config), tokenizer, path)
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def _loglik(model, tokenizer, context: str, continuation: str) -> tuple[float, bool]:
     """log p(continuation | context) and whether it is the greedy continuation: the tokens of
     context + continuation beyond those of the context, scored by one eager forward pass."""
@@ -120,8 +153,10 @@ def test_local_tasks_with_hf_attn_grouped_equal_an_independent_computation(tiny_
     assert nextsent["acc_norm,none"] == pytest.approx(ref["nextsent_acc_norm"])
 
 
-def test_llama_mla_checkpoint_and_a_task_yaml_path(tiny_mla, tmp_path, capsys):
-    """A task given as a YAML file (its own local data), run on a llama_mla checkpoint."""
+@pytest.mark.parametrize("kind", ["llama_mla", "deepseek_v3"])
+def test_mla_checkpoints_and_a_task_yaml_path(kind, request, tmp_path, capsys):
+    """A task given as a YAML file (its own local data), run on a llama_mla and a DeepSeek-V3 checkpoint."""
+    checkpoint = request.getfixturevalue({"llama_mla": "tiny_mla", "deepseek_v3": "tiny_deepseek"}[kind])
     data = tmp_path / "tiny.jsonl"
     data.write_text(
         "".join(
@@ -137,9 +172,9 @@ def test_llama_mla_checkpoint_and_a_task_yaml_path(tiny_mla, tmp_path, capsys):
         "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
     )
     out = tmp_path / "mla.json"
-    assert harness.main(["--model", str(tiny_mla), "--tasks", str(task), "--output", str(out)]) == 0
+    assert harness.main(["--model", str(checkpoint), "--tasks", str(task), "--output", str(out)]) == 0
     record = json.loads(out.read_text())
-    assert record["model_type"] == "llama_mla"
+    assert record["model_type"] == kind
     assert record["results"]["tiny_lastword"]["sample_len"] == 2
     assert "tiny_lastword: acc" in capsys.readouterr().out
 
