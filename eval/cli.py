@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("hf_attn.conversion.export", "llama_mla (DeepSeek layout) -> deepseek_v3, exactly (vLLM, SGLang)"),
     "heal": ("hf_attn.conversion.heal", "short uptraining of a converted checkpoint (accelerate)"),
     "perplexity": ("hf_attn.eval.perplexity", "corpus perplexity with sliding windows (accelerate)"),
+    "harness": ("hf_attn.eval.harness", "lm-eval-harness on any checkpoint (local Persuasion tasks or hub tasks)"),
     "study": ("hf_attn.eval.study", "convert, evaluate, heal every variant and write the report"),
     "curve": ("hf_attn.eval.mla_curve", "the MLA KV-fraction / perplexity curve"),
     "assets": ("hf_attn.tooling.assets", "fetch the embedded default (SmolLM2 and the Austen novels)"),

@@ -259,8 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     argparse.ArgumentParser(prog="hf-attn assets", description=__doc__.split("\n")[0]).parse_args(argv)
 
     def fetch() -> None:
+        from hf_attn.tooling import task_data  # the local accuracy tasks, built from the evaluation novel
+
         print(f"model: {smollm2_dir()}")
         print(f"text:  {austen_dir()}")
+        print(f"tasks: {task_data.task_dir()}")
 
     return run_command("hf-attn assets", fetch)
 
