@@ -186,7 +186,7 @@ def test_mla_checkpoints_and_a_task_yaml_path(kind, request, tmp_path, capsys):
         (["--tasks", "missing/dir/task.yaml"], "does not exist"),
         (["--include-path", "missing/dir"], "does not exist"),
         (["--model", "hf-attn-test/no-such-model-xyz", "--tasks", "persuasion_lastword"], "offline"),
-        (["--dtype", "float32", "--batch-size", "0"], "--batch-size"),
+        (["--load-dtype", "float32", "--batch-size", "0"], "--batch-size"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys, monkeypatch):
