@@ -13,6 +13,7 @@ COLUMNS = (
     ("kv", "KV bytes/token"),
     ("kv_fraction", "KV vs source"),
     ("perplexity", "Perplexity"),
+    ("accuracy", "Last-word acc"),
     ("decode", "Decode tok/s"),
     ("convert", "Convert s"),
     ("heal", "Heal s"),
@@ -25,13 +26,16 @@ def _fmt(x, spec: str) -> str:
 
 def _cells(row: dict) -> list[str]:
     if "error" in row:
-        return [row["label"], "yes" if row["healed"] else "no", f"FAILED: {row['error']}"] + [""] * 5
+        return [row["label"], "yes" if row["healed"] else "no", f"FAILED: {row['error']}"] + [""] * (
+            len(COLUMNS) - 3
+        )
     return [
         row["label"],
         "yes" if row["healed"] else "no",
         _fmt(row.get("kv_bytes_per_token"), ",.0f"),
         _fmt(row.get("kv_fraction") and 100 * row["kv_fraction"], ".1f") + "%",
         _fmt(row.get("perplexity"), ",.2f"),
+        _fmt(row.get("lastword_acc"), ".3f"),
         _fmt(row.get("decode_tokens_per_second"), ".1f"),
         _fmt(row.get("convert_seconds"), ".0f"),
         _fmt(row.get("heal_seconds"), ".0f") if row["healed"] else "",

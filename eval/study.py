@@ -59,13 +59,15 @@ class Settings:
     heal_batch_size: int
     heal_lr: float
     heal_trainable: str
+    task_items: int  # first N items of the local last-word task (eval/tasks), for the accuracy column
 
     @property
     def protocol(self) -> str:
         return (
             f"Persuasion, first {self.eval_tokens} tokens, disjoint {self.context_length}-token windows, "
             f"fp32; decode: batch 1, {self.decode_prompt_tokens}-token prompt, "
-            f"{self.decode_new_tokens} new tokens"
+            f"{self.decode_new_tokens} new tokens; accuracy: first {self.task_items} items of the local "
+            "last-word task (persuasion_lastword, zero-shot, lm-eval)"
         )
 
 
@@ -113,6 +115,7 @@ MEASUREMENT_CODE = (
     "hf_attn.eval.perplexity",
     "hf_attn.eval.kv_cache",
     "hf_attn.eval.bench.decode",
+    "hf_attn.eval.tasks.accuracy",
     "hf_attn.eval.bench.decoding",
     "hf_attn.eval.bench.memory",
 )
@@ -220,6 +223,7 @@ def measure(path: Path, settings: Settings) -> dict:
             progress=False,
         )
     )
+    accuracy = task_accuracy_of(path, settings.task_items)
     decode = bench_decode(
         path,
         attn_implementation=None,
@@ -235,8 +239,19 @@ def measure(path: Path, settings: Settings) -> dict:
         "kv_bytes_per_token_config": (ppl["kv_bytes_per_token"] or {}).get("total"),
         "kv_numbers_per_token_per_layer": ppl["kv_bytes_per_token_measured"]["numbers_per_token_per_layer"],
         "decode_tokens_per_second": decode["decode_tokens_per_second"],
+        "lastword_acc": accuracy["lastword_acc"],
+        "task_items": accuracy["items"],
         "eval_seconds": ppl["seconds"],
     }
+
+
+def task_accuracy_of(path: Path, items: int) -> dict:
+    """Last-word accuracy (the local Persuasion task) of the checkpoint at `path`, fp32."""
+    from hf_attn.eval.tasks.accuracy import task_accuracy
+    from hf_attn.tooling import loading
+
+    model, tokenizer = loading.load_causal_lm(path), loading.load_tokenizer(path)
+    return task_accuracy(model, tokenizer, tasks=("persuasion_lastword",), limit=items)
 
 
 # ----------------------------------------------------------------------------------------- the pipeline

@@ -16,6 +16,7 @@ TINY = {
     "heal_minutes": 0.05,
     "heal_seq_len": 64,
     "heal_batch_size": 1,
+    "task_items": 2,
 }
 
 
@@ -58,6 +59,11 @@ def test_rows_are_consistent(first_run):
     assert mha["kv_bytes_per_token"] == 3 * src["kv_bytes_per_token"]
     assert mqa["kv_bytes_per_token"] * 3 == src["kv_bytes_per_token"]
     assert src["kv_bytes_per_token"] == 30 * 2 * 3 * 64 * 4  # layers * (K, V) * KV heads * head_dim * fp32
+    # The accuracy column: the same model scores the same (an exact identity), every score is a fraction.
+    assert mha["lastword_acc"] == src["lastword_acc"]
+    assert all(
+        0 <= r["lastword_acc"] <= 1 and r["task_items"] == {"persuasion_lastword": 2} for r in rows.values()
+    )
     for name in ("mla-50", "mla-25", "mla-12"):
         assert rows[name]["kv_fraction"] <= {"mla-50": 0.5, "mla-25": 0.25, "mla-12": 0.125}[name] + 1e-9
 

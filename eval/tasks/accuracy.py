@@ -24,9 +24,14 @@ _KEYS = {
 }
 
 
-def task_accuracy(model, tokenizer, *, limit: int | None = None, batch_size: int = 16) -> dict:
-    """Accuracy (and the last word's perplexity) of `model` on both local tasks; `limit` = first N items of
-    each (None: all of them)."""
+def task_accuracy(
+    model, tokenizer, *, tasks: tuple[str, ...] = TASKS, limit: int | None = None, batch_size: int = 16
+) -> dict:
+    """Accuracy (and the last word's perplexity) of `model` on the local tasks (default: both); `limit` =
+    first N items of each (None: all of them)."""
+    unknown = sorted(set(tasks) - set(TASKS))
+    if unknown or not tasks:
+        raise ValueError(f"tasks must be a non-empty subset of {TASKS}, got {tasks!r}")
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1 (or None for every item), got {limit}")
     was_training = model.training
@@ -34,12 +39,12 @@ def task_accuracy(model, tokenizer, *, limit: int | None = None, batch_size: int
     start = time.perf_counter()
     try:
         results = evaluate_model(
-            model, tokenizer, list(TASKS), batch_size=batch_size, limit=limit, bootstrap_iters=0
+            model, tokenizer, list(tasks), batch_size=batch_size, limit=limit, bootstrap_iters=0
         )["results"]
     finally:
         model.train(was_training)
-    out = {name: results[task][key] for (task, key), name in _KEYS.items()}
-    out["items"] = {task: results[task]["sample_len"] for task in TASKS}
+    out = {name: results[task][key] for (task, key), name in _KEYS.items() if task in tasks}
+    out["items"] = {task: results[task]["sample_len"] for task in tasks}
     out["limit"] = limit
     out["seconds"] = time.perf_counter() - start
     return out
