@@ -63,7 +63,8 @@ def numbers_per_token_per_layer(config) -> int:
     hq = config.num_attention_heads
     hkv = getattr(config, "num_key_value_heads", None) or hq
     if config.model_type == "llama_mla":
-        return config.kv_cache_numbers_per_token()  # the one home of the MLA formula
+        rope_keys = 1 if getattr(config, "rope_layout", "per_head") == "shared" else hkv
+        return LlamaMLAConfig.cache_numbers(int(config.kv_lora_rank), rope_keys, int(config.rope_pairs))
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // hq
     return 2 * hkv * head_dim
 
