@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from hf_attn.models.llama_mla.configuration_llama_mla import LlamaMLAConfig
 from hf_attn.tooling.loading import dtype_name
 
 _ATTENTION_LAYERS = ("full_attention", "sliding_attention", "chunked_attention")
