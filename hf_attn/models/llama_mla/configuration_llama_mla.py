@@ -3,8 +3,9 @@
 Self-contained on purpose (imports transformers only): checkpoints carry this file so that
 `AutoConfig.from_pretrained(path, trust_remote_code=True)` works where hf_attn is not installed.
 
-Notation: E hidden size, Hq query heads, Hkv KV heads, d head_dim, G = Hq / Hkv, r RoPE pairs kept per KV
-head, d_c = kv_lora_rank (width of the cached latent).
+Notation: E hidden size, Hq query heads, Hkv KV heads, d head_dim, G = Hq / Hkv, r RoPE pairs kept per RoPE
+key, d_c = kv_lora_rank (width of the cached latent), Hr RoPE keys per layer (Hkv for rope_layout "per_head",
+1 for "shared").
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from transformers.models.llama.configuration_llama import LlamaConfig
 
 MLA_ATTENTION_PATHS = ("auto", "expanded", "absorbed")
+ROPE_LAYOUTS = ("per_head", "shared")
 SOURCE_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
@@ -22,8 +24,17 @@ class LlamaMLAConfig(LlamaConfig):
         `Hkv * (d - 2r) + Hkv * d` (the converter's exact construction).
     rope_pairs (`int`, *optional*): r, RoPE frequency pairs kept per KV head, `0 <= r <= d / 2`.
         Default: d / 2.
-    rope_pair_indices (`list[list[list[int]]]`, *optional*): `[num_layers][Hkv][r]` kept pair indices in
-        `[0, d / 2)`, each list strictly ascending. None: `list(range(r))` everywhere (highest frequencies).
+    rope_pair_indices (`list[list[list[int]]]`, *optional*): `[num_layers][Hr][r]` kept pair indices in
+        `[0, d / 2)`, each list strictly ascending (Hr = Hkv for "per_head", 1 for "shared"). None:
+        `list(range(r))` everywhere (highest frequencies).
+    rope_layout (`str`): "per_head" (default): one RoPE key per KV head, `k_rope_proj` is Linear(E, Hkv * 2r)
+        and query head h rotates on the pairs of its KV head h // G. "shared": DeepSeek's decoupled RoPE, ONE
+        RoPE key per layer read by every query head, `k_rope_proj` is Linear(E, 2r) and every query head
+        rotates its first 2r dims on that key's pairs. (per_head with Hkv == 1 is the same model as shared.)
+    latent_norm (`bool`): False (default): the cached latent is `c = kv_down_proj(x)`. True: an RMSNorm over
+        the d_c latent dims (weight `self_attn.latent_norm.weight`, eps = rms_norm_eps; DeepSeek's
+        `kv_a_layernorm`) is applied before caching, `c = latent_norm(kv_down_proj(x))`, and k_up_proj /
+        v_up_proj read that normalised latent.
     qkv_bias (`bool`, *optional*): bias on q_proj, k_rope_proj, k_up_proj, v_up_proj.
         Default: `attention_bias`.
     o_bias (`bool`, *optional*): bias on o_proj. Default: `attention_bias`.
@@ -47,6 +58,8 @@ class LlamaMLAConfig(LlamaConfig):
     layer_types: list | None = None
     mla_attention_path: str = "auto"
     absorb_max_query_length: int = 16
+    rope_layout: str = "per_head"
+    latent_norm: bool = False
 
     def __post_init__(self, **kwargs):
         if self.head_dim is None:
@@ -80,6 +93,13 @@ class LlamaMLAConfig(LlamaConfig):
             raise ValueError(f"rope_pairs must be in [0, head_dim / 2 = {d // 2}], got {r}.")
         if self.kv_lora_rank < 1:
             raise ValueError(f"kv_lora_rank must be >= 1, got {self.kv_lora_rank}.")
+        if self.rope_layout not in ROPE_LAYOUTS:
+            raise ValueError(
+                f"rope_layout must be one of {ROPE_LAYOUTS}, got {self.rope_layout!r}; use 'shared' for "
+                "DeepSeek's one RoPE key per layer."
+            )
+        if not isinstance(self.latent_norm, bool):
+            raise ValueError(f"latent_norm must be True or False, got {self.latent_norm!r}.")
         if self.mla_attention_path not in MLA_ATTENTION_PATHS:
             raise ValueError(
                 f"mla_attention_path must be one of {MLA_ATTENTION_PATHS}, got {self.mla_attention_path!r}."
@@ -106,16 +126,17 @@ class LlamaMLAConfig(LlamaConfig):
             self._check_rope_pair_indices()
 
     def _check_rope_pair_indices(self) -> None:
-        idx, layers, hkv, r, half = (
+        idx, layers, hr, r, half = (
             self.rope_pair_indices,
             self.num_hidden_layers,
-            self.num_key_value_heads,
+            self.num_rope_keys,
             self.rope_pairs,
             self.head_dim // 2,
         )
-        if len(idx) != layers or any(len(heads) != hkv for heads in idx):
+        if len(idx) != layers or any(len(heads) != hr for heads in idx):
+            what = "1 (rope_layout='shared')" if self.rope_layout == "shared" else "num_key_value_heads"
             raise ValueError(
-                f"rope_pair_indices must be [num_layers={layers}][num_key_value_heads={hkv}]"
+                f"rope_pair_indices must be [num_layers={layers}][{what}={hr}]"
                 f"[rope_pairs={r}]; got {len(idx)} layers with {sorted({len(h) for h in idx})} heads."
             )
         for i, heads in enumerate(idx):
@@ -127,15 +148,21 @@ class LlamaMLAConfig(LlamaConfig):
                         f"in [0, {half})."
                     )
 
+    @property
+    def num_rope_keys(self) -> int:
+        """Hr, RoPE keys per layer: Hkv for rope_layout "per_head", 1 for "shared"."""
+        return 1 if self.rope_layout == "shared" else self.num_key_value_heads
+
     def pair_indices(self, layer_idx: int) -> list[list[int]]:
-        """Kept RoPE pairs of layer `layer_idx`: `[Hkv][r]`, sorted ascending."""
+        """Kept RoPE pairs of layer `layer_idx`: `[Hr][r]`, sorted ascending."""
         if self.rope_pair_indices is None:
-            return [list(range(self.rope_pairs)) for _ in range(self.num_key_value_heads)]
+            return [list(range(self.rope_pairs)) for _ in range(self.num_rope_keys)]
         return [list(p) for p in self.rope_pair_indices[layer_idx]]
 
     def kv_cache_numbers_per_token(self) -> int:
-        """Numbers cached per token and layer: the latent (d_c) plus the post-RoPE keys (Hkv * 2r)."""
-        return self.kv_lora_rank + self.num_key_value_heads * 2 * self.rope_pairs
+        """Numbers cached per token and layer: the latent (d_c) plus the post-RoPE keys (Hr * 2r, Hr = Hkv
+        per head or 1 shared)."""
+        return self.kv_lora_rank + self.num_rope_keys * 2 * self.rope_pairs
 
 
 LlamaMLAConfig.register_for_auto_class()

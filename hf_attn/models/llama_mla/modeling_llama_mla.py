@@ -4,18 +4,20 @@ Self-contained on purpose (imports torch, transformers and `.configuration_llama
 this file so that `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` works without hf_attn.
 
 Everything except attention is transformers' Llama (RMSNorm, MLP, rotary embedding with the source's
-`rope_parameters`, decoder layer, masks, generate). Attention of layer i, KV head g (= query head h // G):
+`rope_parameters`, decoder layer, masks, generate). Attention of layer i, KV head g (= query head h // G),
+RoPE key k(h) (= g for rope_layout "per_head", 0 for "shared": DeepSeek's one decoupled RoPE key per layer):
 
     q_h       = q_proj(x)_h                      (B, T, d)    rows [rope (2r) | nope (d - 2r)], RoPE on the 2r
-    k_rope_g  = RoPE_{P_g}(k_rope_proj(x)_g)     (B, T, 2r)   cached
+    k_rope_j  = RoPE_{P_j}(k_rope_proj(x)_j)     (B, T, 2r)   cached, j < Hr (Hkv per head, 1 shared)
     c         = kv_down_proj(x)                  (B, T, d_c)  cached, shared by all heads
+                (c = latent_norm(kv_down_proj(x)), an RMSNorm, when config.latent_norm)
     k_nope_g  = k_up_proj(c)_g                   (B, S, d - 2r)
     v_g       = v_up_proj(c)_g                   (B, S, d)
-    score     = (q_rope_h . k_rope_g + q_nope_h . k_nope_g) * d**-0.5
+    score     = (q_rope_h . k_rope_k(h) + q_nope_h . k_nope_g) * d**-0.5   (q_rope_h rotated on P_k(h))
 
 KV cache: a transformers `Cache` (DynamicCache by default; StaticCache and sliding-window layers work too)
-whose per-layer "keys" hold c as (B, 1, S, d_c) and "values" hold k_rope as (B, 1, S, Hkv * 2r) (head-major):
-d_c + Hkv * 2r numbers per token and layer, nothing else (one "head" in both, so static caches preallocate).
+whose per-layer "keys" hold c as (B, 1, S, d_c) and "values" hold k_rope as (B, 1, S, Hr * 2r) (head-major):
+d_c + Hr * 2r numbers per token and layer, nothing else (one "head" in both, so static caches preallocate).
 
 Two attention paths, equal up to rounding:
 - expanded: rebuild k = [k_rope | k_nope] and v for all S tokens, then the configured attention function
@@ -59,18 +61,18 @@ from .configuration_llama_mla import MLA_ATTENTION_PATHS, LlamaMLAConfig
 
 
 def rope_dim_indices(pairs: list[list[int]], head_dim: int) -> torch.Tensor:
-    """Indices into the rotary embedding's last dim (d) for each KV head's kept pairs: (Hkv, 2r),
+    """Indices into the rotary embedding's last dim (d) for each RoPE key's kept pairs: (Hr, 2r),
     `[p_1..p_r, p_1 + d/2..p_r + d/2]` per head (rotate-half layout over 2r dims)."""
     half, r = head_dim // 2, len(pairs[0])
     rows = [list(p) + [i + half for i in p] for p in pairs]
-    return torch.tensor(rows, dtype=torch.long).reshape(len(pairs), 2 * r)  # (Hkv, 2r)
+    return torch.tensor(rows, dtype=torch.long).reshape(len(pairs), 2 * r)  # (Hr, 2r)
 
 
 def select_rope(
     cos: torch.Tensor, sin: torch.Tensor, dims: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin (B, T, d) of the source's rotary embedding -> per KV head (B, T, Hkv, 2r) on the kept pairs."""
-    return cos[..., dims], sin[..., dims]  # (B, T, Hkv, 2r) each
+    """cos/sin (B, T, d) of the source's rotary embedding -> per RoPE key (B, T, Hr, 2r) on the kept pairs."""
+    return cos[..., dims], sin[..., dims]  # (B, T, Hr, 2r) each
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -98,7 +100,7 @@ def attention_keep_mask(
 
 
 class LlamaMLAAttention(nn.Module):
-    """Multi-head latent attention with per-KV-head partial RoPE (see the module docstring)."""
+    """Multi-head latent attention, partial RoPE on per-KV-head or one shared RoPE key (module docstring)."""
 
     def __init__(self, config: LlamaMLAConfig, layer_idx: int):
         super().__init__()
@@ -108,6 +110,7 @@ class LlamaMLAAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.num_key_value_groups = self.num_heads // self.num_kv_heads
+        self.num_rope_keys = config.num_rope_keys  # Hr: Hkv (per_head) or 1 (shared)
         self.rope_dim = 2 * config.rope_pairs  # 2r
         self.nope_dim = d - self.rope_dim  # d - 2r
         self.kv_lora_rank = config.kv_lora_rank
@@ -122,12 +125,13 @@ class LlamaMLAAttention(nn.Module):
         self.q_proj = nn.Linear(E, Hq * d, bias=config.qkv_bias)
         with warnings.catch_warnings():  # r = 0 / r = d/2 leave k_rope_proj / k_up_proj without rows: legal
             warnings.filterwarnings("ignore", message="Initializing zero-element tensors")
-            self.k_rope_proj = nn.Linear(E, Hkv * self.rope_dim, bias=config.qkv_bias)
+            self.k_rope_proj = nn.Linear(E, self.num_rope_keys * self.rope_dim, bias=config.qkv_bias)
             self.k_up_proj = nn.Linear(dc, Hkv * self.nope_dim, bias=config.qkv_bias)
         self.kv_down_proj = nn.Linear(E, dc, bias=False)
+        self.latent_norm = LlamaRMSNorm(dc, eps=config.rms_norm_eps) if config.latent_norm else None
         self.v_up_proj = nn.Linear(dc, Hkv * d, bias=config.qkv_bias)
         self.o_proj = nn.Linear(Hq * d, E, bias=config.o_bias)
-        self.register_buffer("rope_dims", self.default_rope_dims(), persistent=False)  # (Hkv, 2r)
+        self.register_buffer("rope_dims", self.default_rope_dims(), persistent=False)  # (Hr, 2r)
 
     def default_rope_dims(self) -> torch.Tensor:
         return rope_dim_indices(self.config.pair_indices(self.layer_idx), self.head_dim)
@@ -161,23 +165,27 @@ class LlamaMLAAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """
         Shapes: B batch, T new tokens, S = cached + new tokens, E hidden, Hq / Hkv query / KV heads,
-        G = Hq / Hkv, d head_dim, 2r RoPE dims per head, dn = d - 2r, d_c latent width.
+        G = Hq / Hkv, Hr RoPE keys (Hkv or 1), d head_dim, 2r RoPE dims, dn = d - 2r, d_c latent width.
             hidden_states (B, T, E) -> (B, T, E)
-            cache keys: c (B, 1, S, d_c); cache values: k_rope (B, 1, S, Hkv * 2r), head-major
+            cache keys: c (B, 1, S, d_c); cache values: k_rope (B, 1, S, Hr * 2r), head-major
         """
         B, T, _ = hidden_states.shape
         Hkv, G, d, rd = self.num_kv_heads, self.num_key_value_groups, self.head_dim, self.rope_dim
+        Hr = self.num_rope_keys
 
-        cos, sin = select_rope(*position_embeddings, self.rope_dims)  # (B, T, Hkv, 2r) each
+        cos, sin = select_rope(*position_embeddings, self.rope_dims)  # (B, T, Hr, 2r) each
         q = self.q_proj(hidden_states).view(B, T, Hkv, G, d)  # (B, T, Hkv, G, d)
-        q_rope = apply_rope(q[..., :rd], cos.unsqueeze(3), sin.unsqueeze(3))  # (B, T, Hkv, G, 2r)
+        q_rope = apply_rope(q[..., :rd], cos.unsqueeze(3), sin.unsqueeze(3))  # (B, T, Hkv, G, 2r), Hr -> Hkv
         q_rope = q_rope.permute(0, 2, 3, 1, 4)  # (B, Hkv, G, T, 2r)
         q_nope = q[..., rd:].permute(0, 2, 3, 1, 4)  # (B, Hkv, G, T, dn)
-        k_rope = self.k_rope_proj(hidden_states).view(B, T, Hkv, rd)  # (B, T, Hkv, 2r)
-        k_rope = apply_rope(k_rope, cos, sin).view(B, 1, T, Hkv * rd)  # (B, 1, T, Hkv*2r)
-        latent = self.kv_down_proj(hidden_states).unsqueeze(1)  # (B, 1, T, d_c)
+        k_rope = self.k_rope_proj(hidden_states).view(B, T, Hr, rd)  # (B, T, Hr, 2r)
+        k_rope = apply_rope(k_rope, cos, sin).view(B, 1, T, Hr * rd)  # (B, 1, T, Hr*2r)
+        latent = self.kv_down_proj(hidden_states)  # (B, T, d_c)
+        if self.latent_norm is not None:
+            latent = self.latent_norm(latent)  # (B, T, d_c), normalised before caching
+        latent = latent.unsqueeze(1)  # (B, 1, T, d_c)
 
-        if past_key_values is not None:  # -> (B, 1, S, d_c), (B, 1, S, Hkv*2r)
+        if past_key_values is not None:  # -> (B, 1, S, d_c), (B, 1, S, Hr*2r)
             latent, k_rope = past_key_values.update(latent, k_rope, self.layer_idx)
 
         if self.use_absorbed(T, past_key_values, attention_mask):
@@ -190,13 +198,14 @@ class LlamaMLAAttention(nn.Module):
     def expanded_attention(self, q_rope, q_nope, latent, k_rope, attention_mask, **kwargs):
         """Rebuild per-head K/V from the latent, then the configured attention function.
 
-        q_rope (B, Hkv, G, T, 2r), q_nope (B, Hkv, G, T, dn), latent (B, 1, S, d_c), k_rope (B, 1, S, Hkv*2r)
+        q_rope (B, Hkv, G, T, 2r), q_nope (B, Hkv, G, T, dn), latent (B, 1, S, d_c), k_rope (B, 1, S, Hr*2r)
         -> out (B, T, Hq, d), weights or None
         """
         B, Hkv, G, T, rd = q_rope.shape
         S, d = latent.shape[2], self.head_dim
         c = latent.squeeze(1)  # (B, S, d_c)
-        k_rope = k_rope.view(B, S, Hkv, rd).transpose(1, 2)  # (B, Hkv, S, 2r)
+        k_rope = k_rope.view(B, S, self.num_rope_keys, rd).transpose(1, 2)  # (B, Hr, S, 2r)
+        k_rope = k_rope.expand(B, Hkv, S, rd)  # (B, Hkv, S, 2r); a shared key is read by every KV group
         k_nope = self.k_up_proj(c).view(B, S, Hkv, self.nope_dim).transpose(1, 2)  # (B, Hkv, S, dn)
         value = self.v_up_proj(c).view(B, S, Hkv, d).transpose(1, 2)  # (B, Hkv, S, d)
         key = torch.cat([k_rope, k_nope], dim=-1)  # (B, Hkv, S, d)
@@ -220,15 +229,17 @@ class LlamaMLAAttention(nn.Module):
         """Attend over the cached latent and RoPE keys directly; W_uk goes into the query, W_uv after the
         attention-weighted latent sum. Fully masked rows give zeros.
 
-        q_rope (B, Hkv, G, T, 2r), q_nope (B, Hkv, G, T, dn), latent (B, 1, S, d_c), k_rope (B, 1, S, Hkv*2r)
+        q_rope (B, Hkv, G, T, 2r), q_nope (B, Hkv, G, T, dn), latent (B, 1, S, d_c), k_rope (B, 1, S, Hr*2r)
         -> out (B, T, Hq, d), probs (B, Hq, T, S)
         """
         B, Hkv, G, T, rd = q_rope.shape
         S, d, dc, dn = latent.shape[2], self.head_dim, self.kv_lora_rank, self.nope_dim
+        Hr = self.num_rope_keys
         c = latent.squeeze(1)  # (B, S, d_c)
 
-        k_rope = k_rope.view(B, S, Hkv, rd).permute(0, 2, 3, 1)  # (B, Hkv, 2r, S), a view of the cache
-        scores = torch.matmul(q_rope.reshape(B, Hkv, G * T, rd), k_rope)  # (B, Hkv, G*T, S)
+        k_rope = k_rope.view(B, S, Hr, rd).permute(0, 2, 3, 1)  # (B, Hr, 2r, S), a view of the cache
+        q_rope = q_rope.reshape(B, Hr, Hkv // Hr * G * T, rd)  # (B, Hr, Hkv/Hr*G*T, 2r): shared = 1 head
+        scores = torch.matmul(q_rope, k_rope).view(B, Hkv, G * T, S)  # (B, Hkv, G*T, S)
         if dn > 0:
             w_uk = self.k_up_proj.weight.view(Hkv, dn, dc)  # (Hkv, dn, d_c)
             q_latent = torch.matmul(q_nope.reshape(B, Hkv, G * T, dn), w_uk)  # (B, Hkv, G*T, d_c)
