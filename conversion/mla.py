@@ -81,7 +81,7 @@ MAX_ROPE_FRACTION = {"attention": 0.375}
 DEFAULT_CALIBRATION_TOKENS = 8192
 DEFAULT_KV_BUDGET = 0.5  # of the command, when no rank option is given (the knee of the measured curve)
 _PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLA_PROJ = ("q_proj", "k_rope_proj", "kv_down_proj", "k_up_proj", "v_up_proj", "o_proj")
+_MLA_PROJ = ("q_proj", "k_rope_proj", "kv_down_proj", "latent_norm", "k_up_proj", "v_up_proj", "o_proj")
 
 
 # --------------------------------------------------------------------------------------------- shapes

@@ -197,3 +197,157 @@ def test_latent_norm_decoders_are_numpy_least_squares(biased):
     # the error it reports is the error of these decoders
     ev = ((yv - design @ ref) ** 2).sum() / (yv**2).sum()
     assert math.isclose(fit.value_error, ev, rel_tol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------ converter
+
+VOCAB = 49152  # SmolLM2's tokenizer, copied into the tiny checkpoints so that calibration can run
+TEXT = (
+    "Sir Walter Elliot, of Kellynch Hall, in Somersetshire, was a man who, for his own amusement, never took "
+    "up any book but the Baronetage; there he found occupation for an idle hour, and consolation in a "
+    "distressed one. " * 30
+)
+
+
+def _tiny(path: Path, smollm2_path: Path, *, num_kv_heads: int, constant_rms: bool, hidden: int = 8) -> Path:
+    """A tiny random Llama (head_dim 8, 4 query heads). constant_rms: every KV head identical and its value
+    rows orthonormal (head_dim = hidden), input norms of gain 1: then |v(x)| = |x| = sqrt(C) (up to eps)
+    for every token, so the DeepSeek layout's latent norm at full rank loses nothing."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=num_kv_heads,
+        head_dim=8,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    )
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.5 * noise)
+        if constant_rms:
+            for layer in model.model.layers:
+                att = layer.self_attn
+                k_head, v_head = att.k_proj.weight[:8].clone(), torch.linalg.qr(torch.randn(8, 8, generator=g))[0]
+                att.k_proj.weight.copy_(k_head.repeat(num_kv_heads, 1))
+                att.v_proj.weight.copy_(v_head.repeat(num_kv_heads, 1))
+                layer.input_layernorm.weight.fill_(1.0)
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_path / name, path / name)
+    (path.parent / "calibration.txt").write_text(TEXT)
+    return path
+
+
+def _convert(src: Path, dst: Path, **options) -> Path:
+    opts = dict(calibration_files=[src.parent / "calibration.txt"], calibration_tokens=256, calibration_window=64)
+    return mla.convert_to_mla(src=src, dst=dst, layout="deepseek", **{**opts, **options})
+
+
+def _logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 2])
+def test_deepseek_layout_is_exact_for_shared_keys_and_constant_latent_rms(smollm2_path, tmp_path, num_kv_heads):
+    """Identical KV heads (or one), every pair kept (the progression 0, 1, ..., d/2 - 1), full rank, a latent
+    of constant rms: the DeepSeek layout reproduces the source's logits; its cache is d_c + 2r."""
+    src = _tiny(tmp_path / "src", smollm2_path, num_kv_heads=num_kv_heads, constant_rms=True)
+    dst = _convert(src, tmp_path / "ds", rope_pairs=4)
+    config = json.loads((dst / "config.json").read_text())
+    assert config["rope_layout"] == "shared" and config["latent_norm"] is True
+    assert config["rope_pair_indices"] == [[[0, 1, 2, 3]]] * 2
+    assert config["kv_lora_rank"] == num_kv_heads * 8  # Hkv (d - 2r) + Hkv d at r = d/2
+    record = config["hf_attn"]["last"]
+    assert record["layout"] == "deepseek" and record["rope_pair_stride"] == 1
+    assert record["kv_numbers_per_token_per_layer"]["mla"] == config["kv_lora_rank"] + 8
+    assert max(record["shared_key_residual_per_layer"]) < 1e-9
+    ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
+    ref, got = _logits(src, ids), _logits(dst, ids)
+    assert (got - ref).abs().max() <= 1e-4 * ref.abs().max(), float((got - ref).abs().max())
+
+
+def test_deepseek_layout_lossy_conversion_within_budget(smollm2_path, tmp_path):
+    """Different heads, a budget: the shared progression in every layer, the cache within budget, a model
+    that loads and runs (its quality is measured on SmolLM2: docs/mla-deepseek-layout.md)."""
+    src = _tiny(tmp_path / "src", smollm2_path, num_kv_heads=2, constant_rms=False, hidden=16)
+    dst = _convert(src, tmp_path / "ds", kv_budget=0.5)
+    config = json.loads((dst / "config.json").read_text())
+    kept = config["rope_pair_indices"][0][0]
+    stride = config["hf_attn"]["last"]["rope_pair_stride"]
+    assert all(layer == [kept] for layer in config["rope_pair_indices"])
+    assert kept == [j * stride for j in range(config["rope_pairs"])]
+    numbers = config["kv_lora_rank"] + 2 * config["rope_pairs"]
+    assert numbers <= 0.5 * 2 * 2 * 8 and config["hf_attn"]["last"]["kv_fraction"] <= 0.5
+    ids = torch.randint(0, VOCAB, (1, 30), generator=torch.Generator().manual_seed(1))
+    assert torch.isfinite(_logits(dst, ids)).all()
+
+
+def test_cli_layout_flag_and_refusals(smollm2_path, tmp_path, capsys):
+    src = _tiny(tmp_path / "src", smollm2_path, num_kv_heads=2, constant_rms=False)
+    cal = ["--calibration-text", str(tmp_path / "calibration.txt"), "--calibration-tokens", "128"]
+    base = ["--model", str(src), *cal]
+    capsys.readouterr()
+    bad = [
+        (["--layout", "deepseek", "--rope-selection", "2norm"], "--rope-selection"),
+        (["--layout", "deepseek", "--kv-budget", "0.01"], "--kv-budget"),
+        (["--layout", "deepseek", "--rope-pairs", "9"], "--rope-pairs"),
+    ]
+    for extra, word in bad:
+        out = tmp_path / "bad"
+        with pytest.raises(SystemExit) as exc:
+            mla.main([*base, "--output", str(out), *extra])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and word in err, err
+        assert not out.exists()
+    with pytest.raises(SystemExit) as exc:
+        mla.main([*base, "--output", str(tmp_path / "x"), "--layout", "interleaved"])
+    assert exc.value.code == 2
+    assert mla.main([*base, "--output", str(tmp_path / "ok"), "--layout", "deepseek", "--kv-budget", "0.5"]) == 0
+    config = json.loads((tmp_path / "ok" / "config.json").read_text())
+    assert config["rope_layout"] == "shared" and config["hf_attn"]["last"]["layout"] == "deepseek"
+    assert mla.main([*base, "--output", str(tmp_path / "ph"), "--kv-budget", "0.5"]) == 0  # default: per-head
+    assert json.loads((tmp_path / "ph" / "config.json").read_text()).get("rope_layout", "per_head") == "per_head"
+
+
+def test_heal_runs_on_the_deepseek_layout(smollm2_path, tmp_path):
+    from conversion.heal import heal
+
+    src = _tiny(tmp_path / "src", smollm2_path, num_kv_heads=2, constant_rms=False)
+    dst = _convert(src, tmp_path / "ds", kv_budget=0.5)
+    result = heal(
+        model=dst,
+        output=tmp_path / "healed",
+        train_text=[tmp_path / "calibration.txt"],
+        max_steps=2,
+        seq_len=32,
+        batch_size=2,
+        lr=1e-3,
+        eval_tokens=0,
+        progress=False,
+    )
+    assert result["steps"] == 2 if isinstance(result, dict) and "steps" in result else True
+    config = json.loads((tmp_path / "healed" / "config.json").read_text())
+    assert config["rope_layout"] == "shared" and config["latent_norm"] is True
+    from safetensors.torch import load_file
+
+    before = {k: v for f in dst.glob("*.safetensors") for k, v in load_file(f).items()}
+    after = {k: v for f in (tmp_path / "healed").glob("*.safetensors") for k, v in load_file(f).items()}
+    assert set(before) == set(after)
+    name = "model.layers.0.self_attn.latent_norm.weight"
+    assert name in after and not torch.equal(before[name], after[name])  # trained like every parameter
