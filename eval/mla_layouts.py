@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from conversion import mla
 from conversion.checkpoint import AttentionGeometry, read_config, resolve_model_path
 from eval import common
@@ -67,7 +69,10 @@ def run(
 
     todo = [p for p in points if _key(*p) not in done]
     calibration = None
-    if todo:
+    cal_path = output_dir / f"calibration-{calibration_tokens}.pt"  # reused by a re-run (same source)
+    if todo and cal_path.exists():
+        calibration = torch.load(cal_path, weights_only=False)
+    elif todo:
         start = time.perf_counter()
         calibration = mla.calibrate(
             src_dir=src_dir,
@@ -78,11 +83,10 @@ def run(
             sample_stride=mla.sr.SAMPLE_STRIDE,
         )
         print(f"calibration: {time.perf_counter() - start:.0f} s", flush=True)
+        torch.save(calibration, cal_path)
     for layout, budget, rope_pairs, do_heal in todo:
         start = time.perf_counter()
-        plan = mla.plan_conversion(
-            src=src_dir, kv_budget=budget, rope_pairs=rope_pairs, calibration=calibration, layout=layout
-        )
+        plan = _plan(src_dir, layout, budget, rope_pairs, calibration)
         tmp = Path(tempfile.mkdtemp(prefix="mla_layouts_", dir=output_dir))
         try:
             path = mla.write_conversion(plan, tmp / "ckpt", start=start)
@@ -132,6 +136,24 @@ def run(
         )
     save()
     return record
+
+
+def _plan(src_dir, layout: str, budget: float, rope_pairs: int | None, calibration) -> mla.MLAConversion:
+    """`per-head-progression`: the per-head layout on the DeepSeek layout's pairs (same r, same progression,
+    the same query refit of the dropped pairs), so that comparing the two isolates the shared key and the
+    latent norm."""
+    if layout != "per-head-progression":
+        return mla.plan_conversion(
+            src=src_dir, kv_budget=budget, rope_pairs=rope_pairs, calibration=calibration, layout=layout
+        )
+    ds = mla.plan_conversion(
+        src=src_dir, kv_budget=budget, rope_pairs=rope_pairs, calibration=calibration, layout="deepseek"
+    )
+    plan = mla.plan_conversion(
+        src=src_dir, kv_budget=budget, rope_pairs=ds.shape.rope_pairs, calibration=calibration
+    )
+    plan.pairs, plan.rope_stride = ds.pairs, ds.rope_stride
+    return plan
 
 
 def _key(layout: str, budget: float, rope_pairs: int | None, healed: bool) -> str:

@@ -209,7 +209,9 @@ TEXT = (
 )
 
 
-def _tiny(path: Path, smollm2_path: Path, *, num_kv_heads: int, constant_rms: bool, hidden: int = 8) -> Path:
+def _tiny(
+    path: Path, smollm2_path: Path, *, num_kv_heads: int, constant_rms: bool, hidden: int = 8, bias: bool = False
+) -> Path:
     """A tiny random Llama (head_dim 8, 4 query heads). constant_rms: every KV head identical and its value
     rows orthonormal (head_dim = hidden), input norms of gain 1: then |v(x)| = |x| = sqrt(C) (up to eps)
     for every token, so the DeepSeek layout's latent norm at full rank loses nothing."""
@@ -228,6 +230,7 @@ def _tiny(path: Path, smollm2_path: Path, *, num_kv_heads: int, constant_rms: bo
         max_position_embeddings=256,
         rms_norm_eps=1e-6,
         tie_word_embeddings=True,
+        attention_bias=bias,
     )
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     g = torch.Generator().manual_seed(5)
@@ -241,6 +244,9 @@ def _tiny(path: Path, smollm2_path: Path, *, num_kv_heads: int, constant_rms: bo
                 k_head, v_head = att.k_proj.weight[:8].clone(), torch.linalg.qr(torch.randn(8, 8, generator=g))[0]
                 att.k_proj.weight.copy_(k_head.repeat(num_kv_heads, 1))
                 att.v_proj.weight.copy_(v_head.repeat(num_kv_heads, 1))
+                if bias:  # identical heads keep identical biases
+                    att.k_proj.bias.copy_(att.k_proj.bias[:8].repeat(num_kv_heads))
+                    att.v_proj.bias.copy_(att.v_proj.bias[:8].repeat(num_kv_heads))
                 layer.input_layernorm.weight.fill_(1.0)
     model.save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -262,11 +268,14 @@ def _logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
         return model(ids).logits
 
 
-@pytest.mark.parametrize("num_kv_heads", [1, 2])
-def test_deepseek_layout_is_exact_for_shared_keys_and_constant_latent_rms(smollm2_path, tmp_path, num_kv_heads):
+@pytest.mark.parametrize("num_kv_heads,bias", [(1, False), (2, False), (2, True)])
+def test_deepseek_layout_is_exact_for_shared_keys_and_constant_latent_rms(
+    smollm2_path, tmp_path, num_kv_heads, bias
+):
     """Identical KV heads (or one), every pair kept (the progression 0, 1, ..., d/2 - 1), full rank, a latent
-    of constant rms: the DeepSeek layout reproduces the source's logits; its cache is d_c + 2r."""
-    src = _tiny(tmp_path / "src", smollm2_path, num_kv_heads=num_kv_heads, constant_rms=True)
+    of constant rms: the DeepSeek layout reproduces the source's logits (q/k/v/o biases too); its cache is
+    d_c + 2r."""
+    src = _tiny(tmp_path / "src", smollm2_path, num_kv_heads=num_kv_heads, constant_rms=True, bias=bias)
     dst = _convert(src, tmp_path / "ds", rope_pairs=4)
     config = json.loads((dst / "config.json").read_text())
     assert config["rope_layout"] == "shared" and config["latent_norm"] is True
