@@ -242,7 +242,9 @@ class LayerStatistics:
     samples: list[torch.Tensor] | None = None  # inputs x of every sr-sampled token, each (n, C) float32
 
 
-def mla_shapes(shape: MLAShape, *, qkv_bias: bool, o_bias: bool) -> dict[str, tuple[int, ...]]:
+def mla_shapes(
+    shape: MLAShape, *, qkv_bias: bool, o_bias: bool, latent_norm: bool = True
+) -> dict[str, tuple[int, ...]]:
     """ "k_up_proj.weight" ... -> shape of one converted layer's attention tensors."""
     g = shape.geometry
     c, d, hkv, hq = g.hidden_size, g.head_dim, g.num_kv_heads, g.num_heads
@@ -266,7 +268,7 @@ def mla_shapes(shape: MLAShape, *, qkv_bias: bool, o_bias: bool) -> dict[str, tu
         )
     if o_bias:
         out["o_proj.bias"] = (c,)
-    if shape.shared_rope:  # the DeepSeek layout's latent RMSNorm
+    if shape.shared_rope and latent_norm:  # the DeepSeek layout's latent RMSNorm
         out["latent_norm.weight"] = (shape.kv_lora_rank,)
     return out
 
@@ -356,7 +358,7 @@ def convert_layer(
         out["o_proj.bias"] = weights["o_proj.bias"]
     for key in [k for k in out if k.startswith(("q_proj.", "k_rope_proj.", "latent_norm."))]:
         out[key] = out[key].to(dtype).contiguous()
-    expected = mla_shapes(shape, qkv_bias=qkv_bias, o_bias=o_bias)
+    expected = mla_shapes(shape, qkv_bias=qkv_bias, o_bias=o_bias, latent_norm=norm_eps is not None)
     assert set(out) == set(expected), (sorted(out), sorted(expected))
     for key, tensor in out.items():
         assert tuple(tensor.shape) == expected[key], (key, tuple(tensor.shape), expected[key])
@@ -386,6 +388,11 @@ def _deepseek_layer(out, low, stack_w, stack_b, shape, shared_key, statistics, n
     if qkv_bias:
         out["q_proj.bias"] = q[..., -1].reshape(hq * d)
         out["k_rope_proj.bias"] = k_shared[:, -1]
+    if norm_eps is None:  # no latent norm (a control of eval/mla_layouts.py; DeepSeek-V3 always has one)
+        out["kv_down_proj.weight"], out["up"] = low.down, low.up
+        if low.up_bias is not None:
+            out["up_bias"] = low.up_bias
+        return
     assert statistics is not None and statistics.samples, "the latent norm needs calibration samples"
     nk = shape.num_key_rows
     norm = sr.fit_latent_norm(
@@ -534,7 +541,13 @@ def _check_biases(index: dict[str, TensorInfo], geometry: AttentionGeometry) -> 
 
 
 def mla_config(
-    src_dir: Path, *, shape: MLAShape, pairs: list[list[list[int]]] | None, qkv_bias: bool, o_bias: bool
+    src_dir: Path,
+    *,
+    shape: MLAShape,
+    pairs: list[list[list[int]]] | None,
+    qkv_bias: bool,
+    o_bias: bool,
+    latent_norm: bool = True,
 ) -> dict:
     """(shape.shared_rope: the DeepSeek layout, `pairs` [num_layers][1][r], rope_layout "shared" and the
     latent norm.)"""
@@ -551,7 +564,7 @@ def mla_config(
         if k not in ("model_type", "architectures", "transformers_version", "auto_map")
     }
     if shape.shared_rope:
-        fields.update(rope_layout="shared", latent_norm=True)
+        fields.update(rope_layout="shared", latent_norm=latent_norm)
     config = LlamaMLAConfig(
         **fields,
         kv_lora_rank=shape.kv_lora_rank,
@@ -639,7 +652,7 @@ class MLAConversion:
             "layout": "deepseek",
             "rope_pair_stride": self.rope_stride,
             "rope_pairs_kept": self.pairs[0][0],
-            "latent_norm": True,
+            "latent_norm": self.norm_eps is not None,
             "shared_key_residual_per_layer": [round(v, 6) for v in residual],
         }
 
@@ -649,7 +662,12 @@ class MLAConversion:
         if self.layout == "deepseek":
             pairs = [[layer[0]] for layer in self.pairs]  # [num_layers][1][r]: one shared RoPE key
         out = mla_config(
-            self.src_dir, shape=self.shape, pairs=pairs, qkv_bias=self.qkv_bias, o_bias=self.o_bias
+            self.src_dir,
+            shape=self.shape,
+            pairs=pairs,
+            qkv_bias=self.qkv_bias,
+            o_bias=self.o_bias,
+            latent_norm=self.norm_eps is not None,
         )
         if dtype is not None:
             out["dtype"] = dtype_name(dtype)

@@ -42,6 +42,7 @@ def run(
     max_tokens: int,
     context_length: int = 1024,
     calibration_tokens: int = 8192,
+    skip_before_heal: bool = False,
 ) -> dict:
     from conversion.heal import heal
 
@@ -91,7 +92,7 @@ def run(
         try:
             path = mla.write_conversion(plan, tmp / "ckpt", start=start)
             convert_seconds = round(time.perf_counter() - start, 1)
-            before = evaluate_checkpoint(path, ids, context_length)
+            before = None if do_heal and skip_before_heal else evaluate_checkpoint(path, ids, context_length)
             after = None
             if do_heal:
                 heal(
@@ -119,19 +120,20 @@ def run(
             "cache_numbers": shape.cache_numbers,
             "kv_fraction": round(shape.kv_fraction, 4),
             "convert_seconds": convert_seconds,
-            "perplexity": before["perplexity"],
+            "perplexity": None if before is None else before["perplexity"],
             "healed_perplexity": None if after is None else after["perplexity"],
             "before": before,
             "after": after,
         }
-        if layout == "deepseek":
+        if layout.startswith("deepseek"):
             row["shared_key_residual_mean"] = plan.record()["shared_key_residual_per_layer"]
         record["rows"].append(row)
         save()
         healed = "" if after is None else f" -> healed {after['perplexity']:.2f}"
+        free = "-" if before is None else f"{before['perplexity']:.2f}"
         print(
             f"{layout} {budget}: r={shape.rope_pairs} s={plan.rope_stride} d_c={shape.kv_lora_rank} "
-            f"({100 * shape.kv_fraction:.1f}%): ppl {before['perplexity']:.2f}{healed}",
+            f"({100 * shape.kv_fraction:.1f}%): ppl {free}{healed}",
             flush=True,
         )
     save()
@@ -142,6 +144,12 @@ def _plan(src_dir, layout: str, budget: float, rope_pairs: int | None, calibrati
     """`per-head-progression`: the per-head layout on the DeepSeek layout's pairs (same r, same progression,
     the same query refit of the dropped pairs), so that comparing the two isolates the shared key and the
     latent norm."""
+    if layout == "deepseek-no-norm":  # the DeepSeek layout without its latent norm (not exportable)
+        plan = mla.plan_conversion(
+            src=src_dir, kv_budget=budget, rope_pairs=rope_pairs, calibration=calibration, layout="deepseek"
+        )
+        plan.norm_eps = None
+        return plan
     if layout != "per-head-progression":
         return mla.plan_conversion(
             src=src_dir, kv_budget=budget, rope_pairs=rope_pairs, calibration=calibration, layout=layout
@@ -171,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--point", nargs="*", default=[], help="LAYOUT:BUDGET[:R|-][:heal], after the grid")
     p.add_argument("--max-tokens", type=int, default=8192)
     p.add_argument("--calibration-tokens", type=int, default=8192)
+    p.add_argument(
+        "--skip-before-heal", action="store_true", help="healed rows: no training-free score (see the free rows)"
+    )
     args = p.parse_args(argv)
     points = []
     for b in args.budgets:
@@ -187,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         heal_steps=args.heal_steps,
         max_tokens=args.max_tokens,
         calibration_tokens=args.calibration_tokens,
+        skip_before_heal=args.skip_before_heal,
     )
     return 0
 
