@@ -284,6 +284,7 @@ def convert_layer(
     query_fit: torch.Tensor | None = None,
     shared_key: sr.SharedKey | None = None,
     norm_eps: float | None = None,
+    norm_refine_steps: int = 0,
 ) -> dict[str, torch.Tensor]:
     """One attention layer, source -> llama_mla tensors (keys as in `mla_shapes`; dtype of the source).
 
@@ -344,7 +345,7 @@ def convert_layer(
         )
     nk = shape.num_key_rows
     if shape.shared_rope:
-        _deepseek_layer(out, low, stack_w, stack_b, shape, shared_key, statistics, norm_eps)
+        _deepseek_layer(out, low, stack_w, stack_b, shape, shared_key, statistics, norm_eps, norm_refine_steps)
         low = fac.LowRank(out.pop("kv_down_proj.weight"), out.pop("up"), out.pop("up_bias", None))
     out["kv_down_proj.weight"] = low.down.to(dtype).contiguous()
     out["k_up_proj.weight"] = low.up[:nk].to(dtype).contiguous()
@@ -365,7 +366,7 @@ def convert_layer(
     return out
 
 
-def _deepseek_layer(out, low, stack_w, stack_b, shape, shared_key, statistics, norm_eps) -> None:
+def _deepseek_layer(out, low, stack_w, stack_b, shape, shared_key, statistics, norm_eps, refine=0) -> None:
     """The DeepSeek layout's two fits (conversion.shared_rope), in place on `out` (float64): the shared RoPE
     key (k_rope_proj (2r, C); the query rope rows scaled per group) and the latent norm (latent_norm.weight;
     the encoder rescaled and the decoders refitted, as "kv_down_proj.weight", "up", "up_bias")."""
@@ -403,6 +404,7 @@ def _deepseek_layer(out, low, stack_w, stack_b, shape, shared_key, statistics, n
         b_v=None if stack_b is None else stack_b[nk:],
         samples=torch.cat(statistics.samples),
         eps=norm_eps,
+        refine_steps=refine,
     )
     out["latent_norm.weight"] = norm.gain
     out["kv_down_proj.weight"] = norm.down
@@ -618,6 +620,7 @@ class MLAConversion:
     rope_stride: int | None = None  # DeepSeek layout: the kept pairs are 0, s, ..., (r - 1) s
     shared_keys: dict[int, sr.SharedKey] | None = None  # DeepSeek layout: layer -> fitted shared key
     norm_eps: float | None = None  # DeepSeek layout: the latent norm's eps (the source's rms_norm_eps)
+    norm_refine_steps: int = 0  # DeepSeek layout: L-BFGS steps on the encoder through the norm (sr._refine)
 
     def query_fit(self, layer: int) -> torch.Tensor | None:
         """The `attention` selection's query refit of the dropped pairs of `layer` (None otherwise)."""
@@ -702,6 +705,7 @@ class MLAConversion:
                 query_fit=self.query_fit(layer),
                 shared_key=None if self.shared_keys is None else self.shared_keys[layer],
                 norm_eps=self.norm_eps,
+                norm_refine_steps=self.norm_refine_steps,
             )
             out_dtype = dtype or weights["q_proj.weight"].dtype
             for key in sorted(new, key=lambda k: (_MLA_PROJ.index(k.split(".")[0]), k)):

@@ -232,6 +232,7 @@ def fit_latent_norm(
     b_v: torch.Tensor | None,
     samples: torch.Tensor,
     eps: float,
+    refine_steps: int = 0,
 ) -> LatentNorm:
     """Decoders for the normalised latent. down (d_c, C) the factorization's encoder; w_k (nk, C) / w_v (nv, C)
     the source's non-RoPE key rows and value rows (biases (out,) or None: with biases the decoders get one);
@@ -268,4 +269,50 @@ def fit_latent_norm(
         if best is None or ek + ev < best.key_error + best.value_error:
             best = fit
     assert best is not None
+    if refine_steps:
+        best = _refine(best, x, y_k, y_v, pk, pv, eps, biased, refine_steps)
     return best
+
+
+def _refine(fit: LatentNorm, x, y_k, y_v, pk, pv, eps, biased, steps: int) -> LatentNorm:
+    """L-BFGS on the encoder (the decoders re-solved by least squares inside the objective): minimise the
+    relative key + value error through the norm."""
+    with torch.inference_mode(False):  # convert_layer runs in inference mode; autograd needs normal tensors
+        return _refine_impl(fit, *(t.clone() for t in (x, y_k, y_v, pk, pv)), eps, biased, steps)
+
+
+def _refine_impl(fit: LatentNorm, x, y_k, y_v, pk, pv, eps, biased, steps: int) -> LatentNorm:
+    down = fit.down.clone().requires_grad_(True)
+    gain = fit.gain.clone()
+
+    def solve(d):
+        cn = rms_normalize(x @ d.T, gain, eps)
+        design_v = torch.cat([cn, torch.ones_like(cn[:, :1])], 1) if biased else cn
+        ck = cn - cn.mean(0)
+        up_k, dec_v = _lstsq(y_k, ck), _lstsq(y_v, design_v)
+        ek = (y_k - ck @ up_k.T).pow(2).sum() / pk
+        ev = (y_v - design_v @ dec_v.T).pow(2).sum() / pv
+        return ek, ev, cn, up_k, dec_v
+
+    opt = torch.optim.LBFGS([down], max_iter=steps, history_size=10, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        ek, ev, *_ = solve(down)
+        loss = ek + ev
+        loss.backward()
+        return loss
+
+    with torch.enable_grad():
+        opt.step(closure)
+    with torch.no_grad():
+        d = down.detach()
+        d = d / (x @ d.T).pow(2).mean(-1).mean().sqrt().clamp_min(1e-300)
+        ek, ev, cn, up_k, dec_v = solve(d)
+    if float(ek + ev) >= fit.key_error + fit.value_error:
+        return fit
+    up_v, bias_v = (dec_v[:, :-1], dec_v[:, -1]) if biased else (dec_v, None)
+    bias_k = None
+    if biased:  # the same mean key as the unrefined fit
+        bias_k = fit.bias_k + fit.up_k @ rms_normalize(x @ fit.down.T, gain, eps).mean(0) - up_k @ cn.mean(0)
+    return LatentNorm(d, gain, up_k, up_v, bias_k, bias_v, float(ek), float(ev), fit.scaling + "+refined")

@@ -144,6 +144,12 @@ def _plan(src_dir, layout: str, budget: float, rope_pairs: int | None, calibrati
     """`per-head-progression`: the per-head layout on the DeepSeek layout's pairs (same r, same progression,
     the same query refit of the dropped pairs), so that comparing the two isolates the shared key and the
     latent norm."""
+    if layout == "deepseek-refined":  # the encoder refined through the norm (an experiment)
+        plan = mla.plan_conversion(
+            src=src_dir, kv_budget=budget, rope_pairs=rope_pairs, calibration=calibration, layout="deepseek"
+        )
+        plan.norm_refine_steps = 15
+        return plan
     if layout == "deepseek-no-norm":  # the DeepSeek layout without its latent norm (not exportable)
         plan = mla.plan_conversion(
             src=src_dir, kv_budget=budget, rope_pairs=rope_pairs, calibration=calibration, layout="deepseek"

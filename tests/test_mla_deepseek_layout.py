@@ -360,3 +360,19 @@ def test_heal_runs_on_the_deepseek_layout(smollm2_path, tmp_path):
     assert set(before) == set(after)
     name = "model.layers.0.self_attn.latent_norm.weight"
     assert name in after and not torch.equal(before[name], after[name])  # trained like every parameter
+
+
+def test_latent_norm_refinement_never_increases_the_error():
+    g = torch.Generator().manual_seed(6)
+    C, dc, nk, nv, N = 10, 3, 6, 5, 300
+    x = torch.randn(N, C, generator=g, dtype=torch.float64) * torch.rand(N, 1, generator=g, dtype=torch.float64)
+    down = torch.randn(dc, C, generator=g, dtype=torch.float64)
+    w_k, w_v = torch.randn(nk, C, generator=g, dtype=torch.float64), torch.randn(nv, C, generator=g).double()
+    base = sr.fit_latent_norm(down=down, w_k=w_k, b_k=None, w_v=w_v, b_v=None, samples=x, eps=1e-5)
+    refined = sr.fit_latent_norm(
+        down=down, w_k=w_k, b_k=None, w_v=w_v, b_v=None, samples=x, eps=1e-5, refine_steps=10
+    )
+    assert refined.key_error + refined.value_error <= base.key_error + base.value_error
+    cn = torch.nn.functional.rms_norm(x @ refined.down.T, (dc,), refined.gain, eps=1e-5)
+    ev = float((x @ w_v.T - cn @ refined.up_v.T).pow(2).sum() / (x @ w_v.T).pow(2).sum())
+    assert math.isclose(refined.value_error, ev, rel_tol=1e-6)  # the reported error is the model's
