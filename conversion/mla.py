@@ -834,6 +834,7 @@ def _plan_deepseek(
     return MLAConversion(
         src_dir, index, shape, selection, factorization, pairs, qkv_bias, o_bias, kv_budget, calibration,
         layout="deepseek", rope_stride=stride, shared_keys=keys, norm_eps=eps,
+        norm_refine_steps=sr.NORM_REFINE_STEPS,
     )
 
 

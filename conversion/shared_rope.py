@@ -46,6 +46,7 @@ QUERY_STRIDE = 8  # SharedKeyStatistics weighs keys by the attention of every 8t
 SAMPLE_STRIDE = 2  # the latent-norm refit uses the attention inputs of every 2nd calibration token
 MAX_ROPE_PAIRS_FRACTION = 0.5  # default r: at most this fraction of the d/2 pairs ...
 ROPE_SHARE = 1 / 6  # ... and of a --kv-budget's numbers (one shared key is cheap: 2r numbers, not Hkv 2r)
+NORM_REFINE_STEPS = 15  # L-BFGS iterations on the encoder through the latent norm (see fit_latent_norm)
 _RIDGE = 1e-9
 
 

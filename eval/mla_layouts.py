@@ -150,6 +150,12 @@ def _plan(src_dir, layout: str, budget: float, rope_pairs: int | None, calibrati
         )
         plan.norm_refine_steps = 15
         return plan
+    if layout == "deepseek-no-refine":  # the latent norm with the least-squares decoders only
+        plan = mla.plan_conversion(
+            src=src_dir, kv_budget=budget, rope_pairs=rope_pairs, calibration=calibration, layout="deepseek"
+        )
+        plan.norm_refine_steps = 0
+        return plan
     if layout == "deepseek-no-norm":  # the DeepSeek layout without its latent norm (not exportable)
         plan = mla.plan_conversion(
             src=src_dir, kv_budget=budget, rope_pairs=rope_pairs, calibration=calibration, layout="deepseek"
