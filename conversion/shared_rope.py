@@ -29,7 +29,10 @@ pair i is Re(conj(q_i) z_i) (both rotated).
    (a diagonal scale either side), so it is 1 and `down` is scaled so that the mean rms(c) is 1 (eps then
    negligible, c_n ~ c on average); the per-dimension scale of `down` is not redundant (it weighs the rms),
    so two are tried, the factorization's own and equal power per dimension, and the one with the smaller
-   error kept. Exact when rms(c) is the same for every token; otherwise healing recovers the rest.
+   error kept. Then (NORM_REFINE_STEPS > 0) the encoder itself is refined by L-BFGS through the norm, the
+   decoders re-solved by least squares inside the objective (relative key + value error on the samples);
+   kept only if it lowers that error. Exact when rms(c) is the same for every token; otherwise healing
+   recovers the rest.
 """
 
 from __future__ import annotations
