@@ -345,7 +345,9 @@ def convert_layer(
         )
     nk = shape.num_key_rows
     if shape.shared_rope:
-        _deepseek_layer(out, low, stack_w, stack_b, shape, shared_key, statistics, norm_eps, norm_refine_steps)
+        _deepseek_layer(
+            out, low, stack_w, stack_b, shape, shared_key, statistics, norm_eps, norm_refine_steps
+        )
         low = fac.LowRank(out.pop("kv_down_proj.weight"), out.pop("up"), out.pop("up_bias", None))
     out["kv_down_proj.weight"] = low.down.to(dtype).contiguous()
     out["k_up_proj.weight"] = low.up[:nk].to(dtype).contiguous()
@@ -380,7 +382,8 @@ def _deepseek_layer(out, low, stack_w, stack_b, shape, shared_key, statistics, n
         k = torch.cat([k, out["k_rope_proj.bias"].double().view(hkv, rd, 1)], -1)  # (Hkv, 2r, C+1)
     if r:
         assert shared_key is not None and len(shared_key.pairs) == r, "the DeepSeek layout needs a shared key"
-        q_rope, k_shared = sr.share_rope_rows(q_rope=q[:, :rd], k_rope=k, key=shared_key)  # (Hq, 2r, K), (2r, K)
+        # (Hq, 2r, K) query rope rows and (2r, K) shared key rows
+        q_rope, k_shared = sr.share_rope_rows(q_rope=q[:, :rd], k_rope=k, key=shared_key)
         q = torch.cat([q_rope, q[:, rd:]], 1)  # (Hq, d, K)
     else:
         k_shared = k.new_zeros(0, k.shape[-1])  # (0, K)
@@ -822,7 +825,9 @@ def _plan_deepseek(
     if selection == "attention":
         per_layer = calibration.pair_scores.get("attention")
         if per_layer is None:
-            raise ValueError("The given calibration lacks the attention pair scores; calibrate attention_pairs.")
+            raise ValueError(
+                "The given calibration lacks the attention pair scores; calibrate attention_pairs."
+            )
         scores = sum(per_layer[i].double().sum(0) for i in range(geo.num_layers))  # (d/2,)
     stride = sr.choose_stride(scores, half=half, rope_pairs=r)
     kept = sr.progression_pairs(r, stride)
@@ -940,7 +945,7 @@ def main(argv: list[str] | None = None) -> int:
         "--layout",
         choices=sr.LAYOUTS,
         default="per-head",
-        help="per-head: a RoPE key per KV head; deepseek: one shared RoPE key + latent norm (DeepSeek-V3 MLA)",
+        help="per-head: a RoPE key per KV head; deepseek: one shared RoPE key + latent norm (DeepSeek MLA)",
     )
     cli.add_calibration_arguments(parser, default_tokens=DEFAULT_CALIBRATION_TOKENS)
     cli.add_write_arguments(parser)

@@ -12,8 +12,8 @@ pair i is Re(conj(q_i) z_i) (both rotated).
 
 1. The shared key (per kept pair i). The per-head keys z_{g,i} = W_{g,i} x become a_{g,i} z_i with one
    shared z_i = sum_g coef_{g,i} z_{g,i} (a complex combination of the heads' key rows: it commutes with RoPE)
-   and per-head complex scales a_{g,i} folded into the query rows of group g (q_{h,i} <- conj(a_{g,i}) q_{h,i},
-   so Re(conj(q') z') = Re(conj(q) a z)). Fitted as calibrated GQA pooling fits a group (`conversion.gqa.
+   and per-head complex scales a_{g,i} folded into the query rows of group g
+   (q_{h,i} <- conj(a_{g,i}) q_{h,i}, so Re(conj(q') z') = Re(conj(q) a z)). Fitted as calibrated GQA pooling fits a group (`conversion.gqa.
    fit_keys`): minimise sum_g sum_t w_{g,t,i} |z_{g,t,i} - a_{g,i} z_{t,i}|^2, w_{g,t,i} the query power that
    attention sends to token t through the heads reading g (`SharedKeyStatistics`). Exact when the heads'
    keys of a pair are complex multiples of each other (Hkv = 1, identical heads). What the shared key misses
@@ -128,7 +128,9 @@ class SharedKeyStatistics:
         if window is not None:
             keep &= tq[:, None] - s_pos[None] < window
         p = scores.masked_fill(~keep, float("-inf")).softmax(-1)  # (Hkv, G, Tq, T)
-        q_power = (q[..., :half] ** 2 + q[..., half:] ** 2).view(len(tq), hkv, group, half)  # (Tq, Hkv, G, d/2)
+        q_power = (q[..., :half] ** 2 + q[..., half:] ** 2).view(
+            len(tq), hkv, group, half
+        )  # (Tq, Hkv, G, d/2)
         w = torch.einsum("gjts,tgji->gsi", p, q_power).double()  # (Hkv, T, d/2)
         z = torch.complex(k[..., :half].double(), k[..., half:].double())  # (T, Hkv, d/2)
         s = torch.einsum("gti,tai,tbi->giab", w.to(torch.complex128), z, z.conj())  # (Hkv, d/2, Hkv, Hkv)
@@ -223,7 +225,9 @@ class LatentNorm:
 def _lstsq(y: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """B (W, d_c) minimising sum_t |y_t - B c_t|^2; y (N, W), c (N, d_c), relative ridge."""
     gram = c.T @ c  # (d_c, d_c)
-    gram = gram + _RIDGE * torch.diagonal(gram).mean().clamp_min(1e-300) * torch.eye(gram.shape[0], dtype=c.dtype)
+    gram = gram + _RIDGE * torch.diagonal(gram).mean().clamp_min(1e-300) * torch.eye(
+        gram.shape[0], dtype=c.dtype
+    )
     return torch.linalg.solve(gram, c.T @ y).T
 
 
@@ -238,7 +242,8 @@ def fit_latent_norm(
     eps: float,
     refine_steps: int = 0,
 ) -> LatentNorm:
-    """Decoders for the normalised latent. down (d_c, C) the factorization's encoder; w_k (nk, C) / w_v (nv, C)
+    """Decoders for the normalised latent. down (d_c, C) the factorization's encoder; w_k (nk, C) and
+    w_v (nv, C)
     the source's non-RoPE key rows and value rows (biases (out,) or None: with biases the decoders get one);
     samples (N, C) calibration inputs of the layer. See the module docstring."""
     x = samples.double()

@@ -10,7 +10,8 @@ each checkpoint loaded with `AutoModelForCausalLM` (fp32, sdpa) and scored on th
 tokens of *Persuasion* in disjoint 1,024-token windows. Healing (`--heal-budgets`): `conversion.heal` with
 the study's recipe (512-token sequences, batch 1, lr 1e-4, all parameters, the five other novels) for a fixed
 number of optimizer steps (`--heal-steps`, the same for both layouts; the study's 2 minutes are about 30
-steps on its idle machine), then scored again. `--point deepseek:0.5:12` adds a point with r given (`deepseek:0.5:-:heal`: default r, healed).
+steps on its idle machine), then scored again. `--point deepseek:0.5:12` adds a point with r given
+(`deepseek:0.5:-:heal`: default r, healed).
 Writes `layouts.json` (resumable: finished rows are skipped) and prints one line per row.
 """
 
@@ -192,7 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=8192)
     p.add_argument("--calibration-tokens", type=int, default=8192)
     p.add_argument(
-        "--skip-before-heal", action="store_true", help="healed rows: no training-free score (see the free rows)"
+        "--skip-before-heal",
+        action="store_true",
+        help="healed rows: no training-free score (see the free rows)",
     )
     args = p.parse_args(argv)
     points = []

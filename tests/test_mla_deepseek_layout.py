@@ -76,7 +76,9 @@ def test_shared_key_is_exact_for_complex_multiples_and_commutes_with_rope(hkv):
     C, r, group, T = 10, 4, 2, 50
     hq = hkv * group
     base = torch.complex(torch.randn(r, C, generator=g), torch.randn(r, C, generator=g)).to(torch.complex128)
-    mult = torch.complex(torch.randn(hkv, r, generator=g), torch.randn(hkv, r, generator=g)).to(torch.complex128)
+    mult = torch.complex(torch.randn(hkv, r, generator=g), torch.randn(hkv, r, generator=g)).to(
+        torch.complex128
+    )
     kc = mult[:, :, None] * base[None]  # (Hkv, r, C)
     k_rope = torch.cat([kc.real, kc.imag], 1)  # (Hkv, 2r, C) rope-first rows
     q_rope = torch.randn(hq, 2 * r, C, generator=g, dtype=torch.float64)
@@ -101,7 +103,9 @@ def test_shared_key_fit_beats_mean_and_reports_its_residual():
     with its own least-squares scales), and `residual` is that error computed from the keys directly."""
     g = torch.Generator().manual_seed(1)
     C, r, hkv, T = 8, 3, 3, 80
-    kc = torch.complex(torch.randn(hkv, r, C, generator=g), torch.randn(hkv, r, C, generator=g)).to(torch.complex128)
+    kc = torch.complex(torch.randn(hkv, r, C, generator=g), torch.randn(hkv, r, C, generator=g)).to(
+        torch.complex128
+    )
     x = torch.randn(T, C, generator=g, dtype=torch.float64).to(torch.complex128)
     z = torch.einsum("gic,tc->tgi", kc, x)  # (T, Hkv, r)
     w = torch.rand(hkv, T, r, generator=g, dtype=torch.float64) + 0.1
@@ -193,7 +197,9 @@ def test_latent_norm_decoders_are_numpy_least_squares(biased):
     ref_k, *_ = np.linalg.lstsq(cn - cn.mean(0), yk - yk.mean(0), rcond=None)
     np.testing.assert_allclose(fit.up_k.numpy(), ref_k.T, rtol=1e-6, atol=1e-8)
     if biased:  # the mean key reproduced too
-        np.testing.assert_allclose((cn @ fit.up_k.numpy().T + fit.bias_k.numpy()).mean(0), yk.mean(0) + b_k.numpy())
+        np.testing.assert_allclose(
+            (cn @ fit.up_k.numpy().T + fit.bias_k.numpy()).mean(0), yk.mean(0) + b_k.numpy()
+        )
     # the error it reports is the error of these decoders
     ev = ((yv - design @ ref) ** 2).sum() / (yv**2).sum()
     assert math.isclose(fit.value_error, ev, rel_tol=1e-6)
@@ -210,7 +216,13 @@ TEXT = (
 
 
 def _tiny(
-    path: Path, smollm2_path: Path, *, num_kv_heads: int, constant_rms: bool, hidden: int = 8, bias: bool = False
+    path: Path,
+    smollm2_path: Path,
+    *,
+    num_kv_heads: int,
+    constant_rms: bool,
+    hidden: int = 8,
+    bias: bool = False,
 ) -> Path:
     """A tiny random Llama (head_dim 8, 4 query heads). constant_rms: every KV head identical and its value
     rows orthonormal (head_dim = hidden), input norms of gain 1: then |v(x)| = |x| = sqrt(C) (up to eps)
@@ -241,7 +253,10 @@ def _tiny(
         if constant_rms:
             for layer in model.model.layers:
                 att = layer.self_attn
-                k_head, v_head = att.k_proj.weight[:8].clone(), torch.linalg.qr(torch.randn(8, 8, generator=g))[0]
+                k_head, v_head = (
+                    att.k_proj.weight[:8].clone(),
+                    torch.linalg.qr(torch.randn(8, 8, generator=g))[0],
+                )
                 att.k_proj.weight.copy_(k_head.repeat(num_kv_heads, 1))
                 att.v_proj.weight.copy_(v_head.repeat(num_kv_heads, 1))
                 if bias:  # identical heads keep identical biases
@@ -256,14 +271,18 @@ def _tiny(
 
 
 def _convert(src: Path, dst: Path, **options) -> Path:
-    opts = dict(calibration_files=[src.parent / "calibration.txt"], calibration_tokens=256, calibration_window=64)
+    opts = dict(
+        calibration_files=[src.parent / "calibration.txt"], calibration_tokens=256, calibration_window=64
+    )
     return mla.convert_to_mla(src=src, dst=dst, layout="deepseek", **{**opts, **options})
 
 
 def _logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     with torch.no_grad():
         return model(ids).logits
 
@@ -327,11 +346,15 @@ def test_cli_layout_flag_and_refusals(smollm2_path, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         mla.main([*base, "--output", str(tmp_path / "x"), "--layout", "interleaved"])
     assert exc.value.code == 2
-    assert mla.main([*base, "--output", str(tmp_path / "ok"), "--layout", "deepseek", "--kv-budget", "0.5"]) == 0
+    assert (
+        mla.main([*base, "--output", str(tmp_path / "ok"), "--layout", "deepseek", "--kv-budget", "0.5"]) == 0
+    )
     config = json.loads((tmp_path / "ok" / "config.json").read_text())
     assert config["rope_layout"] == "shared" and config["hf_attn"]["last"]["layout"] == "deepseek"
     assert mla.main([*base, "--output", str(tmp_path / "ph"), "--kv-budget", "0.5"]) == 0  # default: per-head
-    assert json.loads((tmp_path / "ph" / "config.json").read_text()).get("rope_layout", "per_head") == "per_head"
+    assert (
+        json.loads((tmp_path / "ph" / "config.json").read_text()).get("rope_layout", "per_head") == "per_head"
+    )
 
 
 def test_heal_runs_on_the_deepseek_layout(smollm2_path, tmp_path):
@@ -365,7 +388,9 @@ def test_heal_runs_on_the_deepseek_layout(smollm2_path, tmp_path):
 def test_latent_norm_refinement_never_increases_the_error():
     g = torch.Generator().manual_seed(6)
     C, dc, nk, nv, N = 10, 3, 6, 5, 300
-    x = torch.randn(N, C, generator=g, dtype=torch.float64) * torch.rand(N, 1, generator=g, dtype=torch.float64)
+    x = torch.randn(N, C, generator=g, dtype=torch.float64) * torch.rand(
+        N, 1, generator=g, dtype=torch.float64
+    )
     down = torch.randn(dc, C, generator=g, dtype=torch.float64)
     w_k, w_v = torch.randn(nk, C, generator=g, dtype=torch.float64), torch.randn(nv, C, generator=g).double()
     base = sr.fit_latent_norm(down=down, w_k=w_k, b_k=None, w_v=w_v, b_v=None, samples=x, eps=1e-5)
