@@ -14,8 +14,9 @@ pair i is Re(conj(q_i) z_i) (both rotated).
    shared z_i = sum_g coef_{g,i} z_{g,i} (a complex combination of the heads' key rows: it commutes with RoPE)
    and per-head complex scales a_{g,i} folded into the query rows of group g
    (q_{h,i} <- conj(a_{g,i}) q_{h,i}, so Re(conj(q') z') = Re(conj(q) a z)). Fitted as calibrated GQA
-   pooling fits a group (`conversion.gqa.fit_keys`): minimise sum_g sum_t w_{g,t,i} |z_{g,t,i} - a_{g,i} z_{t,i}|^2, w_{g,t,i} the query power that
-   attention sends to token t through the heads reading g (`SharedKeyStatistics`). Exact when the heads'
+   pooling fits a group (`conversion.gqa.fit_keys`): minimise sum_g sum_t w_{g,t,i} |z_{g,t,i} -
+   a_{g,i} z_{t,i}|^2, w_{g,t,i} the query power that attention sends to token t through the heads reading
+   g (`SharedKeyStatistics`). Exact when the heads'
    keys of a pair are complex multiples of each other (Hkv = 1, identical heads). What the shared key misses
    (the residual z_g - a_g z) is dropped: carrying it in the latent would need the un-rotated query rows of
    the kept pairs as extra query dims (qk_nope_head_dim = d), which this layout does not have.
