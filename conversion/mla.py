@@ -2,6 +2,7 @@
 
     python -m conversion.mla --model SRC --output DST [--kv-lora-rank N | --kv-budget F] [--rope-pairs R]
         [--rope-selection high|uniform|2norm|attention] [--factorization weight-svd|activation|attention]
+        [--layout per-head|deepseek]
         [--calibration-text FILE ...] [--calibration-tokens N] [--dtype float32|bfloat16] [--overwrite]
 
 Notation per layer: C hidden size, Hq / Hkv query / KV heads, d head_dim, G = Hq / Hkv, r RoPE pairs kept per
@@ -28,6 +29,10 @@ training-free at half the cache, 90.1 at 30%);
 converted model reproduces the source's logits (tests/test_mla_conversion.py). Calibration (one fp32 pass of
 the source over --calibration-tokens tokens, default 8192 of the five Austen novels other than Persuasion)
 runs only when an option needs it.
+
+`--layout deepseek` (conversion.shared_rope): DeepSeek-V2/V3's MLA layout instead, one RoPE key per layer
+shared by all heads on the pairs 0, s, ..., (r - 1) s of every layer and an RMSNorm on the cached latent;
+the cache is d_c + 2r.
 
 Safety: the source is never modified; the output appears atomically (hf_attn.files.atomic_directory) with
 config.json carrying the conversion record (config["hf_attn"]), `auto_map` and the model type's code (so
@@ -205,7 +210,8 @@ def plan_shape(
     if not isinstance(rank, int) or not 1 <= rank <= full:
         raise ValueError(
             f"--kv-lora-rank must be in [1, {full}] = Hkv*(d-2r) + Hkv*d = "
-            f"{hkv}*{geometry.head_dim - 2 * r} + {hkv}*{geometry.head_dim} for --rope-pairs {r}, "
+            f"{geometry.num_kv_heads}*{geometry.head_dim - 2 * r} + "
+            f"{geometry.num_kv_heads}*{geometry.head_dim} for --rope-pairs {r}, "
             f"got {rank!r}; a larger latent cannot help."
         )
     return MLAShape(geometry, r, rank, shared)
