@@ -2,6 +2,7 @@
 
     python -m conversion.mla --model SRC --output DST [--kv-lora-rank N | --kv-budget F] [--rope-pairs R]
         [--rope-selection high|uniform|2norm|attention] [--factorization weight-svd|activation|attention]
+        [--layout per-head|deepseek]
         [--calibration-text FILE ...] [--calibration-tokens N] [--save-dtype float32|bfloat16] [--overwrite]
 
 Per layer: (1) partial RoPE: each KV head keeps RoPE on r of its d/2 frequency pairs
@@ -11,7 +12,10 @@ stacked [k_nope; v] of all KV heads becomes up (down x) with the cached latent o
 copied. The cache then holds d_c + Hkv 2r numbers per token and layer (`LlamaMLAConfig.cache_numbers`).
 `--kv-budget F` picks d_c and r for at most F of the source's cache (default 0.5 when no rank option is
 given); `--rope-pairs d/2` alone is exact. Calibration runs only when an option needs it. The construction is
-in docs/mla.md, the measured curve in the README.
+in docs/mla.md, the measured curve in the README. `--layout deepseek` (`conversion.shared_rope`) writes
+DeepSeek-V2/V3's layout instead: one RoPE key per layer shared by all heads on the pairs 0, s, ..., (r - 1) s
+of every layer, and an RMSNorm on the cached latent (cache d_c + 2r); `hf-attn export` then writes it as an
+exact deepseek_v3 checkpoint.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from hf_attn.conversion import calibration as cal
 from hf_attn.conversion import cli
 from hf_attn.conversion import factorization as fac
 from hf_attn.conversion import rope_selection as rs
+from hf_attn.conversion import shared_rope as sr
 from hf_attn.conversion.checkpoint import (
     DEFAULT_MAX_SHARD_BYTES,
     AttentionGeometry,
@@ -59,7 +64,7 @@ DEFAULT_ROPE_SHARE = 0.5  # of a --kv-budget's numbers per token go to the RoPE 
 MAX_ROPE_FRACTION = {"attention": 0.375}
 DEFAULT_CALIBRATION_TOKENS = 8192
 DEFAULT_KV_BUDGET = 0.5  # of the command, when no rank option is given (the knee of the README's curve)
-_MLA_PROJ = ("q_proj", "k_rope_proj", "kv_down_proj", "k_up_proj", "v_up_proj", "o_proj")
+_MLA_PROJ = ("q_proj", "k_rope_proj", "kv_down_proj", "latent_norm", "k_up_proj", "v_up_proj", "o_proj")
 
 
 # --------------------------------------------------------------------------------------------- shapes
@@ -72,6 +77,7 @@ class MLAShape:
     geometry: AttentionGeometry
     rope_pairs: int  # r
     kv_lora_rank: int  # d_c
+    shared_rope: bool = False  # the DeepSeek layout: one RoPE key (2r) per layer instead of Hkv
 
     @property
     def nope_dim(self) -> int:
@@ -94,9 +100,14 @@ class MLAShape:
         return self.kv_lora_rank == self.full_rank
 
     @property
+    def rope_keys(self) -> int:
+        """RoPE keys cached per token and layer: Hkv (per-head layout) or 1 (shared, DeepSeek layout)."""
+        return 1 if self.shared_rope else self.geometry.num_kv_heads
+
+    @property
     def cache_numbers(self) -> int:
-        """Numbers cached per token and layer: d_c + Hkv 2r."""
-        return LlamaMLAConfig.cache_numbers(self.kv_lora_rank, self.geometry.num_kv_heads, self.rope_pairs)
+        """Numbers cached per token and layer: d_c + Hkv 2r (DeepSeek layout: d_c + 2r)."""
+        return LlamaMLAConfig.cache_numbers(self.kv_lora_rank, self.rope_keys, self.rope_pairs)
 
     @property
     def source_cache_numbers(self) -> int:
@@ -141,15 +152,20 @@ def plan_shape(
     kv_budget: float | None = None,
     rope_pairs: int | None = None,
     rope_selection: str = DEFAULT_ROPE_SELECTION,
+    layout: str = "per-head",
 ) -> MLAShape:
     """Validate / derive (r, d_c). Neither rank nor budget: full rank (exact with r = d/2)."""
     if kv_lora_rank is not None and kv_budget is not None:
         raise ValueError("Give either --kv-lora-rank or --kv-budget, not both.")
+    shared = layout == "deepseek"
+    if rope_pairs is None and shared:
+        rope_pairs = sr.default_rope_pairs(geometry.head_dim // 2, geometry.kv_dim, kv_budget)
     if rope_pairs is None:
         rope_pairs = default_rope_pairs(geometry, kv_budget, selection=rope_selection)
     r = rope_pairs
     rs.check_rope_pairs(r, geometry.head_dim)
-    hkv, full = geometry.num_kv_heads, MLAShape(geometry, r, 1).full_rank
+    full = MLAShape(geometry, r, 1).full_rank
+    hkv = 1 if shared else geometry.num_kv_heads  # RoPE keys cached per token
     if kv_budget is not None:
         if not 0 < kv_budget <= 1:
             raise ValueError(
@@ -164,15 +180,16 @@ def plan_shape(
                 f"and the latent needs at least 1; lower --rope-pairs (at most "
                 f"{(numbers - 1) // (2 * hkv)}) or raise --kv-budget."
             )
-        return MLAShape(geometry, r, rank)
+        return MLAShape(geometry, r, rank, shared)
     rank = full if kv_lora_rank is None else kv_lora_rank
     if not isinstance(rank, int) or not 1 <= rank <= full:
         raise ValueError(
             f"--kv-lora-rank must be in [1, {full}] = Hkv*(d-2r) + Hkv*d = "
-            f"{hkv}*{geometry.head_dim - 2 * r} + {hkv}*{geometry.head_dim} for --rope-pairs {r}, "
+            f"{geometry.num_kv_heads}*{geometry.head_dim - 2 * r} + "
+            f"{geometry.num_kv_heads}*{geometry.head_dim} for --rope-pairs {r}, "
             f"got {rank!r}; a larger latent cannot help."
         )
-    return MLAShape(geometry, r, rank)
+    return MLAShape(geometry, r, rank, shared)
 
 
 # --------------------------------------------------------------------------------------------- one layer
@@ -202,15 +219,20 @@ class LayerStatistics:
     """Calibration statistics of one layer (whatever the chosen options need)."""
 
     moment: torch.Tensor | None = None  # (C+1, C+1) float64, sum [x;1][x;1]^T
+    shared_keys: torch.Tensor | None = None  # (Hkv, d/2, Hkv, Hkv) complex: sr.SharedKeyStatistics
+    samples: list[torch.Tensor] | None = None  # inputs x of every sr-sampled token, each (n, C) float32
 
 
-def mla_shapes(shape: MLAShape, *, qkv_bias: bool, o_bias: bool) -> dict[str, tuple[int, ...]]:
+def mla_shapes(
+    shape: MLAShape, *, qkv_bias: bool, o_bias: bool, latent_norm: bool = True
+) -> dict[str, tuple[int, ...]]:
     """ "k_up_proj.weight" ... -> shape of one converted layer's attention tensors."""
     g = shape.geometry
     c, d, hkv, hq = g.hidden_size, g.head_dim, g.num_kv_heads, g.num_heads
+    rope_rows = shape.rope_keys * 2 * shape.rope_pairs
     out = {
         "q_proj.weight": (hq * d, c),
-        "k_rope_proj.weight": (hkv * 2 * shape.rope_pairs, c),
+        "k_rope_proj.weight": (rope_rows, c),
         "kv_down_proj.weight": (shape.kv_lora_rank, c),
         "k_up_proj.weight": (shape.num_key_rows, shape.kv_lora_rank),
         "v_up_proj.weight": (hkv * d, shape.kv_lora_rank),
@@ -220,13 +242,15 @@ def mla_shapes(shape: MLAShape, *, qkv_bias: bool, o_bias: bool) -> dict[str, tu
         out.update(
             {
                 "q_proj.bias": (hq * d,),
-                "k_rope_proj.bias": (hkv * 2 * shape.rope_pairs,),
+                "k_rope_proj.bias": (rope_rows,),
                 "k_up_proj.bias": (shape.num_key_rows,),
                 "v_up_proj.bias": (hkv * d,),
             }
         )
     if o_bias:
         out["o_proj.bias"] = (c,)
+    if shape.shared_rope and latent_norm:  # the DeepSeek layout's latent RMSNorm
+        out["latent_norm.weight"] = (shape.kv_lora_rank,)
     return out
 
 
@@ -239,12 +263,17 @@ def convert_layer(
     factorization: str,
     statistics: LayerStatistics | None = None,
     query_fit: torch.Tensor | None = None,
+    shared_key: sr.SharedKey | None = None,
+    norm_eps: float | None = None,
+    norm_refine_steps: int = 0,
 ) -> dict[str, torch.Tensor]:
     """One attention layer, source -> llama_mla tensors (keys as in `mla_shapes`; dtype of the source).
 
     weights: "q_proj.weight" (Hq d, C), "k_proj.weight" / "v_proj.weight" (Hkv d, C), "o_proj.weight"
     (C, Hq d) and the biases ((out,) or None). pairs: [Hkv][r] kept RoPE pairs of this layer.
     query_fit: (Hq, d/2) complex factors for the query rows of the dropped pairs (selection `attention`).
+    DeepSeek layout (shape.shared_rope): `shared_key` (the fit on pairs[0], every head's pairs equal) and
+    `norm_eps` (the latent RMSNorm's eps; the decoders are refitted on `statistics.samples`).
     """
     geo = shape.geometry
     dtype = weights["q_proj.weight"].dtype
@@ -296,6 +325,11 @@ def convert_layer(
             f"Unknown --factorization {factorization!r}; choose one of {', '.join(fac.FACTORIZATIONS)}."
         )
     nk = shape.num_key_rows
+    if shape.shared_rope:
+        _deepseek_layer(
+            out, low, stack_w, stack_b, shape, shared_key, statistics, norm_eps, norm_refine_steps
+        )
+        low = fac.LowRank(out.pop("kv_down_proj.weight"), out.pop("up"), out.pop("up_bias", None))
     out["kv_down_proj.weight"] = low.down.to(dtype).contiguous()
     out["k_up_proj.weight"] = low.up[:nk].to(dtype).contiguous()
     out["v_up_proj.weight"] = low.up[nk:].to(dtype).contiguous()
@@ -306,11 +340,61 @@ def convert_layer(
     out["o_proj.weight"] = weights["o_proj.weight"]
     if o_bias:
         out["o_proj.bias"] = weights["o_proj.bias"]
-    expected = mla_shapes(shape, qkv_bias=qkv_bias, o_bias=o_bias)
+    for key in [k for k in out if k.startswith(("q_proj.", "k_rope_proj.", "latent_norm."))]:
+        out[key] = out[key].to(dtype).contiguous()
+    expected = mla_shapes(shape, qkv_bias=qkv_bias, o_bias=o_bias, latent_norm=norm_eps is not None)
     assert set(out) == set(expected), (sorted(out), sorted(expected))
     for key, tensor in out.items():
         assert tuple(tensor.shape) == expected[key], (key, tuple(tensor.shape), expected[key])
     return out
+
+
+def _deepseek_layer(out, low, stack_w, stack_b, shape, shared_key, statistics, norm_eps, refine=0) -> None:
+    """The DeepSeek layout's two fits (conversion.shared_rope), in place on `out` (float64): the shared RoPE
+    key (k_rope_proj (2r, C); the query rope rows scaled per group) and the latent norm (latent_norm.weight;
+    the encoder rescaled and the decoders refitted, as "kv_down_proj.weight", "up", "up_bias")."""
+    geo, r = shape.geometry, shape.rope_pairs
+    hq, hkv, d, rd = geo.num_heads, geo.num_kv_heads, geo.head_dim, 2 * shape.rope_pairs
+    q = out["q_proj.weight"].double().view(hq, d, -1)  # (Hq, d, C) rope-first rows per head
+    k = out["k_rope_proj.weight"].double().view(hkv, rd, -1)  # (Hkv, 2r, C)
+    qkv_bias = "q_proj.bias" in out
+    if qkv_bias:  # biases as a last column, so the per-pair complex maps act on them too
+        q = torch.cat([q, out["q_proj.bias"].double().view(hq, d, 1)], -1)  # (Hq, d, C+1)
+        k = torch.cat([k, out["k_rope_proj.bias"].double().view(hkv, rd, 1)], -1)  # (Hkv, 2r, C+1)
+    if r:
+        assert shared_key is not None and len(shared_key.pairs) == r, "the DeepSeek layout needs a shared key"
+        # (Hq, 2r, K) query rope rows and (2r, K) shared key rows
+        q_rope, k_shared = sr.share_rope_rows(q_rope=q[:, :rd], k_rope=k, key=shared_key)
+        q = torch.cat([q_rope, q[:, rd:]], 1)  # (Hq, d, K)
+    else:
+        k_shared = k.new_zeros(0, k.shape[-1])  # (0, K)
+    out["q_proj.weight"] = q[..., : geo.hidden_size].reshape(hq * d, -1)
+    out["k_rope_proj.weight"] = k_shared[:, : geo.hidden_size]
+    if qkv_bias:
+        out["q_proj.bias"] = q[..., -1].reshape(hq * d)
+        out["k_rope_proj.bias"] = k_shared[:, -1]
+    if norm_eps is None:  # no latent norm (a control of eval/mla_layouts.py; DeepSeek-V3 always has one)
+        out["kv_down_proj.weight"], out["up"] = low.down, low.up
+        if low.up_bias is not None:
+            out["up_bias"] = low.up_bias
+        return
+    assert statistics is not None and statistics.samples, "the latent norm needs calibration samples"
+    nk = shape.num_key_rows
+    norm = sr.fit_latent_norm(
+        down=low.down,
+        w_k=stack_w[:nk],
+        b_k=None if stack_b is None else stack_b[:nk],
+        w_v=stack_w[nk:],
+        b_v=None if stack_b is None else stack_b[nk:],
+        samples=torch.cat(statistics.samples),
+        eps=norm_eps,
+        refine_steps=refine,
+    )
+    out["latent_norm.weight"] = norm.gain
+    out["kv_down_proj.weight"] = norm.down
+    out["up"] = torch.cat([norm.up_k, norm.up_v])
+    if qkv_bias:
+        out["up_bias"] = torch.cat([norm.bias_k, norm.bias_v])
 
 
 # --------------------------------------------------------------------------------------------- calibration
@@ -338,8 +422,12 @@ def calibrate(
     files: list[Path] | None = None,
     tokens: int = DEFAULT_CALIBRATION_TOKENS,
     window: int = cal.DEFAULT_WINDOW,
+    shared_keys: bool = False,
+    sample_stride: int = 0,
 ) -> Calibration:
-    """One fp32 forward pass of the source over `tokens` calibration tokens (windows of `window`)."""
+    """One fp32 forward pass of the source over `tokens` calibration tokens (windows of `window`).
+    The DeepSeek layout also needs `shared_keys` (sr.SharedKeyStatistics) and the inputs of every
+    `sample_stride`-th token (0: none) for its latent-norm refit."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(src_dir)
@@ -350,6 +438,7 @@ def calibrate(
     heads = dict(num_heads=geometry.num_heads, num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim)
     norms = rs.PairNormScores(**heads) if pair_norms else None
     scores = rs.AttentionPairStats(**heads) if attention_pairs else None
+    shared = sr.SharedKeyStatistics(**heads) if shared_keys else None
     windows = [_sliding_window(model.config, i) for i in range(geometry.num_layers)]
 
     def accumulate(idx: int, x: torch.Tensor, position_embeddings) -> None:
@@ -357,6 +446,15 @@ def calibrate(
         if moments:
             m = cal.augmented_moment(x)  # (C+1, C+1)
             stats[idx].moment = m if stats[idx].moment is None else stats[idx].moment + m
+        if sample_stride:
+            stats[idx].samples = (stats[idx].samples or []) + [x[::sample_stride].float().clone()]
+        if shared is not None:
+            attn = layers[idx].self_attn
+            cos, sin = position_embeddings
+            shared.add(
+                idx, x, cos, sin, attn.q_proj.weight, attn.q_proj.bias, attn.k_proj.weight, attn.k_proj.bias,
+                window=windows[idx],
+            )
         if norms is not None:
             attn = layers[idx].self_attn
             norms.add(idx, x, attn.q_proj.weight, attn.q_proj.bias, attn.k_proj.weight, attn.k_proj.bias)
@@ -377,6 +475,9 @@ def calibrate(
 
     cal.for_each_attention_input(model, ids, accumulate, window=window)
     del model
+    if shared is not None:
+        for i in range(geometry.num_layers):
+            stats[i].shared_keys = shared.sums[i]
     record = {**cal.corpus_record(files, tokens), "window": window}
     pair_scores = {}
     if norms is not None:
@@ -421,8 +522,16 @@ def _check_biases(index: dict[str, TensorInfo], geometry: AttentionGeometry) -> 
 
 
 def mla_config(
-    src_dir: Path, *, shape: MLAShape, pairs: list[list[list[int]]] | None, qkv_bias: bool, o_bias: bool
+    src_dir: Path,
+    *,
+    shape: MLAShape,
+    pairs: list[list[list[int]]] | None,
+    qkv_bias: bool,
+    o_bias: bool,
+    latent_norm: bool = True,
 ) -> dict:
+    """(shape.shared_rope: the DeepSeek layout, `pairs` [num_layers][1][r], rope_layout "shared" and the
+    latent norm.)"""
     """config.json of the converted checkpoint: the source's (normalised by its config class) plus the MLA
     fields, validated by LlamaMLAConfig; `auto_map` and `architectures` point at the llama_mla classes."""
     from transformers import AutoConfig
@@ -435,6 +544,8 @@ def mla_config(
         for k, v in source.to_dict().items()
         if k not in ("model_type", "architectures", "transformers_version", "auto_map")
     }
+    if shape.shared_rope:
+        fields.update(rope_layout="shared", latent_norm=latent_norm)
     config = LlamaMLAConfig(
         **fields,
         kv_lora_rank=shape.kv_lora_rank,
@@ -484,6 +595,11 @@ class MLAConversion:
     o_bias: bool
     kv_budget: float | None
     calibration: Calibration | None
+    layout: str = "per-head"
+    rope_stride: int | None = None  # DeepSeek layout: the kept pairs are 0, s, ..., (r - 1) s
+    shared_keys: dict[int, sr.SharedKey] | None = None  # DeepSeek layout: layer -> fitted shared key
+    norm_eps: float | None = None  # DeepSeek layout: the latent norm's eps (the source's rms_norm_eps)
+    norm_refine_steps: int = 0  # DeepSeek layout: L-BFGS steps on the encoder through the norm (sr._refine)
 
     def query_fit(self, layer: int) -> torch.Tensor | None:
         """The `attention` selection's query refit of the dropped pairs of `layer` (None otherwise)."""
@@ -501,6 +617,7 @@ class MLAConversion:
                 "kv_budget": self.kv_budget,
                 "rope_selection": self.selection,
                 "factorization": self.factorization,
+                "layout": self.layout,
             },
             kv_lora_rank=s.kv_lora_rank,
             rope_pairs=s.rope_pairs,
@@ -508,13 +625,33 @@ class MLAConversion:
             kv_numbers_per_token_per_layer={"source": s.source_cache_numbers, "mla": s.cache_numbers},
             kv_fraction=s.kv_fraction,
             calibration=None if self.calibration is None else self.calibration.record,
+            **self._deepseek_record(),
         )
+
+    def _deepseek_record(self) -> dict:
+        if self.layout != "deepseek":
+            return {}
+        residual = [float(k.residual.mean()) if len(k.pairs) else 0.0 for k in self.shared_keys.values()]
+        return {
+            "layout": "deepseek",
+            "rope_pair_stride": self.rope_stride,
+            "rope_pairs_kept": self.pairs[0][0],
+            "latent_norm": self.norm_eps is not None,
+            "shared_key_residual_per_layer": [round(v, 6) for v in residual],
+        }
 
     def config(self, dtype: torch.dtype | None = None) -> dict:
         """config.json without the record (see `record`)."""
-        pairs = None if self.selection == "high" else self.pairs
+        pairs = None if self.selection == "high" and self.layout == "per-head" else self.pairs
+        if self.layout == "deepseek":
+            pairs = [[layer[0]] for layer in self.pairs]  # [num_layers][1][r]: one shared RoPE key
         out = mla_config(
-            self.src_dir, shape=self.shape, pairs=pairs, qkv_bias=self.qkv_bias, o_bias=self.o_bias
+            self.src_dir,
+            shape=self.shape,
+            pairs=pairs,
+            qkv_bias=self.qkv_bias,
+            o_bias=self.o_bias,
+            latent_norm=self.norm_eps is not None,
         )
         if dtype is not None:
             out["dtype"] = dtype_name(dtype)
@@ -547,6 +684,9 @@ class MLAConversion:
                 factorization=self.factorization,
                 statistics=None if self.calibration is None else self.calibration.statistics[layer],
                 query_fit=self.query_fit(layer),
+                shared_key=None if self.shared_keys is None else self.shared_keys[layer],
+                norm_eps=self.norm_eps,
+                norm_refine_steps=self.norm_refine_steps,
             )
             out_dtype = dtype or weights["q_proj.weight"].dtype
             for key in sorted(new, key=lambda k: (_MLA_PROJ.index(k.split(".")[0]), k)):
@@ -566,8 +706,20 @@ def plan_conversion(
     calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS,
     calibration_window: int = cal.DEFAULT_WINDOW,
     calibration: Calibration | None = None,
+    layout: str = "per-head",
 ) -> MLAConversion:
-    """Validate everything, calibrate if the options need it (or reuse `calibration`), choose the pairs."""
+    """Validate everything, calibrate if the options need it (or reuse `calibration`), choose the pairs.
+    layout "deepseek": one RoPE key per layer shared by all heads on the pairs 0, s, ..., (r-1) s of every
+    layer, and a latent RMSNorm (conversion.shared_rope); selections `attention` (s by its pair scores, and
+    its query refit of the dropped pairs) or `high` (s = 1)."""
+    if layout not in sr.LAYOUTS:
+        raise ValueError(f"Unknown --layout {layout!r}; choose one of {', '.join(sr.LAYOUTS)}.")
+    if layout == "deepseek" and rope_selection not in sr.DEEPSEEK_SELECTIONS:
+        raise ValueError(
+            f"--rope-selection {rope_selection} picks pairs per KV head; --layout deepseek keeps the same "
+            f"progression 0, s, 2s, ... in every layer: use --rope-selection "
+            f"{' or '.join(sr.DEEPSEEK_SELECTIONS)}."
+        )
     if rope_selection not in rs.SELECTIONS:
         raise ValueError(
             f"Unknown --rope-selection {rope_selection!r}; choose one of {', '.join(rs.SELECTIONS)}."
@@ -577,7 +729,7 @@ def plan_conversion(
             f"Unknown --factorization {factorization!r}; choose one of {', '.join(fac.FACTORIZATIONS)}."
         )
     source = src if isinstance(src, Source) else open_source(src)
-    src_dir, geometry, index = source.dir, source.geometry, source.index
+    src_dir, geometry, index, config = source.dir, source.geometry, source.index, source.config
     if geometry.head_dim % 2:
         raise ValueError(f"head_dim {geometry.head_dim} is odd; RoPE pairs need an even head_dim.")
     qkv_bias, o_bias = _check_biases(index, geometry)
@@ -587,13 +739,20 @@ def plan_conversion(
         kv_budget=kv_budget,
         rope_pairs=rope_pairs,
         rope_selection=rope_selection,
+        layout=layout,
     )
     selection = "high" if shape.rope_pairs in (0, geometry.head_dim // 2) else rope_selection  # no choice
     if shape.is_full_rank:
         factorization = "full-rank"
     need_moments = factorization in fac.CALIBRATED_FACTORIZATIONS
     need_scores = selection in rs.CALIBRATED_SELECTIONS
-    if (need_moments or need_scores) and calibration is None:
+    deepseek = layout == "deepseek"  # needs the shared-key statistics and input samples: always calibrates
+    if deepseek and calibration is not None and not _has_deepseek_statistics(calibration, need_moments):
+        raise ValueError(
+            "The given calibration lacks what --layout deepseek needs; calibrate with shared_keys=True, "
+            "sample_stride > 0 (and moments / attention_pairs for the chosen options)."
+        )
+    if (need_moments or need_scores or deepseek) and calibration is None:
         calibration = calibrate(
             src_dir=src_dir,
             geometry=geometry,
@@ -603,9 +762,15 @@ def plan_conversion(
             files=None if calibration_files is None else [Path(f) for f in calibration_files],
             tokens=calibration_tokens,
             window=calibration_window,
+            shared_keys=deepseek and shape.rope_pairs > 0,
+            sample_stride=sr.SAMPLE_STRIDE if deepseek else 0,
         )
-    elif not (need_moments or need_scores):
+    elif not (need_moments or need_scores or deepseek):
         calibration = None
+    if deepseek:
+        return _plan_deepseek(
+            src_dir, index, shape, selection, factorization, qkv_bias, o_bias, kv_budget, calibration, config
+        )
     pairs = rs.select_rope_pairs(
         selection,
         num_layers=geometry.num_layers,
@@ -616,6 +781,39 @@ def plan_conversion(
     )
     return MLAConversion(
         src_dir, index, shape, selection, factorization, pairs, qkv_bias, o_bias, kv_budget, calibration
+    )
+
+
+def _has_deepseek_statistics(calibration: Calibration, need_moments: bool) -> bool:
+    first = calibration.statistics[0]
+    return first.samples is not None and (first.moment is not None or not need_moments)
+
+
+def _plan_deepseek(
+    src_dir, index, shape, selection, factorization, qkv_bias, o_bias, kv_budget, calibration, config
+) -> MLAConversion:
+    """The DeepSeek layout's pairs (one progression for every layer and head) and shared-key fits."""
+    geo = shape.geometry
+    half, r = geo.head_dim // 2, shape.rope_pairs
+    scores = None
+    if selection == "attention":
+        per_layer = calibration.pair_scores.get("attention")
+        if per_layer is None:
+            raise ValueError(
+                "The given calibration lacks the attention pair scores; calibrate attention_pairs."
+            )
+        scores = sum(per_layer[i].double().sum(0) for i in range(geo.num_layers))  # (d/2,)
+    stride = sr.choose_stride(scores, half=half, rope_pairs=r)
+    kept = sr.progression_pairs(r, stride)
+    pairs = [[list(kept) for _ in range(geo.num_kv_heads)] for _ in range(geo.num_layers)]
+    if r and calibration.statistics[0].shared_keys is None:
+        raise ValueError("The given calibration lacks the shared-key statistics; calibrate shared_keys=True.")
+    keys = {i: sr.fit_shared_key(calibration.statistics[i].shared_keys, kept) for i in range(geo.num_layers)}
+    eps = float(config.get("rms_norm_eps", 1e-6))
+    return MLAConversion(
+        src_dir, index, shape, selection, factorization, pairs, qkv_bias, o_bias, kv_budget, calibration,
+        layout="deepseek", rope_stride=stride, shared_keys=keys, norm_eps=eps,
+        norm_refine_steps=sr.NORM_REFINE_STEPS,
     )
 
 
@@ -635,8 +833,10 @@ def convert_to_mla(
     dtype: str | torch.dtype | None = None,
     overwrite: bool = False,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    layout: str = "per-head",
 ) -> Path:
     """Write `dst`: checkpoint `src` (None: the embedded SmolLM2) converted to `llama_mla`.
+    `layout`: "per-head" (a RoPE key per KV head on its own pairs) or "deepseek" (see `plan_conversion`).
 
     Ranks: `kv_lora_rank` (d_c) or `kv_budget` (cache fraction of the source, picks d_c and, if
     `rope_pairs` is None, r); neither: full rank. `rope_pairs` None: every pair (or the budget's choice).
@@ -655,6 +855,7 @@ def convert_to_mla(
         calibration_files=calibration_files,
         calibration_tokens=calibration_tokens,
         calibration_window=calibration_window,
+        layout=layout,
     )
     return write_conversion(
         plan, dst, dtype=source.dtype, overwrite=overwrite, max_shard_bytes=max_shard_bytes, start=start
@@ -712,6 +913,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rope-pairs", type=int, default=None, help="r, RoPE pairs kept per KV head")
     parser.add_argument("--rope-selection", choices=rs.SELECTIONS, default=DEFAULT_ROPE_SELECTION)
     parser.add_argument("--factorization", choices=fac.FACTORIZATIONS, default=DEFAULT_FACTORIZATION)
+    parser.add_argument(
+        "--layout",
+        choices=sr.LAYOUTS,
+        default="per-head",
+        help="per-head: a RoPE key per KV head; deepseek: one shared RoPE key + latent norm (DeepSeek MLA)",
+    )
     cli.add_calibration_arguments(parser, default_tokens=DEFAULT_CALIBRATION_TOKENS)
     cli.add_write_arguments(parser)
     args = parser.parse_args(argv)
@@ -726,6 +933,7 @@ def main(argv: list[str] | None = None) -> int:
         rope_pairs=args.rope_pairs,
         rope_selection=args.rope_selection,
         factorization=args.factorization,
+        layout=args.layout,
         **cli.calibration_options(args),
     )
 
