@@ -7,7 +7,10 @@ calls `run`, which goes through the one error path (`hf_attn.tooling.cli`: one l
 from __future__ import annotations
 
 import argparse
+import json
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 from hf_attn.conversion import calibration as cal
 from hf_attn.tooling.cli import add_deprecated_alias, run_command
@@ -54,11 +57,21 @@ def calibration_options(args: argparse.Namespace) -> dict:
     }
 
 
-def run(prog: str, convert: Callable, args: argparse.Namespace, **options) -> int:
+def last_record(out: Path) -> dict:
+    """The newest conversion record of the checkpoint at `out` (config.json["hf_attn"]["last"])."""
+    return json.loads((Path(out) / "config.json").read_text())["hf_attn"]["last"]
+
+
+def run(
+    prog: str, convert: Callable, args: argparse.Namespace, *, describe: Callable[[Path], str], **options
+) -> int:
     """convert(src=--model, dst=--output, dtype=--save-dtype, overwrite=--overwrite, **options): 0 or 2."""
-    return run_command(
-        prog,
-        lambda: convert(
+
+    def convert_and_report() -> None:
+        start = time.perf_counter()
+        out = convert(
             src=args.model, dst=args.output, dtype=args.save_dtype, overwrite=args.overwrite, **options
-        ),
-    )
+        )
+        print(f"{describe(out)} in {time.perf_counter() - start:.1f} s: {out}")
+
+    return run_command(prog, convert_and_report)

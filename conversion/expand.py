@@ -12,7 +12,6 @@ Streams tensor by tensor: memory is one tensor.
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -95,7 +94,6 @@ def expand_checkpoint(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> Path:
     """Write `dst`: the checkpoint `src` with its K/V heads repeated up to `num_kv_heads` (default: MHA)."""
-    start = time.perf_counter()
     source = open_source(src, dst=dst, overwrite=overwrite, dtype=dtype)
     src_dir, config, geometry = source.dir, source.config, source.geometry
     index, dtype = source.index, source.dtype
@@ -120,10 +118,13 @@ def expand_checkpoint(
         dtype=dtype,
         max_shard_bytes=max_shard_bytes,
     )
-    print(
-        f"expanded {geometry.num_kv_heads} -> {target} KV heads in {time.perf_counter() - start:.1f} s: {out}"
-    )
     return out
+
+
+def describe(out: Path) -> str:
+    """One line on the checkpoint `expand_checkpoint` wrote to `out` (for the command)."""
+    heads = cli.last_record(out)["num_key_value_heads"]
+    return f"expanded {heads['from']} -> {heads['to']} KV heads"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-kv-heads", type=int, default=None, help="target KV heads (default: MHA)")
     cli.add_write_arguments(parser)
     args = parser.parse_args(argv)
-    return cli.run(parser.prog, expand_checkpoint, args, num_kv_heads=args.num_kv_heads)
+    return cli.run(parser.prog, expand_checkpoint, args, describe=describe, num_kv_heads=args.num_kv_heads)
 
 
 if __name__ == "__main__":

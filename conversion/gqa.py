@@ -21,7 +21,6 @@ layer is then fitted and streamed like the mean method's. The derivation is in d
 from __future__ import annotations
 
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -472,7 +471,6 @@ def convert_gqa(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> Path:
     """Write `dst`: checkpoint `src` with its KV heads pooled into `num_kv_heads` groups by `method`."""
-    start = time.perf_counter()
     if method not in METHODS:
         raise ValueError(f"Unknown --method {method!r}; choose one of {', '.join(METHODS)}.")
     source = open_source(src, dst=dst, overwrite=overwrite, dtype=dtype)  # fails before any slow calibration
@@ -513,9 +511,14 @@ def convert_gqa(
         dtype=dtype,
         max_shard_bytes=max_shard_bytes,
     )
-    seconds = time.perf_counter() - start
-    print(f"pooled {geometry.num_kv_heads} -> {num_kv_heads} KV heads ({method}) in {seconds:.1f} s: {out}")
     return out
+
+
+def describe(out: Path) -> str:
+    """One line on the checkpoint `convert_gqa` wrote to `out` (for the command)."""
+    record = cli.last_record(out)
+    heads = record["num_key_value_heads"]
+    return f"pooled {heads['from']} -> {heads['to']} KV heads ({record['settings']['method']})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -529,6 +532,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.prog,
         convert_gqa,
         args,
+        describe=describe,
         num_kv_heads=args.num_kv_heads,
         method=args.method,
         **cli.calibration_options(args),

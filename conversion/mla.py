@@ -633,7 +633,6 @@ class MLAConversion:
             return {}
         residual = [float(k.residual.mean()) if len(k.pairs) else 0.0 for k in self.shared_keys.values()]
         return {
-            "layout": "deepseek",
             "rope_pair_stride": self.rope_stride,
             "rope_pairs_kept": self.pairs[0][0],
             "latent_norm": self.norm_eps is not None,
@@ -891,13 +890,18 @@ def write_conversion(
         max_shard_bytes=max_shard_bytes,
         extra_files=copy_model_code,
     )
-    shape = plan.shape
-    print(
-        f"MLA: r={shape.rope_pairs} ({plan.selection}), d_c={shape.kv_lora_rank} ({plan.factorization}), "
-        f"{shape.cache_numbers}/{shape.source_cache_numbers} numbers per token and layer "
-        f"({100 * shape.kv_fraction:.1f}%) in {record['seconds']:.1f} s: {dst}"
-    )
     return dst
+
+
+def describe(out: Path) -> str:
+    """One line on the checkpoint `convert_to_mla` wrote to `out` (for the command)."""
+    r = cli.last_record(out)
+    s, numbers = r["settings"], r["kv_numbers_per_token_per_layer"]
+    return (
+        f"MLA ({s['layout']} layout): r={r['rope_pairs']} ({s['rope_selection']}), d_c={r['kv_lora_rank']} "
+        f"({s['factorization']}), {numbers['mla']}/{numbers['source']} numbers per token and layer "
+        f"({100 * r['kv_fraction']:.1f}%)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -928,6 +932,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.prog,
         convert_to_mla,
         args,
+        describe=describe,
         kv_lora_rank=args.kv_lora_rank,
         kv_budget=args.kv_budget,
         rope_pairs=args.rope_pairs,

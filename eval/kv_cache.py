@@ -63,6 +63,8 @@ def numbers_per_token_per_layer(config) -> int:
     config = config.get_text_config()
     hq = config.num_attention_heads
     hkv = getattr(config, "num_key_value_heads", None) or hq
+    if config.model_type == "deepseek_v3":  # what an MLA engine caches (transformers caches expanded K/V)
+        return int(config.kv_lora_rank) + int(config.qk_rope_head_dim)
     if config.model_type == "llama_mla":
         rope_keys = 1 if getattr(config, "rope_layout", "per_head") == "shared" else hkv
         return LlamaMLAConfig.cache_numbers(int(config.kv_lora_rank), rope_keys, int(config.rope_pairs))

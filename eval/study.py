@@ -162,6 +162,24 @@ def convert(
     `shared` (a dict kept across calls) holds the MLA calibration pass, which does not depend on the ranks:
     every MLA variant of a study reuses it."""
     opts = dict(variant.options)
+    export_to = opts.pop("export", None)
+    if export_to is not None:  # convert beside dst, then write dst as the export (what gets measured)
+        from hf_attn.conversion.export import export_checkpoint
+
+        inner = dst.with_name(dst.name + ".llama_mla")
+        shutil.rmtree(inner, ignore_errors=True)
+        try:
+            convert(
+                dataclasses.replace(variant, options=opts),
+                source=source,
+                dst=inner,
+                settings=settings,
+                shared=shared,
+            )
+            export_checkpoint(src=inner, dst=dst, to=export_to)
+        finally:
+            shutil.rmtree(inner, ignore_errors=True)
+        return
     if variant.kind == "expand":
         from hf_attn.conversion.expand import expand_checkpoint
 
@@ -173,11 +191,15 @@ def convert(
         convert_gqa(src=source, dst=dst, **opts)
     elif variant.kind == "mla":
         from hf_attn.conversion import mla
+        from hf_attn.conversion.calibration import DEFAULT_WINDOW
         from hf_attn.conversion.checkpoint import AttentionGeometry, read_config
 
         opts.setdefault("calibration_tokens", settings.calibration_tokens)
+        if opts.get("layout", "per-head") != "per-head":  # needs statistics of its own: calibrates itself
+            mla.convert_to_mla(src=source, dst=dst, **opts)
+            return
         shared = {} if shared is None else shared
-        files, window = opts.get("calibration_files"), opts.get("calibration_window", mla.cal.DEFAULT_WINDOW)
+        files, window = opts.get("calibration_files"), opts.get("calibration_window", DEFAULT_WINDOW)
         key = ("mla", str(source), opts["calibration_tokens"], window, json.dumps(files, default=str))
         if key not in shared:
             shared[key] = mla.calibrate(
@@ -231,13 +253,21 @@ def measure(path: Path, settings: Settings) -> dict:
         batch_size=1,
         new_tokens=settings.decode_new_tokens,
     )
+    # KV bytes measured from a real cache, except for deepseek_v3 exports: transformers' DeepseekV3 caches
+    # expanded per-head K/V, so their row states what an MLA engine (vLLM, SGLang) caches, from the config.
+    kv = (
+        ppl["kv_bytes_per_token"]
+        if ppl["model_type"] == "deepseek_v3"
+        else ppl["kv_bytes_per_token_measured"]
+    )
     return {
         "perplexity": ppl["perplexity"],
         "tokens_scored": ppl["tokens_scored"],
         "corpus_sha256": ppl["corpus_sha256"],
-        "kv_bytes_per_token": ppl["kv_bytes_per_token_measured"]["total"],
+        "model_type": ppl["model_type"],
+        "kv_bytes_per_token": kv["total"],
         "kv_bytes_per_token_config": (ppl["kv_bytes_per_token"] or {}).get("total"),
-        "kv_numbers_per_token_per_layer": ppl["kv_bytes_per_token_measured"]["numbers_per_token_per_layer"],
+        "kv_numbers_per_token_per_layer": kv["numbers_per_token_per_layer"],
         "decode_tokens_per_second": decode["decode_tokens_per_second"],
         "lastword_acc": accuracy["lastword_acc"],
         "task_items": accuracy["items"],

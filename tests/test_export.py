@@ -248,6 +248,12 @@ def test_exported_files_are_what_the_engines_read(exported):
     assert (cfg["qk_rope_head_dim"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]) == (8, 4, 8)
     assert cfg["rope_theta"] == pytest.approx(model.config.rope_parameters["rope_theta"])
     assert cfg["hf_attn"]["last"]["cache_numbers_per_token_and_layer"] == {"source": 16, "export": 20}
+    from transformers import AutoConfig
+
+    from hf_attn.eval.kv_cache import kv_bytes_per_token  # what an MLA engine caches for the export
+
+    kv = kv_bytes_per_token(AutoConfig.from_pretrained(out))
+    assert kv.numbers_per_token_per_layer == 20 and kv.total == 20 * L * 4
     from safetensors import safe_open
 
     with safe_open(str(out / "model.safetensors"), "pt") as f:

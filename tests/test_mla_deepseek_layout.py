@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import exit_status
 
 from hf_attn.conversion import mla
 from hf_attn.conversion import shared_rope as sr
@@ -301,7 +302,7 @@ def test_deepseek_layout_is_exact_for_shared_keys_and_constant_latent_rms(
     assert config["rope_pair_indices"] == [[[0, 1, 2, 3]]] * 2
     assert config["kv_lora_rank"] == num_kv_heads * 8  # Hkv (d - 2r) + Hkv d at r = d/2
     record = config["hf_attn"]["last"]
-    assert record["layout"] == "deepseek" and record["rope_pair_stride"] == 1
+    assert record["settings"]["layout"] == "deepseek" and record["rope_pair_stride"] == 1
     assert record["kv_numbers_per_token_per_layer"]["mla"] == config["kv_lora_rank"] + 8
     assert max(record["shared_key_residual_per_layer"]) < 1e-9
     ids = torch.randint(0, VOCAB, (2, 40), generator=torch.Generator().manual_seed(0))
@@ -337,20 +338,16 @@ def test_cli_layout_flag_and_refusals(smollm2_path, tmp_path, capsys):
     ]
     for extra, word in bad:
         out = tmp_path / "bad"
-        with pytest.raises(SystemExit) as exc:
-            mla.main([*base, "--output", str(out), *extra])
-        assert exc.value.code == 2
+        assert exit_status(mla.main, [*base, "--output", str(out), *extra]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and word in err, err
         assert not out.exists()
-    with pytest.raises(SystemExit) as exc:
-        mla.main([*base, "--output", str(tmp_path / "x"), "--layout", "interleaved"])
-    assert exc.value.code == 2
+    assert exit_status(mla.main, [*base, "--output", str(tmp_path / "x"), "--layout", "interleaved"]) == 2
     assert (
         mla.main([*base, "--output", str(tmp_path / "ok"), "--layout", "deepseek", "--kv-budget", "0.5"]) == 0
     )
     config = json.loads((tmp_path / "ok" / "config.json").read_text())
-    assert config["rope_layout"] == "shared" and config["hf_attn"]["last"]["layout"] == "deepseek"
+    assert config["rope_layout"] == "shared" and config["hf_attn"]["last"]["settings"]["layout"] == "deepseek"
     assert mla.main([*base, "--output", str(tmp_path / "ph"), "--kv-budget", "0.5"]) == 0  # default: per-head
     assert (
         json.loads((tmp_path / "ph" / "config.json").read_text()).get("rope_layout", "per_head") == "per_head"
