@@ -355,22 +355,22 @@ def test_cli_layout_flag_and_refusals(smollm2_path, tmp_path, capsys):
 
 
 def test_heal_runs_on_the_deepseek_layout(smollm2_path, tmp_path):
-    from hf_attn.conversion.heal import heal
+    from hf_attn.conversion.heal import HealSettings, heal
 
     src = _tiny(tmp_path / "src", smollm2_path, num_kv_heads=2, constant_rms=False)
     dst = _convert(src, tmp_path / "ds", kv_budget=0.5)
-    result = heal(
-        model=dst,
-        output=tmp_path / "healed",
-        train_text=[tmp_path / "calibration.txt"],
+    settings = HealSettings(
+        model=str(dst),
+        output=str(tmp_path / "healed"),
+        train_text=[str(tmp_path / "calibration.txt")],
         max_steps=2,
         seq_len=32,
         batch_size=2,
         lr=1e-3,
         eval_tokens=0,
-        progress=False,
     )
-    assert result["steps"] == 2 if isinstance(result, dict) and "steps" in result else True
+    result = heal(settings, progress=False)
+    assert result["steps"] == 2
     config = json.loads((tmp_path / "healed" / "config.json").read_text())
     assert config["rope_layout"] == "shared" and config["latent_norm"] is True
     from safetensors.torch import load_file

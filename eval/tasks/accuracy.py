@@ -11,6 +11,9 @@ The scores are lm-eval's own (tests/test_harness.py checks them against an indep
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import time
 
 from hf_attn.eval.harness import evaluate_model
@@ -37,12 +40,17 @@ def task_accuracy(
     was_training = model.training
     model.eval()
     start = time.perf_counter()
+    lm_eval_log = logging.getLogger("lm_eval")
+    level = lm_eval_log.level
+    lm_eval_log.setLevel(logging.ERROR)  # a library call: lm-eval's warnings and progress bars stay quiet
     try:
-        results = evaluate_model(
-            model, tokenizer, list(tasks), batch_size=batch_size, limit=limit, bootstrap_iters=0
-        )["results"]
+        with contextlib.redirect_stderr(io.StringIO()):
+            results = evaluate_model(
+                model, tokenizer, list(tasks), batch_size=batch_size, limit=limit, bootstrap_iters=0
+            )["results"]
     finally:
         model.train(was_training)
+        lm_eval_log.setLevel(level)
     out = {name: results[task][key] for (task, key), name in _KEYS.items() if task in tasks}
     out["items"] = {task: results[task]["sample_len"] for task in tasks}
     out["limit"] = limit
