@@ -1,17 +1,8 @@
 """Corpus perplexity with sliding windows (the Transformers perplexity guide), on one or many processes.
 
-Protocol: the corpus is tokenized once into N tokens. Window w covers tokens [w*stride, w*stride + L) (the
-last one is cut at N; windows stop once one reaches the end). Token j is predicted from the tokens before it
-in its window; each window scores only the tokens that no earlier window scored (all others get label -100),
-so every token but the first is scored once when stride < L, and with stride == L (disjoint windows, the
-protocol of GPTQ / SparseGPT / TransMLA) the first token of every window is context only. Corpus perplexity
-= exp(sum of token NLL / number of scored tokens), the NLL summed in float64.
-
-Speed: windows of equal shape are batched; only the scored positions reach the LM head (`logits_to_keep`), and
-the cross-entropy runs over row chunks so no second full-vocabulary tensor is ever alive.
-
-Many processes (`accelerate launch -m eval.perplexity ...`): the batches are dealt round-robin to the
-processes and (NLL sum, token count) is summed with one reduce; the result equals the single-process one.
+The protocol (windows, scoring, batching, the (NLL, count) reduce across processes) is
+`hf_attn.tooling.perplexity`; this module is its command line, `hf-attn perplexity` (settings: one dataclass,
+`PerplexitySettings`; `accelerate launch -m eval.perplexity ...` runs it on many processes).
 
     python -m eval.perplexity --model PATH_OR_HUB_ID [--attn-implementation NAME]
         [--text FILE ... | --dataset NAME [--dataset-config C] [--split S] [--text-column COL]]
