@@ -148,6 +148,23 @@ def augmented_moment(x: torch.Tensor) -> torch.Tensor:
     return xa.T @ xa  # (C + 1, C + 1)
 
 
+def causal_probabilities(
+    q_rot: torch.Tensor, k_rot: torch.Tensor, query_positions: torch.Tensor, *, window: int | None
+) -> torch.Tensor:
+    """The source's attention probabilities on one calibration window, as statistics need them.
+
+    q_rot (Tq, Hkv, G, d): post-RoPE queries at `query_positions` (Tq,), grouped by the KV head they read;
+    k_rot (T, Hkv, d): post-RoPE keys of every position (the same dimension order as the queries);
+    window: the layer's sliding window (None: full causal) -> p (Hkv, G, Tq, T), scale d**-0.5."""
+    T, d = k_rot.shape[0], k_rot.shape[-1]
+    scores = torch.einsum("tgjd,sgd->gjts", q_rot, k_rot) * d**-0.5  # (Hkv, G, Tq, T)
+    s_pos = torch.arange(T)
+    keep = query_positions[:, None] >= s_pos[None]  # (Tq, T)
+    if window is not None:
+        keep &= query_positions[:, None] - s_pos[None] < window
+    return scores.masked_fill(~keep, float("-inf")).softmax(-1)  # (Hkv, G, Tq, T)
+
+
 def capture_attention_inputs(
     model,
     input_ids: torch.Tensor,

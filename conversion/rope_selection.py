@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from hf_attn.conversion.calibration import causal_probabilities
+
 SELECTIONS = ("high", "uniform", "2norm", "attention")
 CALIBRATED_SELECTIONS = ("2norm", "attention")
 QUERY_STRIDE = 32  # `attention` statistics use every 32nd query of each calibration window (all keys)
@@ -173,12 +175,7 @@ class AttentionPairStats:
         r1, r2 = rotate(k, c, s)  # rotated keys
         qr = torch.stack((p1, p2), 2).view(Tq, hkv, group, d)  # (Tq, Hkv, G, d) in pair-blocked order
         kr = torch.stack((r1, r2), 2).view(T, hkv, d)  # (T, Hkv, d), same order: dot products agree
-        scores = torch.einsum("tgjd,sgd->gjts", qr, kr) * d**-0.5  # (Hkv, G, Tq, T)
-        s_pos = torch.arange(T)
-        keep = tq[:, None] >= s_pos[None]  # (Tq, T)
-        if window is not None:
-            keep &= tq[:, None] - s_pos[None] < window
-        p = scores.masked_fill(~keep, float("-inf")).softmax(-1)  # (Hkv, G, Tq, T)
+        p = causal_probabilities(qr, kr, tq, window=window)  # (Hkv, G, Tq, T)
 
         # per-key features of every pair, averaged under p: k, k' and the products the variances need
         feats = torch.stack(

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_attn.conversion.calibration import causal_probabilities
 from hf_attn.conversion.gqa import fit_keys
 
 LAYOUTS = ("per-head", "deepseek")
@@ -123,12 +124,7 @@ class SharedKeyStatistics:
 
         qr = rot(q, cos[tq], sin[tq]).view(len(tq), hkv, group, d)  # (Tq, Hkv, G, d)
         kr = rot(k, cos, sin)  # (T, Hkv, d)
-        scores = torch.einsum("tgjd,sgd->gjts", qr, kr) * d**-0.5  # (Hkv, G, Tq, T)
-        s_pos = torch.arange(T)
-        keep = tq[:, None] >= s_pos[None]  # (Tq, T)
-        if window is not None:
-            keep &= tq[:, None] - s_pos[None] < window
-        p = scores.masked_fill(~keep, float("-inf")).softmax(-1)  # (Hkv, G, Tq, T)
+        p = causal_probabilities(qr, kr, tq, window=window)  # (Hkv, G, Tq, T)
         q_power = (q[..., :half] ** 2 + q[..., half:] ** 2).view(
             len(tq), hkv, group, half
         )  # (Tq, Hkv, G, d/2)
