@@ -38,11 +38,11 @@ def add_calibration_arguments(parser: argparse.ArgumentParser, *, default_tokens
 
 
 def add_write_arguments(parser: argparse.ArgumentParser) -> None:
-    """--save-dtype (cast of the written weights; `--dtype`, its old spelling, still works) and --overwrite."""
+    """--save-dtype (cast of the written weights; the old `--dtype` still works) and --overwrite."""
     parser.add_argument(
         "--save-dtype",
         default=None,
-        help="cast the written floating weights to this dtype (float32, bfloat16, float16; default: the source's)",
+        help="dtype of the written floating weights (float32, bfloat16, float16; default: the source's)",
     )
     add_deprecated_alias(parser, "--dtype", new_flag="--save-dtype", dest="save_dtype")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output")

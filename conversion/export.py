@@ -666,7 +666,8 @@ def main(argv: list[str] | None = None) -> int:
         src_n = config["hf_attn"]["last"]["cache_numbers_per_token_and_layer"]["source"]
         pad = f" (+{out - src_n} zero-padded: {out / src_n:.2f}x the source's cache)" if out > src_n else ""
         print(
-            f"exported to deepseek_v3 in {time.perf_counter() - start:.1f} s: {dst}; cache per token and layer "
+            f"exported to deepseek_v3 in {time.perf_counter() - start:.1f} s: {dst}; cache per token and "
+            "layer "
             f"{out} numbers = kv_lora_rank {config['kv_lora_rank']} + qk_rope_head_dim "
             f"{config['qk_rope_head_dim']}{pad}"
         )

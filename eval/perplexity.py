@@ -49,7 +49,10 @@ class PerplexitySettings:
     max_tokens: int | None = setting(None, help="evaluate only the first N tokens")
     batch_size: int = setting(1)
     load_dtype: str = setting(
-        "float32", help="dtype the weights are loaded in", choices=list(loading.DTYPES), deprecated_flags=("--dtype",)
+        "float32",
+        help="dtype the weights are loaded in",
+        choices=list(loading.DTYPES),
+        deprecated_flags=("--dtype",),
     )
     device_map: str | None = setting(None, help='e.g. "auto" to spread a large model over devices')
     output: str | None = setting(None, help="write the JSON record here")

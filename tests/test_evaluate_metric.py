@@ -78,7 +78,9 @@ def monkeypatch_module():
 def test_metric_equals_eval_perplexity(metric, tiny_checkpoint, texts, options):
     parts, files = texts
     got = metric.compute(predictions=parts, model_id=str(tiny_checkpoint), **options)
-    settings = perplexity.PerplexitySettings(model=str(tiny_checkpoint), texts=files, progress=False, **options)
+    settings = perplexity.PerplexitySettings(
+        model=str(tiny_checkpoint), texts=files, progress=False, **options
+    )
     ref = perplexity.run(settings)
     assert got["corpus_sha256"] == ref["corpus_sha256"]  # the same corpus text ...
     assert got["tokens_scored"] == ref["tokens_scored"]  # ... the same windows ...

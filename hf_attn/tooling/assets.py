@@ -251,7 +251,7 @@ class _RReader:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`hf-attn assets` (`python -m hf_attn.assets`): fetch the embedded default once, print where it lives."""
+    """`hf-attn assets` (`python -m hf_attn.assets`): fetch the embedded default once; print where."""
     import argparse
 
     from hf_attn.tooling.cli import run_command

@@ -1,5 +1,5 @@
-"""Models for the offline tools: the ONE model resolver, dtype parsing, config / model / tokenizer loading with
-clear errors, attention implementation names, checkpoint hashing and library versions.
+"""Models for the offline tools: the ONE model resolver, dtype parsing, config / model / tokenizer loading
+with clear errors, attention implementation names, checkpoint hashing and library versions.
 
 Every function here raises `ValueError` / `FileNotFoundError` (one line, saying what would fix it) for a user
 mistake; `hf_attn.tooling.cli` turns those into exit status 2.
@@ -86,7 +86,8 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
     except Exception as err:  # network, auth, offline without a cached copy
         offline = " (offline: HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") == "1" else ""
         raise FileNotFoundError(
-            f"Could not fetch {text!r} from the Hugging Face hub{offline} ({type(err).__name__}); pass a local "
+            f"Could not fetch {text!r} from the Hugging Face hub{offline} ({type(err).__name__}); pass a "
+            "local "
             "checkpoint directory, or check the id and the network."
         ) from err
 
