@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from pathlib import Path
 
 COLUMNS = (
@@ -130,10 +131,11 @@ def plot_pareto(record: dict, path: Path) -> None:
     ax.set_xlabel("KV cache, KiB per token (fp32, all layers, measured)")
     ax.set_ylabel("perplexity (lower is better)")
     ax.set_title("SmolLM2-135M: KV cache vs perplexity", fontsize=11)
-    ax.text(0.01, 0.01, record["protocol"], transform=ax.transAxes, fontsize=6.5, color="0.4")
+    protocol = textwrap.fill(record["protocol"], 110)  # under the axes, wrapped to the figure's width
+    fig.text(0.01, 0.005, protocol, fontsize=6.5, color="0.4", va="bottom")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="upper right", fontsize=8)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.02 + 0.018 * protocol.count("\n"), 1, 1))
     fig.savefig(path)
     plt.close(fig)
 
