@@ -160,7 +160,9 @@ def write_report(record: dict, results: Path) -> None:
         f"{s['heal_trainable']}, on the five other novels. Calibration: "
         f"{s['calibration_tokens']} tokens of the "
         f"five other novels (one pass shared by the MLA variants, counted in the first one's Convert s). "
-        f"KV bytes per token are measured from a real cache (fp32, all 30 layers). Decode: tokens/s of "
+        f"KV bytes per token are measured from a real cache (fp32, all 30 layers), except for deepseek_v3 "
+        "exports: what an MLA engine (vLLM, SGLang) caches, from the config (transformers' DeepseekV3 caches "
+        "expanded per-head K/V). Decode: tokens/s of "
         f"greedy decoding with a real cache, so it is noisy on a shared machine. "
         f"Wall time {record['wall_seconds'] / 60:.1f} min{_resumed_note(record)}.",
         "",
