@@ -381,6 +381,20 @@ def test_heal_runs_on_the_deepseek_layout(smollm2_path, tmp_path):
     name = "model.layers.0.self_attn.latent_norm.weight"
     assert name in after and not torch.equal(before[name], after[name])  # trained like every parameter
 
+    # ... and the healed checkpoint still exports exactly: vanilla DeepseekV3ForCausalLM gives its logits.
+    from transformers import AutoModelForCausalLM
+
+    from hf_attn.conversion.export import export_checkpoint
+
+    exported = export_checkpoint(src=tmp_path / "healed", dst=tmp_path / "exported")
+    ids = torch.arange(3, 27)[None]
+    with torch.no_grad():
+        want = AutoModelForCausalLM.from_pretrained(tmp_path / "healed").eval()(ids).logits
+        vanilla = AutoModelForCausalLM.from_pretrained(exported).eval()
+        assert type(vanilla).__name__ == "DeepseekV3ForCausalLM"
+        got = vanilla(ids).logits
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
 
 def test_latent_norm_refinement_never_increases_the_error():
     g = torch.Generator().manual_seed(6)
