@@ -48,3 +48,14 @@ def exit_status(main, argv) -> int:
         return main(argv)
     except SystemExit as exit_:
         return exit_.code
+
+
+# The tiny attention geometry the MLA and export tests share: E=48, Hq=6, Hkv=2, d=8 (4 RoPE pairs), 2 layers.
+TINY_SHAPE = dict(
+    hidden_size=48,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    head_dim=8,
+)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import exit_status
+from conftest import TINY_SHAPE, exit_status
 from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
 from hf_attn.conversion import export
@@ -30,12 +30,7 @@ GEN_TOKENS = 32
 
 SRC_TINY = dict(
     vocab_size=97,
-    hidden_size=48,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=6,
-    num_key_value_heads=2,
-    head_dim=8,
+    **TINY_SHAPE,
     max_position_embeddings=64,
     rms_norm_eps=1e-5,
     tie_word_embeddings=False,

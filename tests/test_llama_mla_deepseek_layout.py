@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import TINY_SHAPE
 
 from hf_attn.models.llama_mla import LlamaMLAConfig, LlamaMLAForCausalLM
 
@@ -20,12 +21,7 @@ TOL = 1e-4  # max |diff| relative to max |logit|, fp32
 # E=48, Hq=6, Hkv=2 (G=3), d=8 (4 pairs), r=2, d_c=12, 2 layers; shared key pairs differ by layer.
 TINY = dict(
     vocab_size=97,
-    hidden_size=48,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=6,
-    num_key_value_heads=2,
-    head_dim=8,
+    **TINY_SHAPE,
     max_position_embeddings=64,
     rms_norm_eps=1e-5,
     tie_word_embeddings=False,

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY_SHAPE
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 from transformers.models.llama.modeling_llama import rotate_half
 
@@ -29,12 +30,7 @@ TOL = 1e-4  # max |diff| relative to max |logit|, fp32
 # Tiny shapes: E=48, Hq=6, Hkv=2 (G=3), d=8 (4 RoPE pairs per head), 2 layers.
 TINY = dict(
     vocab_size=97,
-    hidden_size=48,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=6,
-    num_key_value_heads=2,
-    head_dim=8,
+    **TINY_SHAPE,
     max_position_embeddings=64,
     rms_norm_eps=1e-6,
     tie_word_embeddings=False,

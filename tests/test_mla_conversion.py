@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import exit_status
+from conftest import TINY_SHAPE, exit_status
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 from transformers.models.llama.modeling_llama import rotate_half
 
@@ -29,12 +29,7 @@ TOL = 1e-4  # max |diff| relative to max |logit|, fp32
 VOCAB = 49152  # SmolLM2's tokenizer, copied into the tiny checkpoints so that calibration can run
 TINY = dict(
     vocab_size=VOCAB,
-    hidden_size=48,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=6,
-    num_key_value_heads=2,
-    head_dim=8,
+    **TINY_SHAPE,
     max_position_embeddings=128,
     rms_norm_eps=1e-6,
     tie_word_embeddings=True,
