@@ -59,3 +59,15 @@ TINY_SHAPE = dict(
     num_key_value_heads=2,
     head_dim=8,
 )
+
+
+def saved_checkpoint(tmp_path_factory, name: str, model, tokenizer):
+    """Generator for module-scoped fixtures: `model` and `tokenizer` saved in a fresh temporary directory,
+    yielded, then deleted (tiny checkpoints, but many of them across the suite)."""
+    import shutil
+
+    path = tmp_path_factory.mktemp(name)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

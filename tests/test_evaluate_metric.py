@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import saved_checkpoint
 
 evaluate = pytest.importorskip("evaluate")
 
@@ -31,13 +32,7 @@ def tiny_checkpoint(smollm2_path, tmp_path_factory):
         max_position_embeddings=256,
         tie_word_embeddings=True,
     )
-    path = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    yield path
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)
+    yield from saved_checkpoint(tmp_path_factory, "tiny-llama", LlamaForCausalLM(config), tokenizer)
 
 
 @pytest.fixture(scope="module")

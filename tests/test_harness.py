@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from conftest import saved_checkpoint
 
 pytest.importorskip("lm_eval")
 
@@ -23,12 +24,6 @@ def tokenizer(smollm2_path):
     return AutoTokenizer.from_pretrained(smollm2_path)
 
 
-def _save(model, tokenizer, path):
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def tiny_gqa(tokenizer, tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -43,11 +38,7 @@ def tiny_gqa(tokenizer, tmp_path_factory):
         num_key_value_heads=2,
         max_position_embeddings=512,
     )
-    path = tmp_path_factory.mktemp("tiny-gqa")
-    yield _save(LlamaForCausalLM(config), tokenizer, path)
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)
+    yield from saved_checkpoint(tmp_path_factory, "tiny-gqa", LlamaForCausalLM(config), tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +56,7 @@ def tiny_mla(tokenizer, tmp_path_factory):
         kv_lora_rank=12,
         rope_pairs=2,
     )
-    path = tmp_path_factory.mktemp("tiny-mla")
-    yield _save(LlamaMLAForCausalLM(config), tokenizer, path)
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)
+    yield from saved_checkpoint(tmp_path_factory, "tiny-mla", LlamaMLAForCausalLM(config), tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -98,11 +85,7 @@ def tiny_deepseek(tokenizer, tmp_path_factory):
         v_head_dim=8,
         max_position_embeddings=512,
     )
-    path = tmp_path_factory.mktemp("tiny-deepseek")
-    yield _save(DeepseekV3ForCausalLM(config), tokenizer, path)
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)
+    yield from saved_checkpoint(tmp_path_factory, "tiny-deepseek", DeepseekV3ForCausalLM(config), tokenizer)
 
 
 def _loglik(model, tokenizer, context: str, continuation: str) -> tuple[float, bool]:
