@@ -6,7 +6,8 @@
 - `for_each_attention_input(model, ids, fn, window=...)`: runs the model over disjoint windows and calls
   `fn(layer, hidden_states, position_embeddings)` with the input of every `self_attn` (the post-norm hidden
   states, (B, T, C), and RoPE's (cos, sin), each (B, T, D)). Nothing is kept: the caller accumulates what it
-  needs, so memory is the model plus one window's activations.
+  needs, so memory is the model plus one window's activations; or, for a `layerwise.LayerwiseModel` (what
+  the converters pass), one decoder layer plus every window's hidden states.
 - `augmented_moment(x)`: the usual statistic to accumulate there, the float64 second moment of the augmented
   input [x; 1], M = sum_t [x_t; 1][x_t; 1]^T of shape (C + 1, C + 1). Every second moment of q, k and v (with
   biases) follows from it: E[k k^T] = [W_k | b_k] M [W_k | b_k]^T / N. Memory: (C + 1)^2 float64 per layer.
@@ -103,7 +104,13 @@ def for_each_attention_input(
         x                     (1, T, C)  input of `layers[layer].self_attn` (after input_layernorm)
         position_embeddings   (cos, sin), each (1, T, D), or None if the model passes none
     T <= window (the last window may be shorter). Layers after the last wanted one are skipped.
+    `model`: a loaded causal LM (hooks on its layers, the whole model in memory), or a
+    `layerwise.LayerwiseModel` (one decoder layer in memory at a time; what the converters use).
     """
+    from hf_attn.conversion.layerwise import LayerwiseModel
+
+    if isinstance(model, LayerwiseModel):
+        return model.for_each_attention_input(input_ids, fn, window=window, layers=layers, progress=progress)
     blocks = _decoder_layers(model)
     wanted = sorted(set(range(len(blocks)) if layers is None else layers))
     if not wanted or wanted[0] < 0 or wanted[-1] >= len(blocks):

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hf_attn.conversion import calibration as cal
-from hf_attn.tooling.cli import add_deprecated_alias, run_command
+from hf_attn.conversion import layerwise
+from hf_attn.tooling.cli import add_deprecated_alias, add_settings_arguments, run_command
 
 
 def converter_parser(prog: str, doc: str, *, output_help: str) -> argparse.ArgumentParser:
@@ -25,7 +26,8 @@ def converter_parser(prog: str, doc: str, *, output_help: str) -> argparse.Argum
 
 
 def add_calibration_arguments(parser: argparse.ArgumentParser, *, default_tokens: int) -> None:
-    """--calibration-text FILE..., --calibration-tokens N, --calibration-window N."""
+    """--calibration-text FILE..., --calibration-tokens N, --calibration-window N, and where the
+    layer-by-layer calibration forward runs: --device, --forward-dtype (`layerwise.ForwardSettings`)."""
     parser.add_argument(
         "--calibration-text",
         nargs="+",
@@ -35,6 +37,7 @@ def add_calibration_arguments(parser: argparse.ArgumentParser, *, default_tokens
     )
     parser.add_argument("--calibration-tokens", type=int, default=default_tokens)
     parser.add_argument("--calibration-window", type=int, default=cal.DEFAULT_WINDOW)
+    add_settings_arguments(parser, layerwise.ForwardSettings)
 
 
 def add_write_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,6 +57,8 @@ def calibration_options(args: argparse.Namespace) -> dict:
         "calibration_files": args.calibration_text,
         "calibration_tokens": args.calibration_tokens,
         "calibration_window": args.calibration_window,
+        "device": args.device,
+        "forward_dtype": args.forward_dtype,
     }
 
 

@@ -30,9 +30,8 @@ from tqdm.auto import tqdm
 from transformers.models.llama.modeling_llama import rotate_half
 
 from hf_attn.conversion import calibration as cal
-from hf_attn.conversion import cli
+from hf_attn.conversion import cli, layerwise
 from hf_attn.conversion.checkpoint import (
-    ATTENTION_PROJECTIONS,
     DEFAULT_MAX_SHARD_BYTES,
     AttentionGeometry,
     TensorInfo,
@@ -425,18 +424,20 @@ def calibrate(
     files: list[Path] | None,
     tokens: int,
     window: int,
+    device: str = "cpu",
+    forward_dtype: str = "float32",
     progress: bool = True,
 ) -> dict[int, dict[str, torch.Tensor | None]]:
-    """Calibrated pooling of every layer: one fp32 forward pass of the source over the calibration text
-    collects each layer's AttentionStatistics, then each layer is fitted. Needs the source model in fp32
-    (as transformers loads it) plus the statistics; returns the new attention tensors of every layer
-    (float32), keyed like `calibrated_pool_layer`'s output. Every layer is fitted on the source's own
-    activations (one pass; docs/gqa.md says why not sequentially)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Calibrated pooling of every layer: one layer-by-layer forward pass of the source over the calibration
+    text (`layerwise.LayerwiseModel`: one decoder layer in memory at a time, on `device` in `forward_dtype`)
+    collects each layer's AttentionStatistics, then each layer is fitted. Returns the new attention tensors
+    of every layer (float32), keyed like `calibrated_pool_layer`'s output. Every layer is fitted on the
+    source's own activations (one pass; docs/gqa.md says why not sequentially)."""
+    from transformers import AutoTokenizer
 
+    model = layerwise.LayerwiseModel(src_dir, device=device, forward_dtype=forward_dtype)
     tokenizer = AutoTokenizer.from_pretrained(src_dir)
     ids = cal.calibration_ids(tokenizer, files, tokens)
-    model = AutoModelForCausalLM.from_pretrained(src_dir, dtype=torch.float32).eval()
     with torch.inference_mode():
         stats = collect_attention_statistics(model, ids, pooling=pooling, window=window, progress=progress)
     out = {}
@@ -444,13 +445,7 @@ def calibrate(
     torch.set_num_threads(1)  # the fits are many small matrix products: threads only add synchronisation
     try:
         for layer in tqdm(range(pooling.geometry.num_layers), desc="fit", unit="layer", disable=not progress):
-            att = model.model.layers[layer].self_attn
-            params = {
-                f"{p}.{k}": getattr(getattr(att, p), k)
-                for p in ATTENTION_PROJECTIONS
-                for k in ("weight", "bias")
-            }
-            weights = {k: None if v is None else v.detach() for k, v in params.items()}
+            weights = model.attention_weights(layer)  # float32, as the fp32 model holds them
             out[layer] = calibrated_pool_layer(weights=weights, stats=stats.pop(layer), pooling=pooling)
     finally:
         torch.set_num_threads(threads)
@@ -466,13 +461,17 @@ def convert_gqa(
     calibration_files: list[str | Path] | None = None,
     calibration_tokens: int = cal.DEFAULT_CALIBRATION_TOKENS,
     calibration_window: int = cal.DEFAULT_WINDOW,
+    device: str = "cpu",
+    forward_dtype: str = "float32",
     dtype: str | torch.dtype | None = None,
     overwrite: bool = False,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> Path:
-    """Write `dst`: checkpoint `src` with its KV heads pooled into `num_kv_heads` groups by `method`."""
+    """Write `dst`: checkpoint `src` with its KV heads pooled into `num_kv_heads` groups by `method`.
+    `device`, `forward_dtype`: where the calibration forward runs (`layerwise.ForwardSettings`)."""
     if method not in METHODS:
         raise ValueError(f"Unknown --method {method!r}; choose one of {', '.join(METHODS)}.")
+    layerwise.resolve_forward(device, forward_dtype)  # fails before any slow work
     source = open_source(src, dst=dst, overwrite=overwrite, dtype=dtype)  # fails before any slow calibration
     src_dir, config, geometry = source.dir, source.config, source.geometry
     index, dtype = source.index, source.dtype
@@ -481,7 +480,7 @@ def convert_gqa(
         kind="gqa",
         source=src_dir,
         source_hash=checkpoint_hash(src_dir),
-        settings={"method": method, "num_kv_heads": num_kv_heads},
+        settings={"method": method, "num_kv_heads": num_kv_heads, "device": None, "forward_dtype": None},
         num_key_value_heads={"from": geometry.num_kv_heads, "to": num_kv_heads},
         groups=pooling.groups,
         calibration=None,
@@ -496,7 +495,10 @@ def convert_gqa(
             files=files,
             tokens=calibration_tokens,
             window=calibration_window,
+            device=device,
+            forward_dtype=forward_dtype,
         )
+        record["settings"].update(layerwise.forward_record(device, forward_dtype))
         record["calibration"] = {
             **cal.corpus_record(files, calibration_tokens),
             "window": calibration_window,

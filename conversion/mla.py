@@ -32,7 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 from hf_attn.conversion import calibration as cal
-from hf_attn.conversion import cli
+from hf_attn.conversion import cli, layerwise
 from hf_attn.conversion import factorization as fac
 from hf_attn.conversion import rope_selection as rs
 from hf_attn.conversion import shared_rope as sr
@@ -424,15 +424,18 @@ def calibrate(
     window: int = cal.DEFAULT_WINDOW,
     shared_keys: bool = False,
     sample_stride: int = 0,
+    device: str = "cpu",
+    forward_dtype: str = "float32",
 ) -> Calibration:
-    """One fp32 forward pass of the source over `tokens` calibration tokens (windows of `window`).
+    """One forward pass of the source over `tokens` calibration tokens (windows of `window`), layer by layer
+    (`layerwise.LayerwiseModel`: one decoder layer in memory at a time, on `device` in `forward_dtype`).
     The DeepSeek layout also needs `shared_keys` (sr.SharedKeyStatistics) and the inputs of every
     `sample_stride`-th token (0: none) for its latent-norm refit."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
+    model = layerwise.LayerwiseModel(src_dir, device=device, forward_dtype=forward_dtype)
     tokenizer = AutoTokenizer.from_pretrained(src_dir)
     ids = cal.calibration_ids(tokenizer, files, tokens)
-    model = AutoModelForCausalLM.from_pretrained(src_dir, dtype=torch.float32).eval()
     layers = list(model.model.layers)
     stats = {i: LayerStatistics() for i in range(geometry.num_layers)}
     heads = dict(num_heads=geometry.num_heads, num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim)
@@ -478,7 +481,11 @@ def calibrate(
     if shared is not None:
         for i in range(geometry.num_layers):
             stats[i].shared_keys = shared.sums[i]
-    record = {**cal.corpus_record(files, tokens), "window": window}
+    record = {
+        **cal.corpus_record(files, tokens),
+        "window": window,
+        **layerwise.forward_record(device, forward_dtype),
+    }
     pair_scores = {}
     if norms is not None:
         pair_scores["2norm"] = norms.scores()
@@ -618,6 +625,7 @@ class MLAConversion:
                 "rope_selection": self.selection,
                 "factorization": self.factorization,
                 "layout": self.layout,
+                **self._forward_settings(),
             },
             kv_lora_rank=s.kv_lora_rank,
             rope_pairs=s.rope_pairs,
@@ -627,6 +635,11 @@ class MLAConversion:
             calibration=None if self.calibration is None else self.calibration.record,
             **self._deepseek_record(),
         )
+
+    def _forward_settings(self) -> dict:
+        """device / forward_dtype of the calibration forward (None: no calibration ran)."""
+        record = {} if self.calibration is None else self.calibration.record
+        return {key: record.get(key) for key in ("device", "forward_dtype")}
 
     def _deepseek_record(self) -> dict:
         if self.layout != "deepseek":
@@ -706,6 +719,8 @@ def plan_conversion(
     calibration_window: int = cal.DEFAULT_WINDOW,
     calibration: Calibration | None = None,
     layout: str = "per-head",
+    device: str = "cpu",
+    forward_dtype: str = "float32",
 ) -> MLAConversion:
     """Validate everything, calibrate if the options need it (or reuse `calibration`), choose the pairs.
     layout "deepseek": one RoPE key per layer shared by all heads on the pairs 0, s, ..., (r-1) s of every
@@ -763,6 +778,8 @@ def plan_conversion(
             window=calibration_window,
             shared_keys=deepseek and shape.rope_pairs > 0,
             sample_stride=sr.SAMPLE_STRIDE if deepseek else 0,
+            device=device,
+            forward_dtype=forward_dtype,
         )
     elif not (need_moments or need_scores or deepseek):
         calibration = None
@@ -833,6 +850,8 @@ def convert_to_mla(
     overwrite: bool = False,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     layout: str = "per-head",
+    device: str = "cpu",
+    forward_dtype: str = "float32",
 ) -> Path:
     """Write `dst`: checkpoint `src` (None: the embedded SmolLM2) converted to `llama_mla`.
     `layout`: "per-head" (a RoPE key per KV head on its own pairs) or "deepseek" (see `plan_conversion`).
@@ -840,9 +859,11 @@ def convert_to_mla(
     Ranks: `kv_lora_rank` (d_c) or `kv_budget` (cache fraction of the source, picks d_c and, if
     `rope_pairs` is None, r); neither: full rank. `rope_pairs` None: every pair (or the budget's choice).
     Calibration (source model forward over `calibration_tokens` of `calibration_files`, default the five
-    Austen novels other than Persuasion) runs only if the selection or factorization needs it.
+    Austen novels other than Persuasion) runs only if the selection or factorization needs it, layer by
+    layer on `device` in `forward_dtype` (`layerwise.ForwardSettings`).
     """
     start = time.perf_counter()
+    layerwise.resolve_forward(device, forward_dtype)  # fails before any slow work
     source = open_source(src, dst=dst, overwrite=overwrite, dtype=dtype)  # fails before any slow calibration
     plan = plan_conversion(
         src=source,
@@ -855,6 +876,8 @@ def convert_to_mla(
         calibration_tokens=calibration_tokens,
         calibration_window=calibration_window,
         layout=layout,
+        device=device,
+        forward_dtype=forward_dtype,
     )
     return write_conversion(
         plan, dst, dtype=source.dtype, overwrite=overwrite, max_shard_bytes=max_shard_bytes, start=start

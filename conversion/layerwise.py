@@ -1,0 +1,269 @@
+"""Layer-by-layer calibration: every decoder layer's attention input with one layer's weights in memory.
+
+Shape notation used throughout this module:
+    N    calibration tokens, split into W windows of at most T tokens (the last one may be shorter)
+    C    hidden size, D the RoPE width (head_dim)
+
+The calibrated converters need, for every layer, the input of its `self_attn` on the calibration windows
+(`calibration.for_each_attention_input`'s callback contract: `fn(layer, x, (cos, sin))`). Loading the whole
+source in float32 costs 4 bytes per parameter (about 28 GB for a 7B model). `LayerwiseModel` instead builds
+the model skeleton on the `meta` device from config.json and runs the calibration layer after layer, the way
+GPTQ/AWQ-style tools calibrate large models on small devices:
+
+    h = embed(ids)                                       W windows, each (1, T, C), in the forward dtype
+    for i in 0 .. last wanted layer:
+        load layer i from the safetensors shards         one layer on --device, in the forward dtype
+        for every window: h <- layer_i(h) (RoPE from the config's rotary embedding, the model's causal or
+                          sliding-window mask) and fn(i, x, (cos, sin)) with x the input of self_attn
+        free layer i
+
+Peak memory: one decoder layer + the embedding matrix while the windows are embedded + the carried hidden
+states (N * C numbers in the forward dtype) + one window's activations, whatever the depth.
+
+The callback always runs on the CPU with float32 tensors and a float32 `self_attn`, as it did on the
+float32 model: the statistics code is CPU code and accumulates in float64. With `--forward-dtype bfloat16`
+x and (cos, sin) are exact upcasts of the bfloat16 activations and the `self_attn` seen by the callback
+holds the checkpoint's weights cast to float32 (a second read of the layer's attention tensors); with
+`--device cuda` only the layers' forward runs on the GPU and each window's x is copied to the CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from hf_attn.conversion.calibration import DEFAULT_WINDOW, AttentionInputFn, _StopForward
+from hf_attn.conversion.checkpoint import layer_attn_keys, read_tensor, tensor_index
+from hf_attn.tooling.cli import setting
+
+DEVICES = ("cpu", "cuda")
+FORWARD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+EMBEDDING_KEY = "model.embed_tokens.weight"
+
+
+@dataclass(frozen=True)
+class ForwardSettings:
+    """Where and in which dtype the calibration forward runs (`--device`, `--forward-dtype`)."""
+
+    device: str = setting("cpu", help="device of the layer-by-layer calibration forward", choices=DEVICES)
+    forward_dtype: str = setting(
+        "float32",
+        help="dtype of the calibration forward (statistics still accumulate in float64)",
+        choices=tuple(FORWARD_DTYPES),
+    )
+
+
+def resolve_forward(device: str, forward_dtype: str) -> tuple[torch.device, torch.dtype]:
+    """(torch.device, torch.dtype) of the calibration forward; ValueError naming the value and the fix."""
+    if device not in DEVICES:
+        raise ValueError(f"Unknown --device {device!r}; choose one of {', '.join(DEVICES)}.")
+    if forward_dtype not in FORWARD_DTYPES:
+        raise ValueError(
+            f"Unknown --forward-dtype {forward_dtype!r}; choose one of {', '.join(FORWARD_DTYPES)}."
+        )
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "--device cuda: no CUDA device is available to this torch "
+            f"({torch.__version__}); calibrate with --device cpu or install a CUDA build of torch."
+        )
+    return torch.device(device), FORWARD_DTYPES[forward_dtype]
+
+
+def forward_record(device: str, forward_dtype: str) -> dict:
+    """What a conversion record says about the calibration forward."""
+    return {"device": device, "forward_dtype": forward_dtype}
+
+
+def is_sliding_layer(config, layer: int) -> bool:
+    """Whether decoder layer `layer` attends within `config.sliding_window`, as the model classes decide:
+    `layer_types` when the config has them (Qwen2), else any `sliding_window` (Mistral; Llama has none)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return layer_types[layer] == "sliding_attention"
+    return getattr(config, "sliding_window", None) is not None
+
+
+class LayerwiseModel:
+    """A Llama-family causal LM whose decoder layers are read from the safetensors shards one at a time.
+
+    Quacks like the loaded model where the calibration code looks: `model.layers[i].self_attn` (materialised
+    while layer i's callbacks run, on the `meta` device otherwise) and `config`;
+    `calibration.for_each_attention_input(LayerwiseModel(...), ...)` runs `for_each_attention_input` here.
+    `max_layers_loaded` counts the most decoder layers ever materialised at once (1, whatever the depth).
+    """
+
+    def __init__(
+        self, src_dir: str | os.PathLike, *, device: str = "cpu", forward_dtype: str = "float32"
+    ) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.device, self.dtype = resolve_forward(device, forward_dtype)
+        self.src_dir = Path(src_dir)
+        self.index = tensor_index(self.src_dir)
+        config = AutoConfig.from_pretrained(self.src_dir)
+        with torch.device("meta"):
+            causal_lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        self.model = causal_lm.model.eval()  # the decoder stack, every weight on `meta`
+        self.config = causal_lm.config
+        # inv_freq is computed from the config (rope scaling included), so build it off `meta`
+        self.rotary = type(self.model.rotary_emb)(config=self.config).to(self.device)
+        self.num_layers = len(self.model.layers)
+        self.max_layers_loaded = 0
+        self._loaded: set[int] = set()
+
+    # ----------------------------------------------------------------------------------------- weights
+
+    def _read(self, name: str) -> torch.Tensor:
+        if name not in self.index:
+            raise KeyError(f"Tensor {name!r} is missing from the checkpoint {self.src_dir}.")
+        return read_tensor(self.index[name])
+
+    def _materialise(self, module: torch.nn.Module, prefix: str, *, device, dtype) -> None:
+        """Load `module`'s weights `prefix + name` from the shards (floating ones cast to `dtype`)."""
+        state = {}
+        for name in module.state_dict():
+            tensor = self._read(prefix + name)
+            state[name] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
+        module.load_state_dict(state, strict=True, assign=True)
+        left = [n for n, t in itertools.chain(module.named_parameters(), module.named_buffers()) if t.is_meta]
+        if left:
+            raise ValueError(f"{prefix}: tensors not in the checkpoint and not computable: {left}")
+
+    def load_layer(self, layer: int) -> torch.nn.Module:
+        """Decoder layer `layer` with its weights, in the forward dtype on the forward device."""
+        module = self.model.layers[layer]
+        self._materialise(module, f"model.layers.{layer}.", device=self.device, dtype=self.dtype)
+        self._loaded.add(layer)
+        self.max_layers_loaded = max(self.max_layers_loaded, len(self._loaded))
+        return module
+
+    def free_layer(self, layer: int) -> None:
+        self.model.layers[layer].to_empty(device="meta")
+        self._loaded.discard(layer)
+
+    def attention_weights(self, layer: int) -> dict[str, torch.Tensor | None]:
+        """Layer's attention tensors in float32 (None: no bias)."""
+        return {
+            k: self._read(n).float() if n in self.index else None for k, n in layer_attn_keys(layer).items()
+        }
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids (N,) -> (N, C) in the forward dtype on the forward device (the matrix is then freed)."""
+        weight = self._read(EMBEDDING_KEY)  # (V, C)
+        return weight[input_ids].to(device=self.device, dtype=self.dtype)  # (N, C)
+
+    # ----------------------------------------------------------------------------------------- forward
+
+    def _window_inputs(self, h: torch.Tensor, layer: int, cache: dict) -> tuple:
+        """(mask, position_ids, (cos, sin)) of a window h (1, T, C) for `layer`, as the model builds them."""
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        t, sliding = h.shape[1], is_sliding_layer(self.config, layer)
+        if (t, sliding) not in cache:
+            position_ids = torch.arange(t, device=self.device).unsqueeze(0)  # (1, T)
+            make_mask = create_sliding_window_causal_mask if sliding else create_causal_mask
+            mask = make_mask(
+                config=self.config,
+                inputs_embeds=h,
+                attention_mask=None,
+                past_key_values=None,
+                position_ids=position_ids,
+            )
+            cos, sin = self.rotary(h, position_ids)  # each (1, T, D)
+            cache[t, sliding] = (mask, position_ids, (cos, sin))
+        return cache[t, sliding]
+
+    def _statistics_attention(self, layer: int) -> torch.nn.Module | None:
+        """A float32 CPU copy of layer's self_attn for the callback, or None when the forward one is that."""
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            return None
+        attn = copy.deepcopy(self.model.layers[layer].self_attn).to_empty(device="meta")
+        self._materialise(attn, f"model.layers.{layer}.self_attn.", device="cpu", dtype=torch.float32)
+        return attn
+
+    def for_each_attention_input(
+        self,
+        input_ids: torch.Tensor,
+        fn: AttentionInputFn,
+        *,
+        window: int = DEFAULT_WINDOW,
+        layers: Iterable[int] | None = None,
+        progress: bool = True,
+    ) -> None:
+        """`calibration.for_each_attention_input`'s contract, one layer at a time: fn(layer, x, (cos, sin))
+        for every wanted layer and window, x (1, T, C) and cos, sin (1, T, D) in float32 on the CPU.
+        Windows are visited in order within a layer; layers after the last wanted one are never read."""
+        wanted = sorted(set(range(self.num_layers) if layers is None else layers))
+        if not wanted or wanted[0] < 0 or wanted[-1] >= self.num_layers:
+            raise ValueError(f"layers must be in [0, {self.num_layers}), got {wanted}")
+        if input_ids.dim() != 1:
+            raise ValueError(f"input_ids must be 1-D token ids, got shape {tuple(input_ids.shape)}")
+        if window <= 0:
+            raise ValueError(f"--calibration-window must be positive, got {window}")
+        last, wanted = wanted[-1], set(wanted)
+        with torch.inference_mode():
+            embedded = self.embed(input_ids)  # (N, C)
+            hidden = [w.unsqueeze(0) for w in embedded.split(window)]  # W windows, each (1, T, C)
+            del embedded
+            cache: dict = {}
+            bar = tqdm(
+                total=(last + 1) * len(hidden), desc="calibration", unit="window", disable=not progress
+            )
+            for i in range(last + 1):
+                bar.set_postfix(layer=i)
+                self._run_layer(i, hidden, fn if i in wanted else None, stop=i == last, cache=cache, bar=bar)
+            bar.close()
+
+    def _run_layer(self, i: int, hidden: list, fn, *, stop: bool, cache: dict, bar) -> None:
+        """Carry every window through layer i (in place in `hidden`), calling fn on its attention inputs."""
+        block = self.load_layer(i)
+        forward_attn = block.self_attn
+        stats_attn = self._statistics_attention(i) if fn is not None else None
+        seen: list = []
+
+        def grab(module, args, kwargs):
+            x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            seen.append((x.detach(), kwargs.get("position_embeddings")))
+            if stop:  # the last wanted layer: its output is never needed
+                raise _StopForward
+
+        handle = forward_attn.register_forward_pre_hook(grab, with_kwargs=True)
+        try:
+            for w, h in enumerate(hidden):
+                mask, position_ids, position_embeddings = self._window_inputs(h, i, cache)
+                try:
+                    out = block(
+                        h,
+                        attention_mask=mask,
+                        position_ids=position_ids,
+                        position_embeddings=position_embeddings,
+                        past_key_values=None,
+                        use_cache=False,
+                    )
+                    hidden[w] = out[0] if isinstance(out, tuple) else out  # (1, T, C)
+                except _StopForward:
+                    pass
+                if fn is not None:
+                    x, pe = seen.pop()
+                    x = x.to(device="cpu", dtype=torch.float32)  # (1, T, C)
+                    pe = None if pe is None else tuple(e.to(device="cpu", dtype=torch.float32) for e in pe)
+                    if stats_attn is not None:
+                        block.self_attn = stats_attn  # what `model.layers[i].self_attn` shows the callback
+                    try:
+                        fn(i, x, pe)
+                    finally:
+                        block.self_attn = forward_attn
+                seen.clear()
+                bar.update(1)
+        finally:
+            handle.remove()
+            self.free_layer(i)
+            if stats_attn is not None:
+                stats_attn.to_empty(device="meta")
