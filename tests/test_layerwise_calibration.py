@@ -51,7 +51,9 @@ def make_source(path: Path, name: str, **overrides) -> Path:
     """A tiny random checkpoint; biases are made non-zero so reading them is tested."""
     config_class, extra = SOURCES[name]
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config_class(**{**TINY, **extra, **overrides}), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(
+        config_class(**{**TINY, **extra, **overrides}), dtype=torch.float32
+    )
     with torch.no_grad():
         for param_name, p in model.named_parameters():
             if param_name.endswith(".bias") or "norm" in param_name:
@@ -132,7 +134,7 @@ def test_bfloat16_forward_matches_the_bfloat16_model_and_hands_over_float32(tmp_
     fp32 = whole_model(src)
     seen = []
 
-    def check(layer, x, position_embeddings):  # the callback sees a float32 self_attn with the source's weights
+    def check(layer, x, position_embeddings):  # a float32 self_attn holding the source's weights
         attn = lw.model.layers[layer].self_attn
         seen.append(layer)
         assert attn.q_proj.weight.dtype == torch.float32 and attn.q_proj.weight.device.type == "cpu"
@@ -200,5 +202,7 @@ def test_smollm2_attention_inputs_equal_the_whole_model_pass(smollm2_path):
         want = capture_attention_inputs(
             whole_model(smollm2_path), ids, layers=layers, window=256, progress=False
         )
-    got = capture_attention_inputs(LayerwiseModel(smollm2_path), ids, layers=layers, window=256, progress=False)
+    got = capture_attention_inputs(
+        LayerwiseModel(smollm2_path), ids, layers=layers, window=256, progress=False
+    )
     assert_same_inputs(got, want, atol=1e-5)
