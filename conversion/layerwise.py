@@ -184,7 +184,7 @@ class LayerwiseModel:
         """A float32 CPU copy of layer's self_attn for the callback, or None when the forward one is that."""
         if self.device.type == "cpu" and self.dtype == torch.float32:
             return None
-        attn = copy.deepcopy(self.model.layers[layer].self_attn).to_empty(device="meta")
+        attn = copy.deepcopy(self.model.layers[layer].self_attn)  # on meta: copies no weights
         self._materialise(attn, f"model.layers.{layer}.self_attn.", device="cpu", dtype=torch.float32)
         return attn
 
@@ -223,9 +223,9 @@ class LayerwiseModel:
 
     def _run_layer(self, i: int, hidden: list, fn, *, stop: bool, cache: dict, bar) -> None:
         """Carry every window through layer i (in place in `hidden`), calling fn on its attention inputs."""
+        stats_attn = self._statistics_attention(i) if fn is not None else None  # (copied while on meta)
         block = self.load_layer(i)
         forward_attn = block.self_attn
-        stats_attn = self._statistics_attention(i) if fn is not None else None
         seen: list = []
 
         def grab(module, args, kwargs):

@@ -87,6 +87,17 @@ def test_attention_inputs_equal_the_whole_model_pass(tmp_path, name):
     assert_same_inputs(got, want)
 
 
+def test_sharded_source(tmp_path):
+    """Tensors spread over several shards (model.safetensors.index.json) are found by name."""
+    src = make_source(tmp_path / "one", "qwen2-biases")
+    sharded = tmp_path / "sharded"
+    whole_model(src).save_pretrained(sharded, max_shard_size="40KB")
+    assert len(list(sharded.glob("*.safetensors"))) > 2
+    want = capture_attention_inputs(LayerwiseModel(src), IDS, layers=[3], window=WINDOW, progress=False)
+    got = capture_attention_inputs(LayerwiseModel(sharded), IDS, layers=[3], window=WINDOW, progress=False)
+    assert_same_inputs(got, want, atol=0)
+
+
 def test_the_comparison_sees_the_mask_and_the_rope_scaling(tmp_path):
     """The sliding window and llama3 scaling change the inputs this much, so the test above can fail."""
     sliding = capture_attention_inputs(
