@@ -17,8 +17,8 @@ GPTQ/AWQ-style tools calibrate large models on small devices:
                           sliding-window mask) and fn(i, x, (cos, sin)) with x the input of self_attn
         free layer i
 
-Peak memory: one decoder layer + the embedding matrix while the windows are embedded + the carried hidden
-states (N * C numbers in the forward dtype) + one window's activations, whatever the depth.
+Peak memory: one decoder layer + the carried hidden states (N * C numbers in the forward dtype) + one window's
+activations, whatever the depth (the embedding matrix is read in blocks of rows, never whole).
 
 The callback always runs on the CPU with float32 tensors and a float32 `self_attn`, as it did on the
 float32 model: the statistics code is CPU code and accumulates in float64. With `--forward-dtype bfloat16`
@@ -33,7 +33,7 @@ import copy
 import itertools
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -46,6 +46,7 @@ from hf_attn.tooling.cli import setting
 DEVICES = ("cpu", "cuda")
 FORWARD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 EMBEDDING_KEY = "model.embed_tokens.weight"
+EMBEDDING_BLOCK_BYTES = 64 * 1024**2  # the embedding matrix is read in blocks of rows of at most this size
 
 
 @dataclass(frozen=True)
@@ -155,9 +156,29 @@ class LayerwiseModel:
         }
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids (N,) -> (N, C) in the forward dtype on the forward device (the matrix is then freed)."""
-        weight = self._read(EMBEDDING_KEY)  # (V, C)
-        return weight[input_ids].to(device=self.device, dtype=self.dtype)  # (N, C)
+        """input_ids (N,) -> (N, C) in the forward dtype on the forward device. The embedding matrix is read
+        in blocks of rows of at most EMBEDDING_BLOCK_BYTES, so it is never in memory whole."""
+        if EMBEDDING_KEY not in self.index:
+            raise KeyError(f"Tensor {EMBEDDING_KEY!r} is missing from the checkpoint {self.src_dir}.")
+        info = self.index[EMBEDDING_KEY]
+        vocab, hidden = info.shape
+        if input_ids.numel() and not 0 <= int(input_ids.min()) <= int(input_ids.max()) < vocab:
+            raise ValueError(
+                f"Token ids outside the embedding's {vocab} rows; is the tokenizer this model's?"
+            )
+        row_bytes = (info.end - info.begin) // vocab
+        rows = max(1, EMBEDDING_BLOCK_BYTES // row_bytes)
+        out = torch.empty(len(input_ids), hidden, dtype=self.dtype)  # (N, C)
+        for start in range(0, vocab, rows):
+            stop = min(vocab, start + rows)
+            picked = ((input_ids >= start) & (input_ids < stop)).nonzero().squeeze(1)  # positions in ids
+            if len(picked):
+                begin = info.begin + start * row_bytes
+                n = stop - start
+                block_info = replace(info, shape=(n, hidden), begin=begin, end=begin + n * row_bytes)
+                block = read_tensor(block_info)  # (n, C): rows start .. stop - 1
+                out[picked] = block[input_ids[picked] - start].to(self.dtype)
+        return out.to(self.device)
 
     # ----------------------------------------------------------------------------------------- forward
 

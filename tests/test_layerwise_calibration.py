@@ -14,7 +14,7 @@ import torch
 from conftest import exit_status
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-from hf_attn.conversion import gqa, mla
+from hf_attn.conversion import gqa, layerwise, mla
 from hf_attn.conversion.calibration import capture_attention_inputs, for_each_attention_input
 from hf_attn.conversion.checkpoint import AttentionGeometry
 from hf_attn.conversion.layerwise import LayerwiseModel
@@ -78,7 +78,8 @@ def assert_same_inputs(got: dict, want: dict, *, atol: float = 1e-6) -> None:
 
 
 @pytest.mark.parametrize("name", list(SOURCES))
-def test_attention_inputs_equal_the_whole_model_pass(tmp_path, name):
+def test_attention_inputs_equal_the_whole_model_pass(tmp_path, name, monkeypatch):
+    monkeypatch.setattr(layerwise, "EMBEDDING_BLOCK_BYTES", 7 * TINY["hidden_size"] * 4)  # 7 rows a block
     src = make_source(tmp_path / name, name)
     layers = range(TINY["num_hidden_layers"])
     with torch.inference_mode():
