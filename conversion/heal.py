@@ -643,7 +643,8 @@ class TrainState:
         if accelerator.is_main_process:
             path = state_dir / f"checkpoint-{self.step:06d}"
             with atomic_directory(path, overwrite=True) as tmp:
-                accelerator.unwrap_model(self.net).save_pretrained(tmp, state_dict=weights)
+                model = accelerator.unwrap_model(self.net)
+                (plain_copy(model, weights) if sharded else model).save_pretrained(tmp)
                 copy_side_files(source, tmp)
                 state = {
                     "recipe": asdict(recipe),
@@ -717,9 +718,36 @@ def build_train_state(
         # inference tensors that training may not write ("Inplace update to inference tensor").
         with torch.no_grad():
             state.net(input_ids=data.chunks[:1, :1].to(accelerator.device), use_cache=False)
+        reshard(state.net)  # (before the optimizer is matched to the model's parameters by name)
         if saved is not None:
             restore_sharded_optimizer(state.net, state.optimizer, saved["optimizer"])
     return state
+
+
+def reshard(net) -> None:
+    """Put every FSDP2 unit of `net` back on its sharded parameters. A forward without backward leaves the
+    units that keep their parameters gathered (the root; the final norm with the head) unsharded, with plain
+    tensors registered in place of the DTensors that the optimizer and the state-dict helpers look for."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in net.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def plain_copy(model, state_dict: dict) -> torch.nn.Module:
+    """An unsharded model of `model`'s own class and config holding the full `state_dict` (built on the meta
+    device, the tensors assigned without a copy). Written with `save_pretrained` it gives the same files as
+    an unsharded run: saving the FSDP2 module itself would record its wrapper class (`_fsdp_init.FSDP...` in
+    `auto_map`, its module file copied beside remote code) and the float32 of the master weights as dtype."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))  # FSDP2: (FSDPModule, cls)
+    with torch.device("meta"):
+        plain = cls(model.config)
+    plain.load_state_dict(state_dict, strict=True, assign=True)
+    plain.tie_weights()  # (assign replaced the tied tensors one by one)
+    return plain
 
 
 def _raw_optimizer(optimizer):
@@ -759,6 +787,8 @@ def held_out_evaluation(data: HealData, *, context_length: int, accelerator, pro
         res = evaluate_perplexity(
             model, data.eval_ids, context_length=context_length, accelerator=split, progress=progress
         )
+        if split is None and accelerator.is_fsdp2:
+            reshard(model)
         model.train()
         return {
             "perplexity": res.perplexity,
@@ -868,13 +898,10 @@ def write_output(
     """The healed model in the input's format (its config and dtype, side files copied), atomically, with
     `record` appended to the conversion history. `state_dict`: the full weights of a sharded model
     (`accelerator.get_state_dict`), written in place of the model's own (sharded) ones."""
-    dtype = stored_dtype(source)
+    if state_dict is not None:
+        model = plain_copy(model, state_dict)
     with atomic_directory(output, overwrite=overwrite) as tmp:
-        if state_dict is None:
-            model.to(dtype).save_pretrained(tmp)
-        else:
-            model.config.dtype = dtype
-            model.save_pretrained(tmp, state_dict={k: v.to(dtype) for k, v in state_dict.items()})
+        model.to(stored_dtype(source)).save_pretrained(tmp)
         copy_side_files(source, tmp)
         write_config(tmp, add_record(read_config(tmp), record))
 
@@ -934,6 +961,7 @@ def heal(settings: HealSettings, *, progress: bool = True) -> dict:
             train_tokens=data.train_tokens,
             chunks=len(data.chunks),
             trainable_parameters=state.trainable_parameters,
+            distributed=str(accelerator.distributed_type.value),  # NO | MULTI_CPU | MULTI_GPU | FSDP | ...
         )
         state.eval_before = evaluate(unwrapped)
         if state.eval_before is not None:
