@@ -515,6 +515,13 @@ def make_accelerator(autocast_dtype: str, grad_accum: int):
         )
     except (ValueError, RuntimeError) as err:
         raise ValueError(f"--autocast-dtype {autocast_dtype} is not supported here: {one_line(err)}") from err
+    if accelerator.distributed_type.value == "DEEPSPEED":
+        # ZeRO partitions the weights and the optimizer state, which the checkpoints and the output here
+        # gather only for FSDP; written as for DDP they would be empty or partial (docs/heal-fsdp.md)
+        raise ValueError(
+            f"hf-attn heal does not support DeepSpeed; launch with the FSDP config instead: --config_file "
+            f"{FSDP_CONFIG}"
+        )
     fsdp_asked = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
     if fsdp_asked and cpu and accelerator.num_processes > 1 and not is_sharded(accelerator):
         enable_cpu_fsdp(accelerator)
@@ -541,8 +548,8 @@ def enable_cpu_fsdp(accelerator) -> None:
     plugin = FullyShardedDataParallelPlugin()  # from the FSDP_* variables `accelerate launch` sets
     if plugin.fsdp_version != 2:
         raise ValueError(
-            f"FSDP version {plugin.fsdp_version} on CPU is not supported; use fsdp_version: 2 in the accelerate "
-            f"config (e.g. {FSDP_CONFIG})"
+            f"FSDP version {plugin.fsdp_version} on CPU is not supported; use fsdp_version: 2 in the "
+            f"accelerate config (e.g. {FSDP_CONFIG})"
         )
     if accelerator.mixed_precision != "no":
         plugin.set_mixed_precision(accelerator.mixed_precision)

@@ -1,4 +1,4 @@
-"""Healing under FSDP2 (`accelerate launch --config_file conversion/heal_fsdp.yaml`), two gloo processes on CPU.
+"""Healing under FSDP2 (`accelerate launch --config_file conversion/heal_fsdp.yaml`), 2 gloo processes on CPU.
 
 Reference: the same global batch healed by one plain process (no sharding, no launcher), which the sharded run
 must reproduce to float tolerance, weights, losses, held-out perplexity and config alike. The sharded run is
@@ -14,7 +14,8 @@ import subprocess
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_heal import PYTHON, REPO, SMALL, _env, _free_port, _losses, _run, tiny, tiny_mla  # noqa: F401
+from test_heal import PYTHON, REPO, SMALL, _env, _free_port, _losses, _run, tiny  # noqa: F401
+from test_heal import tiny_mla as tiny_mla_fixture
 
 from hf_attn.conversion import heal as heal_mod
 from hf_attn.conversion.heal import find_checkpoints, read_log
@@ -31,6 +32,9 @@ def _launch(case, output, *extra):
     cmd += ["--eval-context", "64", "--eval-tokens", "640", "--schedule", "constant", "--no-progress", *extra]
     res = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stderr[-4000:]
+
+
+tiny_mla = tiny_mla_fixture  # (the fixtures of test_heal: a random llama_mla and the texts)
 
 
 def test_fsdp_two_processes_match_one_process_and_resume(tiny_mla, tmp_path):
@@ -58,7 +62,8 @@ def test_fsdp_two_processes_match_one_process_and_resume(tiny_mla, tmp_path):
     assert list(got) == list(want) == [1, 2]
     assert list(got.values()) == pytest.approx(list(want.values()), rel=1e-5)
     source = load_file(tiny_mla[0] / "model.safetensors")
-    healed, reference = load_file(out / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")
+    healed = load_file(out / "model.safetensors")
+    reference = load_file(tmp_path / "one" / "model.safetensors")
     assert healed.keys() == reference.keys()
     for name in reference:
         assert healed[name].dtype == reference[name].dtype
