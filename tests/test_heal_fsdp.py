@@ -20,7 +20,11 @@ from test_heal import tiny_mla as tiny_mla_fixture
 from hf_attn.conversion import heal as heal_mod
 from hf_attn.conversion.heal import find_checkpoints, read_log
 
-TOLERANCE = 2e-5  # float32, 2 AdamW steps at lr 3e-3: reduction order is the only difference
+# float32: the sharded and the plain run differ only in reduction order, which AdamW's normalisation
+# m / sqrt(v) amplifies where a gradient nearly cancels (seen: up to 1.9e-5, typical updates 5e-3 at lr 3e-3).
+# Without the restored Adam moments step 2 would be a fresh-Adam step (about +-lr per element) instead of one
+# mixing both steps' gradients: far outside the tolerance.
+TOLERANCE = 1e-4
 
 
 def _launch(case, output, *extra):
@@ -69,7 +73,7 @@ def test_fsdp_two_processes_match_one_process_and_resume(tiny_mla, tmp_path):
         assert healed[name].dtype == reference[name].dtype
         torch.testing.assert_close(healed[name], reference[name], rtol=0, atol=TOLERANCE, msg=name)
     moved = max((reference[k] - source[k]).abs().max().item() for k in source)
-    assert moved > 100 * TOLERANCE  # the comparison can fail: training moved the weights far more
+    assert moved > 20 * TOLERANCE  # the comparison can fail: training moved the weights far more
 
     config, reference_config = (json.loads((d / "config.json").read_text()) for d in (out, tmp_path / "one"))
     record = config.pop("hf_attn")["history"][-1]
