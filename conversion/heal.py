@@ -46,6 +46,9 @@ after the model is wrapped), clipping goes through `accelerator.clip_grad_norm_`
 output hold the FULL state dict gathered to the main process (`accelerator.get_state_dict`, the optimizer
 via `torch.distributed.checkpoint.state_dict` with full state dicts), so they are the same files as without
 sharding; held-out evaluation runs every window on every process (a sharded forward is collective).
+Precision under FSDP2 is accelerate's: `--autocast-dtype bfloat16` becomes FSDP2's MixedPrecisionPolicy
+(parameters all-gathered, outputs and gradient reductions in bfloat16, float32 sharded master weights), not
+autocast: a different rounding from the unsharded runs (docs/heal-fsdp.md).
 accelerate does not enable FSDP on CPU; with an FSDP config, several processes and no accelerator device,
 `make_accelerator` switches its state to FSDP2 itself (fully_shard over gloo), which is what the tests run.
 """
@@ -551,7 +554,7 @@ def enable_cpu_fsdp(accelerator) -> None:
             f"FSDP version {plugin.fsdp_version} on CPU is not supported; use fsdp_version: 2 in the "
             f"accelerate config (e.g. {FSDP_CONFIG})"
         )
-    if accelerator.mixed_precision != "no":
+    if accelerator.mixed_precision != "no":  # as accelerate does on GPU: FSDP2's MixedPrecisionPolicy
         plugin.set_mixed_precision(accelerator.mixed_precision)
     AcceleratorState._shared_state.update(distributed_type=DistributedType.FSDP, fsdp_plugin=plugin)
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
