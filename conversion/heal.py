@@ -38,6 +38,19 @@ Code: `HealSettings` (every option; the command line is built from it) -> `load_
         [--eval-tokens 8192] [--checkpoint-every N] [--resume] [--seed 0] [--gradient-checkpointing]
         [--overwrite]
     accelerate launch --multi_gpu --num_processes 2 -m conversion.heal ...   # data parallel (CPU: gloo)
+    accelerate launch --config_file FSDP_CONFIG --num_processes N -m hf_attn.conversion.heal ...   # FSDP2
+
+Sharded training (FSDP, `FSDP_CONFIG` = heal_fsdp.yaml beside this file; docs/heal-fsdp.md): the optimizer
+is prepared together with the model (FSDP2 re-points it at the sharded parameters; FSDP1 gets it built
+after the model is wrapped), clipping goes through `accelerator.clip_grad_norm_`, every checkpoint and the
+output hold the FULL state dict gathered to the main process (`accelerator.get_state_dict`, the optimizer
+via `torch.distributed.checkpoint.state_dict` with full state dicts), so they are the same files as without
+sharding; held-out evaluation runs every window on every process (a sharded forward is collective).
+Precision under FSDP2 is accelerate's: `--autocast-dtype bfloat16` becomes FSDP2's MixedPrecisionPolicy
+(parameters all-gathered, outputs and gradient reductions in bfloat16, float32 sharded master weights), not
+autocast: a different rounding from the unsharded runs (docs/heal-fsdp.md).
+accelerate does not enable FSDP on CPU; with an FSDP config, several processes and no accelerator device,
+`make_accelerator` switches its state to FSDP2 itself (fully_shard over gloo), which is what the tests run.
 """
 
 from __future__ import annotations
@@ -99,6 +112,7 @@ ATTENTION_MARKER = ".self_attn."
 STATE_FILE = "trainer_state.pt"
 LOG_FILE = "log.jsonl"
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+FSDP_CONFIG = Path(__file__).with_name("heal_fsdp.yaml")  # accelerate launch --config_file FSDP_CONFIG ...
 
 
 # --------------------------------------------------------------------------------------------- recipe
@@ -499,11 +513,51 @@ def make_accelerator(autocast_dtype: str, grad_accum: int):
         # drop it (private but stable API) and keep the distributed setup (PartialState).
         AcceleratorState._reset_state(reset_partial_state=False)
     try:
-        return Accelerator(
+        accelerator = Accelerator(
             mixed_precision=PRECISIONS[autocast_dtype], gradient_accumulation_steps=grad_accum, cpu=cpu
         )
     except (ValueError, RuntimeError) as err:
         raise ValueError(f"--autocast-dtype {autocast_dtype} is not supported here: {one_line(err)}") from err
+    if accelerator.distributed_type.value == "DEEPSPEED":
+        # ZeRO partitions the weights and the optimizer state, which the checkpoints and the output here
+        # gather only for FSDP; written as for DDP they would be empty or partial (docs/heal-fsdp.md)
+        raise ValueError(
+            f"hf-attn heal does not support DeepSpeed; launch with the FSDP config instead: --config_file "
+            f"{FSDP_CONFIG}"
+        )
+    fsdp_asked = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if fsdp_asked and cpu and accelerator.num_processes > 1 and not is_sharded(accelerator):
+        enable_cpu_fsdp(accelerator)
+    return accelerator
+
+
+def is_sharded(accelerator) -> bool:
+    """True under FSDP (v1 or v2): parameters and optimizer state are split over the processes."""
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.FSDP
+
+
+def enable_cpu_fsdp(accelerator) -> None:
+    """Turn a multi-process CPU (gloo) accelerator into an FSDP2 one, as asked by the launch config.
+
+    accelerate 1.x picks `MULTI_CPU` on CPU and silently ignores an FSDP plugin there (DDP would run instead);
+    torch's `fully_shard` itself works over gloo on CPU, so the state is switched to FSDP with the plugin the
+    launcher's environment describes (private but stable attributes: the same two shared-state dicts
+    accelerate itself writes). FSDP1 is refused here: only FSDP2 is known to run on CPU."""
+    from accelerate.state import AcceleratorState, PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin()  # from the FSDP_* variables `accelerate launch` sets
+    if plugin.fsdp_version != 2:
+        raise ValueError(
+            f"FSDP version {plugin.fsdp_version} on CPU is not supported; use fsdp_version: 2 in the "
+            f"accelerate config (e.g. {FSDP_CONFIG})"
+        )
+    if accelerator.mixed_precision != "no":  # as accelerate does on GPU: FSDP2's MixedPrecisionPolicy
+        plugin.set_mixed_precision(accelerator.mixed_precision)
+    AcceleratorState._shared_state.update(distributed_type=DistributedType.FSDP, fsdp_plugin=plugin)
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
 
 def find_resume_point(
@@ -573,9 +627,11 @@ class TrainState:
     def clocks(self) -> dict:
         return {"train_seconds": self.train_seconds, "train_cpu_seconds": self.train_cpu_seconds}
 
-    def restore(self, saved: dict, *, process_index: int, num_processes: int) -> None:
-        """Counters, optimizer, scheduler and this process's RNG from a saved trainer state."""
-        self.optimizer.load_state_dict(saved["optimizer"])
+    def restore(self, saved: dict, *, process_index: int, num_processes: int, optimizer: bool = True) -> None:
+        """Counters, optimizer (unless `optimizer=False`: sharded runs load it after `prepare`, see
+        `restore_sharded_optimizer`), scheduler and this process's RNG from a saved trainer state."""
+        if optimizer:
+            self.optimizer.load_state_dict(saved["optimizer"])
         self.scheduler.load_state_dict(saved["scheduler"])
         self.step, self.tokens, self.train_seconds = saved["step"], saved["tokens"], saved["train_seconds"]
         self.train_cpu_seconds = saved["train_cpu_seconds"]
@@ -588,10 +644,17 @@ class TrainState:
         from accelerate.utils import gather_object
 
         rngs = gather_object([rng_state()])  # one entry per process, in process order
+        sharded = is_sharded(accelerator)
+        if sharded:  # collective: every process takes part, the main one receives the full tensors
+            weights = accelerator.get_state_dict(self.net)
+            optimizer_state = full_optimizer_state(self.net, self.optimizer)
+        else:
+            weights, optimizer_state = None, self.optimizer.state_dict()
         if accelerator.is_main_process:
             path = state_dir / f"checkpoint-{self.step:06d}"
             with atomic_directory(path, overwrite=True) as tmp:
-                accelerator.unwrap_model(self.net).save_pretrained(tmp)
+                model = accelerator.unwrap_model(self.net)
+                (plain_copy(model, weights) if sharded else model).save_pretrained(tmp)
                 copy_side_files(source, tmp)
                 state = {
                     "recipe": asdict(recipe),
@@ -599,7 +662,7 @@ class TrainState:
                     "tokens": self.tokens,
                     **self.clocks(),
                     "data_position": self.step * recipe.global_batch,
-                    "optimizer": self.optimizer.state_dict(),
+                    "optimizer": optimizer_state,
                     "scheduler": self.scheduler.state_dict(),
                     "rng": rngs,
                     "eval_before": self.eval_before,
@@ -631,6 +694,9 @@ def build_train_state(
         gradient_checkpointing=settings.gradient_checkpointing,
     )
     select_trainable(net, settings.trainable)
+    sharded = is_sharded(accelerator)
+    if sharded and not accelerator.is_fsdp2:  # FSDP1: the optimizer must see the wrapped (flat) parameters
+        net = accelerator.prepare(net)
     params = [p for p in net.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         params, lr=settings.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=settings.weight_decay
@@ -638,7 +704,12 @@ def build_train_state(
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, recipe.lr_factor)
     state = TrainState(net, optimizer, scheduler, params, loader=None)
     if saved is not None:
-        state.restore(saved, process_index=accelerator.process_index, num_processes=accelerator.num_processes)
+        state.restore(
+            saved,
+            process_index=accelerator.process_index,
+            num_processes=accelerator.num_processes,
+            optimizer=not sharded,
+        )
     loader = make_loader(
         data.chunks,
         batch_size=settings.batch_size,
@@ -646,8 +717,69 @@ def build_train_state(
         start=state.step * recipe.global_batch,
     )
     # The scheduler is stepped by hand once per optimizer step (accelerate would step it once per process).
+    # (FSDP2 needs the model and its optimizer in one call: it re-points the optimizer at the sharded params.)
     state.net, state.optimizer, state.loader = accelerator.prepare(net, optimizer, loader)
+    if sharded:
+        # clip over the model's own parameters (what accelerate's FSDP clipping expects; frozen ones have
+        # no gradient and add nothing to the norm)
+        state.params = list(state.net.parameters())
+        # One forward under no_grad before any evaluation: FSDP2 allocates its unsharded parameter buffers at
+        # the first all-gather and reuses them; allocated under the evaluation's inference_mode they would be
+        # inference tensors that training may not write ("Inplace update to inference tensor").
+        with torch.no_grad():
+            state.net(input_ids=data.chunks[:1, :1].to(accelerator.device), use_cache=False)
+        reshard(state.net)  # (before the optimizer is matched to the model's parameters by name)
+        if saved is not None:
+            restore_sharded_optimizer(state.net, state.optimizer, saved["optimizer"])
     return state
+
+
+def reshard(net) -> None:
+    """Put every FSDP2 unit of `net` back on its sharded parameters. A forward without backward leaves the
+    units that keep their parameters gathered (the root; the final norm with the head) unsharded, with plain
+    tensors registered in place of the DTensors that the optimizer and the state-dict helpers look for."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in net.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def plain_copy(model, state_dict: dict) -> torch.nn.Module:
+    """An unsharded model of `model`'s own class and config holding the full `state_dict` (built on the meta
+    device, the tensors assigned without a copy). Written with `save_pretrained` it gives the same files as
+    an unsharded run: saving the FSDP2 module itself would record its wrapper class (`_fsdp_init.FSDP...` in
+    `auto_map`, its module file copied beside remote code) and the float32 of the master weights as dtype."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))  # FSDP2: (FSDPModule, cls)
+    with torch.device("meta"):
+        plain = cls(model.config)
+    plain.load_state_dict(state_dict, strict=True, assign=True)
+    plain.tie_weights()  # (assign replaced the tied tensors one by one)
+    return plain
+
+
+def _raw_optimizer(optimizer):
+    return getattr(optimizer, "optimizer", optimizer)  # (accelerate's AcceleratedOptimizer wraps it)
+
+
+def full_optimizer_state(net, optimizer) -> dict:
+    """Collective: the optimizer state of a sharded model as full tensors keyed by parameter name, on the
+    main process (others get an empty dict)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_optimizer_state_dict(net, _raw_optimizer(optimizer), options=options)
+
+
+def restore_sharded_optimizer(net, optimizer, full_state: dict) -> None:
+    """Collective: load a `full_optimizer_state` into the optimizer of a sharded model (every process read
+    the same file, so each keeps its own shard)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True)
+    set_optimizer_state_dict(net, _raw_optimizer(optimizer), full_state, options=options)
 
 
 # --------------------------------------------------------------------------------------------- evaluation
@@ -660,9 +792,13 @@ def held_out_evaluation(data: HealData, *, context_length: int, accelerator, pro
         if data.eval_ids is None:
             return None
         model.eval()
+        # sharded: every process runs every window (each forward all-gathers, so the counts must match)
+        split = None if is_sharded(accelerator) else accelerator
         res = evaluate_perplexity(
-            model, data.eval_ids, context_length=context_length, accelerator=accelerator, progress=progress
+            model, data.eval_ids, context_length=context_length, accelerator=split, progress=progress
         )
+        if split is None and accelerator.is_fsdp2:
+            reshard(model)
         model.train()
         return {
             "perplexity": res.perplexity,
@@ -766,9 +902,14 @@ def train_steps(
 # --------------------------------------------------------------------------------------------- output
 
 
-def write_output(model, source: Path, output: Path, record: dict, *, overwrite: bool) -> None:
+def write_output(
+    model, source: Path, output: Path, record: dict, *, overwrite: bool, state_dict: dict | None = None
+) -> None:
     """The healed model in the input's format (its config and dtype, side files copied), atomically, with
-    `record` appended to the conversion history."""
+    `record` appended to the conversion history. `state_dict`: the full weights of a sharded model
+    (`accelerator.get_state_dict`), written in place of the model's own (sharded) ones."""
+    if state_dict is not None:
+        model = plain_copy(model, state_dict)
     with atomic_directory(output, overwrite=overwrite) as tmp:
         model.to(stored_dtype(source)).save_pretrained(tmp)
         copy_side_files(source, tmp)
@@ -830,6 +971,7 @@ def heal(settings: HealSettings, *, progress: bool = True) -> dict:
             train_tokens=data.train_tokens,
             chunks=len(data.chunks),
             trainable_parameters=state.trainable_parameters,
+            distributed=str(accelerator.distributed_type.value),  # NO | MULTI_CPU | MULTI_GPU | FSDP | ...
         )
         state.eval_before = evaluate(unwrapped)
         if state.eval_before is not None:
@@ -865,8 +1007,9 @@ def heal(settings: HealSettings, *, progress: bool = True) -> dict:
         **state.clocks(),
         state_dir=str(state_dir),
     )
+    full = accelerator.get_state_dict(state.net) if is_sharded(accelerator) else None  # collective
     if main:
-        write_output(unwrapped, source, output, record, overwrite=s.overwrite)
+        write_output(unwrapped, source, output, record, overwrite=s.overwrite, state_dict=full)
         if not s.keep_checkpoints:
             for _, path in find_checkpoints(state_dir):
                 shutil.rmtree(path, ignore_errors=True)
