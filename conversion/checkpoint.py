@@ -71,7 +71,7 @@ def write_config(directory: str | os.PathLike, config: dict) -> Path:
     return path
 
 
-# Llama-family relatives whose math the converters do not cover: model_type -> the feature, named in the refusal.
+# Llama-family relatives whose math the converters do not cover: model_type -> the feature the refusal names.
 UNCOVERED_MODEL_TYPES = {
     "qwen3": "q_norm/k_norm (per-head query/key RMSNorm)",
     "qwen3_moe": "q_norm/k_norm (per-head query/key RMSNorm) and a sparse MoE MLP",
@@ -106,9 +106,9 @@ _UNCOVERED_FIELDS = {
 
 
 def check_supported(config: dict) -> None:
-    """Raise ValueError (naming the feature) unless this is a Llama-family checkpoint whose math every converter
-    covers: model_type llama / mistral / qwen2, no norm or quantizer after the projections, RoPE on every pair,
-    valid head arithmetic. The one support check of expand, gqa, mla and export; reads config.json only."""
+    """Raise ValueError (naming the feature) unless this is a Llama-family checkpoint whose math every
+    converter covers: model_type llama / mistral / qwen2, no norm or quantizer after the projections, RoPE on
+    every pair, valid head arithmetic. The one support check of expand, gqa, mla and export (config only)."""
     model_type = config.get("model_type")
     supported = ", ".join(SOURCE_MODEL_TYPES)
     fix = f"supported model types: {supported} (see docs/variant-matrix.md)."
@@ -129,8 +129,8 @@ def check_supported(config: dict) -> None:
     partial = config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
         raise ValueError(
-            f"Unsupported partial_rotary_factor={partial} (partial rotary: RoPE on only part of each head) is "
-            "not covered by the conversion math, which assumes RoPE on every pair; use a full-RoPE source."
+            f"Unsupported partial_rotary_factor={partial} (partial rotary: RoPE on part of each head) is not "
+            "covered by the conversion math, which assumes RoPE on every pair; use a full-RoPE source."
         )
     AttentionGeometry.from_config(config)  # validates the head arithmetic
 
