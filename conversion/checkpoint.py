@@ -37,8 +37,6 @@ INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 # A converter rewrites weights and config itself; every other file (not a TENSOR_SUFFIXES one) is a side file.
 _NOT_SIDE_FILES = (CONFIG_NAME, INDEX_FILE, "pytorch_model.bin.index.json")
-# Config flags whose presence breaks the pooling / factorisation math (a norm or a quantizer after k_proj).
-_UNSUPPORTED_FLAGS = ("qk_norm", "use_qk_norm", "qk_layernorm", "quantization_config")
 
 _DTYPES = {
     "F64": torch.float64,
@@ -73,24 +71,66 @@ def write_config(directory: str | os.PathLike, config: dict) -> Path:
     return path
 
 
+# Llama-family relatives whose math the converters do not cover: model_type -> the feature the refusal names.
+UNCOVERED_MODEL_TYPES = {
+    "qwen3": "q_norm/k_norm (per-head query/key RMSNorm)",
+    "qwen3_moe": "q_norm/k_norm (per-head query/key RMSNorm) and a sparse MoE MLP",
+    "olmo2": "q_norm/k_norm (query/key RMSNorm over all heads)",
+    "olmo3": "q_norm/k_norm (query/key RMSNorm over all heads)",
+    "olmo": "non-parametric LayerNorm and clip_qkv",
+    "gemma": "scaled embeddings (x sqrt(hidden_size)) and the (1 + weight) RMSNorm",
+    "gemma2": "attention and final logit soft-capping, scaled embeddings and the (1 + weight) RMSNorm",
+    "gemma3": "q_norm/k_norm, scaled embeddings and the (1 + weight) RMSNorm",
+    "phi3": "fused qkv_proj (query, key and value in one tensor)",
+    "phi": "partial rotary, LayerNorm with bias and parallel attention/MLP",
+    "stablelm": "partial rotary and LayerNorm",
+    "gpt_neox": "fused query_key_value, partial rotary and LayerNorm",
+    "cohere": "LayerNorm, parallel attention/MLP and logit_scale",
+    "granite": "attention/embedding/residual multipliers and logits_scaling",
+    "mixtral": "a sparse MoE MLP (llama_mla is dense)",
+    "qwen2_moe": "a sparse MoE MLP (llama_mla is dense)",
+    "deepseek_v3": "it already uses multi-head latent attention",
+}
+# Config fields whose truthy value means math the converters do not cover: field -> the feature.
+_UNCOVERED_FIELDS = {
+    "qk_norm": "qk_norm (a normalisation after the query/key projections)",
+    "use_qk_norm": "use_qk_norm (a normalisation after the query/key projections)",
+    "qk_layernorm": "qk_layernorm (a normalisation after the query/key projections)",
+    "quantization_config": "quantization_config (quantized weights)",
+    "attn_logit_softcapping": "attn_logit_softcapping (attention logit soft-capping)",
+    "final_logit_softcapping": "final_logit_softcapping (output logit soft-capping)",
+    "clip_qkv": "clip_qkv (clamped query/key/value activations)",
+    "use_parallel_residual": "use_parallel_residual (parallel attention/MLP)",
+    "num_local_experts": "num_local_experts (a sparse MoE MLP)",
+}
+
+
 def check_supported(config: dict) -> None:
-    """Raise ValueError unless this is a Llama-family checkpoint whose K/V rows can be pooled linearly."""
+    """Raise ValueError (naming the feature) unless this is a Llama-family checkpoint whose math every
+    converter covers: model_type llama / mistral / qwen2, no norm or quantizer after the projections, RoPE on
+    every pair, valid head arithmetic. The one support check of expand, gqa, mla and export (config only)."""
     model_type = config.get("model_type")
-    if model_type not in SOURCE_MODEL_TYPES:
+    supported = ", ".join(SOURCE_MODEL_TYPES)
+    fix = f"supported model types: {supported} (see docs/variant-matrix.md)."
+    if model_type in UNCOVERED_MODEL_TYPES:
         raise ValueError(
-            f"Unsupported model_type {model_type!r}; supported model types: {', '.join(SOURCE_MODEL_TYPES)}."
+            f"{model_type}: {UNCOVERED_MODEL_TYPES[model_type]} is not covered by the conversion math; {fix}"
         )
-    flags = [k for k in _UNSUPPORTED_FLAGS if config.get(k)]
+    if model_type not in SOURCE_MODEL_TYPES:
+        raise ValueError(f"Unsupported model_type {model_type!r}; {fix}")
+    flags = [feature for k, feature in _UNCOVERED_FIELDS.items() if config.get(k)]
     if flags:
         raise ValueError(
-            f"Unsupported {model_type} checkpoint: {', '.join(flags)} set in config.json (a normalisation or "
-            "quantization after the key projection breaks linear pooling); use an unquantized checkpoint."
+            f"Unsupported {model_type} checkpoint: {'; '.join(flags)} set in config.json, not covered by the "
+            "conversion math (a norm or quantizer after the key projection breaks linear pooling); use a "
+            "plain unquantized checkpoint."
         )
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     partial = config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
         raise ValueError(
-            f"Unsupported partial_rotary_factor={partial}: converters assume RoPE on every pair."
+            f"Unsupported partial_rotary_factor={partial} (partial rotary: RoPE on part of each head) is not "
+            "covered by the conversion math, which assumes RoPE on every pair; use a full-RoPE source."
         )
     AttentionGeometry.from_config(config)  # validates the head arithmetic
 

@@ -60,6 +60,7 @@ from hf_attn.conversion.checkpoint import (
     DEFAULT_MAX_SHARD_BYTES,
     ShardedWriter,
     add_record,
+    check_supported,
     conversion_record,
     copy_side_files,
     dtype_name,
@@ -570,6 +571,7 @@ def export_checkpoint(
     src_dir = resolve_model(src)
     raw = read_config(src_dir)
     if raw.get("model_type") != "llama_mla":
+        check_supported(raw)  # a source no converter covers: name the feature, not only "convert first"
         raise ValueError(
             f"--model {src_dir} has model_type {raw.get('model_type')!r}; the export reads llama_mla "
             "checkpoints: convert first with `hf-attn convert mla --layout deepseek`."

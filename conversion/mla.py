@@ -766,6 +766,11 @@ def plan_conversion(
             "The given calibration lacks what --layout deepseek needs; calibrate with shared_keys=True, "
             "sample_stride > 0 (and moments / attention_pairs for the chosen options)."
         )
+    if selection == "attention" and calibration is None and calibration_window <= rs.QUERY_STRIDE:
+        raise ValueError(  # one query per window: zero score variance, a 0/0 query fit (NaN or ~1e12 weights)
+            f"--calibration-window {calibration_window} is too short for --rope-selection attention, whose "
+            f"statistics use every {rs.QUERY_STRIDE}th query of a window; use a window > {rs.QUERY_STRIDE}."
+        )
     if (need_moments or need_scores or deepseek) and calibration is None:
         calibration = calibrate(
             src_dir=src_dir,

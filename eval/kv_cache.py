@@ -131,10 +131,13 @@ def _growing_layers(short, long) -> int:
 def measured_kv_bytes_per_token(model, seq_len: int = 16) -> KVBytes:
     """Bytes per token of the cache a real forward pass leaves behind: the bytes of every tensor the cache
     holds after `2 * seq_len` tokens minus after `seq_len` tokens, divided by `seq_len` (the difference
-    cancels fixed-size bookkeeping tensors, e.g. a sliding layer's window scalar). Keep `2 * seq_len`
-    below any sliding window. Works for any cache class (MLA's included)."""
+    cancels fixed-size bookkeeping tensors, e.g. a sliding layer's window scalar). `seq_len` is lowered so
+    that `2 * seq_len` stays below the config's sliding window. Works for any cache class (MLA's included)."""
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    window = getattr(model.config, "sliding_window", None)
+    if isinstance(window, int) and window > 0:
+        seq_len = max(1, min(seq_len, (window - 1) // 2))  # a full sliding cache would not grow: no layers
     short = _cache_after_forward(model, seq_len)
     long = _cache_after_forward(model, 2 * seq_len)
     per_token = (cache_tensor_bytes(long) - cache_tensor_bytes(short)) / seq_len
