@@ -20,6 +20,7 @@ exact deepseek_v3 checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 import sys
@@ -31,6 +32,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from hf_attn.conversion import allocation as alloc
 from hf_attn.conversion import calibration as cal
 from hf_attn.conversion import cli
 from hf_attn.conversion import factorization as fac
@@ -529,6 +531,7 @@ def mla_config(
     qkv_bias: bool,
     o_bias: bool,
     latent_norm: bool = True,
+    layer_ranks: tuple[list[int], list[int]] | None = None,
 ) -> dict:
     """(shape.shared_rope: the DeepSeek layout, `pairs` [num_layers][1][r], rope_layout "shared" and the
     latent norm.)"""
@@ -546,6 +549,8 @@ def mla_config(
     }
     if shape.shared_rope:
         fields.update(rope_layout="shared", latent_norm=latent_norm)
+    if layer_ranks is not None:  # (layer_rope_pairs, layer_kv_lora_ranks): ragged (conversion.allocation)
+        fields.update(layer_rope_pairs=layer_ranks[0], layer_kv_lora_ranks=layer_ranks[1])
     config = LlamaMLAConfig(
         **fields,
         kv_lora_rank=shape.kv_lora_rank,
@@ -600,6 +605,12 @@ class MLAConversion:
     shared_keys: dict[int, sr.SharedKey] | None = None  # DeepSeek layout: layer -> fitted shared key
     norm_eps: float | None = None  # DeepSeek layout: the latent norm's eps (the source's rms_norm_eps)
     norm_refine_steps: int = 0  # DeepSeek layout: L-BFGS steps on the encoder through the norm (sr._refine)
+    layer_shapes: list[MLAShape] | None = None  # per-layer ranks (conversion.allocation); None: `shape`
+    allocation: dict | None = None  # the allocation's record (per-layer lists); None: uniform
+
+    def layer_shape(self, layer: int) -> MLAShape:
+        """The ranks of layer `layer`: its own (`--allocation greedy`) or the shared `shape`."""
+        return self.shape if self.layer_shapes is None else self.layer_shapes[layer]
 
     def query_fit(self, layer: int) -> torch.Tensor | None:
         """The `attention` selection's query refit of the dropped pairs of `layer` (None otherwise)."""
@@ -622,10 +633,20 @@ class MLAConversion:
             kv_lora_rank=s.kv_lora_rank,
             rope_pairs=s.rope_pairs,
             query_fit=self.selection == "attention",
-            kv_numbers_per_token_per_layer={"source": s.source_cache_numbers, "mla": s.cache_numbers},
-            kv_fraction=s.kv_fraction,
+            kv_numbers_per_token_per_layer={"source": s.source_cache_numbers, "mla": self._mean_numbers()},
+            kv_fraction=self._mean_numbers() / s.source_cache_numbers,
+            **({} if self.allocation is None else {"allocation": self.allocation}),
             calibration=None if self.calibration is None else self.calibration.record,
             **self._deepseek_record(),
+        )
+
+    def _mean_numbers(self) -> int | float:
+        """Numbers cached per token and layer (the mean over layers when they differ)."""
+        if self.layer_shapes is None:
+            return self.shape.cache_numbers
+        total = sum(s.cache_numbers for s in self.layer_shapes)
+        return total // len(self.layer_shapes) if total % len(self.layer_shapes) == 0 else total / len(
+            self.layer_shapes
         )
 
     def _deepseek_record(self) -> dict:
@@ -651,6 +672,9 @@ class MLAConversion:
             qkv_bias=self.qkv_bias,
             o_bias=self.o_bias,
             latent_norm=self.norm_eps is not None,
+            layer_ranks=None
+            if self.layer_shapes is None
+            else ([s.rope_pairs for s in self.layer_shapes], [s.kv_lora_rank for s in self.layer_shapes]),
         )
         if dtype is not None:
             out["dtype"] = dtype_name(dtype)
@@ -679,7 +703,7 @@ class MLAConversion:
             new = convert_layer(
                 weights={k: (w.double() if w is not None else None) for k, w in weights.items()},
                 pairs=self.pairs[layer],
-                shape=self.shape,
+                shape=self.layer_shape(layer),
                 factorization=self.factorization,
                 statistics=None if self.calibration is None else self.calibration.statistics[layer],
                 query_fit=self.query_fit(layer),
@@ -706,6 +730,8 @@ def plan_conversion(
     calibration_window: int = cal.DEFAULT_WINDOW,
     calibration: Calibration | None = None,
     layout: str = "per-head",
+    allocation: str = alloc.DEFAULT_ALLOCATION,
+    allocation_normalization: str = alloc.DEFAULT_NORMALIZATION,
 ) -> MLAConversion:
     """Validate everything, calibrate if the options need it (or reuse `calibration`), choose the pairs.
     layout "deepseek": one RoPE key per layer shared by all heads on the pairs 0, s, ..., (r-1) s of every
@@ -727,6 +753,7 @@ def plan_conversion(
         raise ValueError(
             f"Unknown --factorization {factorization!r}; choose one of {', '.join(fac.FACTORIZATIONS)}."
         )
+    _check_allocation(allocation, layout=layout, selection=rope_selection, factorization=factorization)
     source = src if isinstance(src, Source) else open_source(src)
     src_dir, geometry, index, config = source.dir, source.geometry, source.index, source.config
     if geometry.head_dim % 2:
@@ -778,8 +805,58 @@ def plan_conversion(
         rope_pairs=shape.rope_pairs,
         scores=None if calibration is None else calibration.pair_scores.get(selection),
     )
-    return MLAConversion(
+    plan = MLAConversion(
         src_dir, index, shape, selection, factorization, pairs, qkv_bias, o_bias, kv_budget, calibration
+    )
+    if allocation == "greedy" and not shape.is_full_rank:
+        plan = _allocate(plan, allocation_normalization)
+    return plan
+
+
+def _check_allocation(allocation: str, *, layout: str, selection: str, factorization: str) -> None:
+    """ValueError unless `--allocation` can run with these options."""
+    if allocation not in alloc.ALLOCATIONS:
+        raise ValueError(f"Unknown --allocation {allocation!r}; choose one of {', '.join(alloc.ALLOCATIONS)}.")
+    if allocation == "uniform":
+        return
+    if layout == "deepseek":
+        raise ValueError(
+            "--allocation greedy gives layers different ranks, but the DeepSeek layout (and deepseek_v3) has one "
+            "kv_lora_rank and one qk_rope_head_dim for every layer; use --allocation uniform."
+        )
+    if selection != "attention" or factorization != "attention":
+        raise ValueError(
+            f"--allocation greedy reads the `attention` selection's pair scores and the `attention` "
+            f"factorization's spectrum, got --rope-selection {selection} --factorization {factorization}; "
+            "use both `attention` (the defaults) or --allocation uniform."
+        )
+
+
+def _allocate(plan: MLAConversion, normalization: str, *, allocate_rope: bool = True) -> MLAConversion:
+    """`plan` with per-layer ranks (conversion.allocation) under the same total cache."""
+    geo, s = plan.shape.geometry, plan.shape
+    cal_ = plan.calibration
+
+    def read_layer(i: int) -> dict[str, torch.Tensor | None]:
+        names = layer_attn_keys(i)
+        return {k: read_tensor(plan.index[n]).double() if n in plan.index else None for k, n in names.items()}
+
+    chosen, record = alloc.plan_allocation(
+        geometry=geo,
+        read_layer=read_layer,
+        pair_scores=cal_.pair_scores["attention"],
+        query_fit=cal_.query_fit,
+        moments={i: cal_.statistics[i].moment for i in range(geo.num_layers)},
+        rope_pairs=s.rope_pairs,
+        kv_lora_rank=s.kv_lora_rank,
+        normalization=normalization,
+        allocate_rope=allocate_rope,
+    )
+    shapes = [MLAShape(geo, r, c) for r, c in zip(chosen.rope_pairs, chosen.kv_lora_ranks)]
+    assert sum(x.cache_numbers for x in shapes) <= geo.num_layers * s.cache_numbers, "over the budget"
+    widest = MLAShape(geo, max(chosen.rope_pairs), max(chosen.kv_lora_ranks))
+    return dataclasses.replace(
+        plan, shape=widest, pairs=chosen.pairs, layer_shapes=shapes, allocation=record
     )
 
 
@@ -833,6 +910,7 @@ def convert_to_mla(
     overwrite: bool = False,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     layout: str = "per-head",
+    allocation: str = alloc.DEFAULT_ALLOCATION,
 ) -> Path:
     """Write `dst`: checkpoint `src` (None: the embedded SmolLM2) converted to `llama_mla`.
     `layout`: "per-head" (a RoPE key per KV head on its own pairs) or "deepseek" (see `plan_conversion`).
@@ -855,6 +933,7 @@ def convert_to_mla(
         calibration_tokens=calibration_tokens,
         calibration_window=calibration_window,
         layout=layout,
+        allocation=allocation,
     )
     return write_conversion(
         plan, dst, dtype=source.dtype, overwrite=overwrite, max_shard_bytes=max_shard_bytes, start=start
@@ -901,6 +980,11 @@ def describe(out: Path) -> str:
         f"MLA ({s['layout']} layout): r={r['rope_pairs']} ({s['rope_selection']}), d_c={r['kv_lora_rank']} "
         f"({s['factorization']}), {numbers['mla']}/{numbers['source']} numbers per token and layer "
         f"({100 * r['kv_fraction']:.1f}%)"
+        + (
+            f", per layer r={r['allocation']['layer_rope_pairs']} d_c={r['allocation']['layer_kv_lora_ranks']}"
+            if "allocation" in r
+            else ""
+        )
     )
 
 
@@ -923,6 +1007,13 @@ def main(argv: list[str] | None = None) -> int:
         default="per-head",
         help="per-head: a RoPE key per KV head; deepseek: one shared RoPE key + latent norm (DeepSeek MLA)",
     )
+    parser.add_argument(
+        "--allocation",
+        choices=alloc.ALLOCATIONS,
+        default=alloc.DEFAULT_ALLOCATION,
+        help="uniform: the same r and d_c in every layer; greedy: per-layer r and d_c from the calibration "
+        "(conversion.allocation), same total cache",
+    )
     cli.add_calibration_arguments(parser, default_tokens=DEFAULT_CALIBRATION_TOKENS)
     cli.add_write_arguments(parser)
     args = parser.parse_args(argv)
@@ -939,6 +1030,7 @@ def main(argv: list[str] | None = None) -> int:
         rope_selection=args.rope_selection,
         factorization=args.factorization,
         layout=args.layout,
+        allocation=args.allocation,
         **cli.calibration_options(args),
     )
 
