@@ -30,7 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
-ALLOCATIONS = ("uniform", "greedy")
+ALLOCATIONS = ("uniform", "greedy", "greedy-ranks")
+# `greedy`: the RoPE keys' share of a --kv-budget when r is not given (uniform: mla.DEFAULT_ROPE_SHARE, capped)
+GREEDY_ROPE_SHARE = 0.4
 NORMALIZATIONS = ("relative", "raw")
 DEFAULT_ALLOCATION = "uniform"
 DEFAULT_NORMALIZATION = "relative"
@@ -112,6 +114,14 @@ def allocate_ranks(
 # --------------------------------------------------------------------------------------------- planner
 
 
+def default_rope_pairs(geometry, kv_budget: float, uniform_rule) -> int:
+    """r (the mean over layers) for `greedy` when --rope-pairs is not given: GREEDY_ROPE_SHARE of the
+    budget's numbers, capped like the uniform rule (`uniform_rule` = mla.default_rope_pairs). Placing the
+    pairs where they count makes fewer of them suffice (docs/mla-allocation.md measures the share)."""
+    shared = uniform_rule(geometry, kv_budget, GREEDY_ROPE_SHARE)
+    return min(shared, uniform_rule(geometry, kv_budget))
+
+
 def layer_spectrum(*, weights: dict, pairs: list[list[int]], geometry, query_fit) -> tuple:
     """(stack inputs of `fac.attention_spectrum`) for one layer at its kept `pairs`, prepared exactly as
     `mla.convert_layer` prepares the `attention` factorization (query refit of the dropped pairs, rows
@@ -151,6 +161,7 @@ def plan_allocation(
     kv_lora_rank: int,
     normalization: str = DEFAULT_NORMALIZATION,
     allocate_rope: bool = True,
+    allocate_latent: bool = True,
     progress: bool = True,
 ) -> tuple[Allocation, dict]:
     """Greedy per-layer (r_i, d_c,i) with the totals of the uniform plan (r, d_c) in every layer.
@@ -180,13 +191,17 @@ def plan_allocation(
             query_fit=None if query_fit is None else query_fit[i],
         )
         spectra.append(fac.attention_spectrum(**inputs, moment=moments[i]))
-    ranks = allocate_ranks(spectra, total_rank=L * kv_lora_rank, normalization=normalization)
+    if allocate_latent:
+        ranks = allocate_ranks(spectra, total_rank=L * kv_lora_rank, normalization=normalization)
+    else:
+        ranks = [min(kv_lora_rank, len(ev)) for ev in spectra]
     kept = [float(1 - ev[:c].sum() / ev.sum().clamp_min(1e-300)) for ev, c in zip(spectra, ranks)]
     record = {
-        "method": "greedy",
+        "method": "greedy-ranks" if allocate_latent else "greedy",
         "normalization": normalization,
         "layer_rope_pairs": r_layers,
         "layer_kv_lora_ranks": ranks,
         "layer_relative_metric_error": [round(e, 6) for e in kept],
     }
     return Allocation(r_layers, ranks, pairs), record
+

@@ -759,6 +759,8 @@ def plan_conversion(
     if geometry.head_dim % 2:
         raise ValueError(f"head_dim {geometry.head_dim} is odd; RoPE pairs need an even head_dim.")
     qkv_bias, o_bias = _check_biases(index, geometry)
+    if allocation != "uniform" and rope_pairs is None and kv_budget is not None and layout == "per-head":
+        rope_pairs = alloc.default_rope_pairs(geometry, kv_budget, default_rope_pairs)
     shape = plan_shape(
         geometry,
         kv_lora_rank=kv_lora_rank,
@@ -808,8 +810,8 @@ def plan_conversion(
     plan = MLAConversion(
         src_dir, index, shape, selection, factorization, pairs, qkv_bias, o_bias, kv_budget, calibration
     )
-    if allocation == "greedy" and not shape.is_full_rank:
-        plan = _allocate(plan, allocation_normalization)
+    if allocation != "uniform" and not shape.is_full_rank:
+        plan = _allocate(plan, allocation_normalization, allocate_latent=allocation == "greedy-ranks")
     return plan
 
 
@@ -832,7 +834,9 @@ def _check_allocation(allocation: str, *, layout: str, selection: str, factoriza
         )
 
 
-def _allocate(plan: MLAConversion, normalization: str, *, allocate_rope: bool = True) -> MLAConversion:
+def _allocate(
+    plan: MLAConversion, normalization: str, *, allocate_rope: bool = True, allocate_latent: bool = True
+) -> MLAConversion:
     """`plan` with per-layer ranks (conversion.allocation) under the same total cache."""
     geo, s = plan.shape.geometry, plan.shape
     cal_ = plan.calibration
@@ -851,6 +855,7 @@ def _allocate(plan: MLAConversion, normalization: str, *, allocate_rope: bool = 
         kv_lora_rank=s.kv_lora_rank,
         normalization=normalization,
         allocate_rope=allocate_rope,
+        allocate_latent=allocate_latent,
     )
     shapes = [MLAShape(geo, r, c) for r, c in zip(chosen.rope_pairs, chosen.kv_lora_ranks)]
     assert sum(x.cache_numbers for x in shapes) <= geo.num_layers * s.cache_numbers, "over the budget"

@@ -6,16 +6,14 @@
 
 Protocol: as `eval.mla_curve` (one fp32 calibration pass shared by every conversion; each conversion written
 by the converter, loaded in fp32 and scored on the first `--max-tokens` tokens of *Persuasion* in disjoint
-windows of `--context-length`). Variants: `uniform` (today's plan), `greedy` (`--allocation greedy`: RoPE
-pairs and latent ranks per layer, relative metric errors), `greedy-raw` (absolute metric errors),
-`greedy-latent` (latent ranks only, the same r in every layer). Appends one JSON line per conversion to
+windows of `--context-length`). Variants: the converter's `--allocation` values (`uniform`, `greedy`: RoPE
+pairs per layer, `greedy-ranks`: RoPE pairs and latent ranks per layer). Appends one JSON line per conversion to
 `--output` and prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import shutil
 import tempfile
@@ -32,20 +30,13 @@ from hf_attn.tooling.corpus import load_corpus, tokenize
 from hf_attn.tooling.loading import resolve_model
 
 PROG = "hf-attn allocation"
-VARIANTS = {
-    "uniform": None,
-    "greedy": dict(normalization="relative", allocate_rope=True),
-    "greedy-raw": dict(normalization="raw", allocate_rope=True),
-    "greedy-latent": dict(normalization="relative", allocate_rope=False),
-}
+VARIANTS = ("uniform", "greedy", "greedy-ranks")
 
 
 def plan_variant(src_dir: Path, budget: float, variant: str, calibration, rope_pairs: int | None = None):
-    plan = mla.plan_conversion(src=src_dir, kv_budget=budget, rope_pairs=rope_pairs, calibration=calibration)
-    options = VARIANTS[variant]
-    if options is None or plan.shape.is_full_rank:
-        return plan
-    return mla._allocate(plan, options["normalization"], allocate_rope=options["allocate_rope"])
+    return mla.plan_conversion(
+        src=src_dir, kv_budget=budget, rope_pairs=rope_pairs, calibration=calibration, allocation=variant
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -195,12 +195,15 @@ def test_pair_allocation_keeps_the_total_and_prefers_costly_pairs():
         alloc.greedy_allocate([torch.tensor([1.0])], minimum=[3], budget=2)
 
 
-def test_greedy_conversion_honours_the_budget_and_loads(tiny_root, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("allocation", ["greedy", "greedy-ranks"])
+def test_greedy_conversion_honours_the_budget_and_loads(tiny_root, tmp_path, allocation):  # noqa: F811
     src = tiny_root / "llama_bias"
     plan = mla.plan_conversion(
-        src=src, kv_budget=0.5, allocation="greedy", calibration_files=[tiny_root / "calib.txt"],
+        src=src, kv_budget=0.5, allocation=allocation, calibration_files=[tiny_root / "calib.txt"],
         calibration_tokens=256,
     )  # fmt: skip
+    if allocation == "greedy":  # RoPE pairs move between layers, the latent width stays
+        assert len({s.kv_lora_rank for s in plan.layer_shapes}) == 1
     geo = plan.shape.geometry
     numbers = [s.cache_numbers for s in plan.layer_shapes]
     assert sum(numbers) <= int(0.5 * 2 * geo.kv_dim) * geo.num_layers
