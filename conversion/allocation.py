@@ -1,23 +1,23 @@
 """Per-layer ranks for MLA conversion: spend one `--kv-budget` where the calibration says it matters.
 
 `--allocation uniform` gives every layer the same r (RoPE pairs per KV head) and d_c (kv_lora_rank).
-`--allocation greedy` keeps the uniform plan's total (sum over layers of d_c,i + Hkv 2 r_i <= the budget's
-numbers times the number of layers, so the whole cache is never larger) and its split between RoPE keys and
-latents, but moves both across layers:
+The greedy allocations keep the uniform plan's total (sum over layers of d_c,i + Hkv 2 r_i <= the budget's
+numbers times the number of layers, so the whole cache is never larger) and move ranks across layers:
 
-1. RoPE pairs. The `attention` selection scores every (layer, KV head, pair) by the attention-score error
-   its loss of rotation leaves after the query refit (`rope_selection.AttentionPairStats`): one more pair in
-   layer i gains the sum over its KV heads of their next-best pair's score. The scores of all layers are in
-   the same unit (squared logits, summed over calibration queries), so no normalisation is needed; each
-   layer's gains do not increase with r, so taking the largest gains first (`greedy`) is optimal for the
-   sum of scores kept.
-2. Latent ranks, at those pairs. `factorization.attention_spectrum` gives the eigenvalues of the metric
-   that the `attention` factorization truncates: rank c leaves the sum of the eigenvalues after the c-th as
-   error, so the gain of the c-th dimension is its eigenvalue (non-increasing: greedy is optimal). Layers
-   are made comparable by dividing each layer's eigenvalues by their sum, i.e. by the layer's attention
-   energy in that metric (the error of rank 0): the allocation minimises the sum of the layers' *relative*
-   errors. (`normalization="raw"` compares the absolute metric errors instead; docs/mla-allocation.md
-   compares the two on the README's protocol.)
+1. RoPE pairs (`greedy` and `greedy-ranks`). The `attention` selection scores every (layer, KV head, pair)
+   by the attention-score error its loss of rotation leaves after the query refit
+   (`rope_selection.AttentionPairStats`): one more pair in layer i gains the sum over its KV heads of their
+   next-best pair's score. The scores of all layers are in the same unit (squared logits, summed over the
+   same calibration queries), so they are compared as they are; each layer's gains do not increase with
+   r, so taking the largest gains first is optimal for the summed score kept. The total number of pairs
+   is the uniform plan's r times the layers, r from GREEDY_ROPE_SHARE of the budget when not given.
+2. Latent ranks (`greedy-ranks` only; `greedy` keeps d_c in every layer). `factorization.attention_spectrum`
+   gives the eigenvalues of the metric that the `attention` factorization truncates: rank c leaves the sum
+   of the eigenvalues after the c-th as error, so the gain of the c-th dimension is its eigenvalue
+   (non-increasing: greedy is optimal). Layers are made comparable by dividing each layer's eigenvalues by
+   their sum, the layer's attention energy in that metric (its error at rank 0): the allocation minimises
+   the sum of the layers' relative errors (`normalization="raw"`: the absolute errors).
+   docs/mla-allocation.md measures both against `greedy`: moving latent rank did not pay on SmolLM2.
 
 Pure functions on tensors (`greedy_allocate`, `allocate_pairs`, `allocate_ranks`) and one planner
 (`plan_allocation`) that reads a conversion's weights and calibration.
@@ -204,4 +204,5 @@ def plan_allocation(
         "layer_relative_metric_error": [round(e, 6) for e in kept],
     }
     return Allocation(r_layers, ranks, pairs), record
+
 
