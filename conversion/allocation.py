@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 ALLOCATIONS = ("uniform", "greedy", "greedy-ranks")
-# `greedy`: the RoPE keys' share of a --kv-budget when r is not given (uniform: mla.DEFAULT_ROPE_SHARE, capped)
+# greedy allocations: the RoPE keys' share of a --kv-budget when r is not given (uniform: 0.5, capped)
 GREEDY_ROPE_SHARE = 0.4
 NORMALIZATIONS = ("relative", "raw")
 DEFAULT_ALLOCATION = "uniform"
@@ -75,9 +75,7 @@ def greedy_allocate(gains: list[torch.Tensor], *, minimum: list[int], budget: in
     return [m + k for m, k in zip(minimum, taken)]
 
 
-def allocate_pairs(
-    scores: list[torch.Tensor], *, total_pairs: int, minimum: int = 1
-) -> list[int]:
+def allocate_pairs(scores: list[torch.Tensor], *, total_pairs: int, minimum: int = 1) -> list[int]:
     """r_i per layer (same r for every KV head of a layer) with sum r_i = total_pairs (or every pair when
     fewer). scores[i]: (Hkv, d/2) the `attention` selection's pair scores of layer i (larger = keep)."""
     gains = []
@@ -91,7 +89,9 @@ def relative_gains(eigenvalues: torch.Tensor, normalization: str = DEFAULT_NORMA
     """Gains of the latent dims of one layer: its eigenvalues (descending), divided by their sum for
     `relative`, as they are for `raw`."""
     if normalization not in NORMALIZATIONS:
-        raise ValueError(f"Unknown normalization {normalization!r}; choose one of {', '.join(NORMALIZATIONS)}.")
+        raise ValueError(
+            f"Unknown normalization {normalization!r}; choose one of {', '.join(NORMALIZATIONS)}."
+        )
     ev = eigenvalues.double()
     if normalization == "raw":
         return ev
@@ -175,7 +175,7 @@ def plan_allocation(
     from hf_attn.conversion import factorization as fac
     from hf_attn.conversion import rope_selection as rs
 
-    L, hkv, d = geometry.num_layers, geometry.num_kv_heads, geometry.head_dim
+    L, d = geometry.num_layers, geometry.head_dim
     scores = [pair_scores[i] for i in range(L)]
     if allocate_rope and 0 < rope_pairs < d // 2:
         r_layers = allocate_pairs(scores, total_pairs=L * rope_pairs, minimum=1)
@@ -204,5 +204,3 @@ def plan_allocation(
         "layer_relative_metric_error": [round(e, 6) for e in kept],
     }
     return Allocation(r_layers, ranks, pairs), record
-
-

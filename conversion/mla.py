@@ -818,13 +818,15 @@ def plan_conversion(
 def _check_allocation(allocation: str, *, layout: str, selection: str, factorization: str) -> None:
     """ValueError unless `--allocation` can run with these options."""
     if allocation not in alloc.ALLOCATIONS:
-        raise ValueError(f"Unknown --allocation {allocation!r}; choose one of {', '.join(alloc.ALLOCATIONS)}.")
+        choices = ", ".join(alloc.ALLOCATIONS)
+        raise ValueError(f"Unknown --allocation {allocation!r}; choose one of {choices}.")
     if allocation == "uniform":
         return
     if layout == "deepseek":
         raise ValueError(
-            "--allocation greedy gives layers different ranks, but the DeepSeek layout (and deepseek_v3) has one "
-            "kv_lora_rank and one qk_rope_head_dim for every layer; use --allocation uniform."
+            f"--allocation {allocation} gives layers different ranks, but the DeepSeek layout (and "
+            "deepseek_v3) has one kv_lora_rank and one qk_rope_head_dim for every layer; "
+            "use --allocation uniform."
         )
     if selection != "attention" or factorization != "attention":
         raise ValueError(
@@ -985,12 +987,12 @@ def describe(out: Path) -> str:
         f"MLA ({s['layout']} layout): r={r['rope_pairs']} ({s['rope_selection']}), d_c={r['kv_lora_rank']} "
         f"({s['factorization']}), {numbers['mla']}/{numbers['source']} numbers per token and layer "
         f"({100 * r['kv_fraction']:.1f}%)"
-        + (
-            f", per layer r={r['allocation']['layer_rope_pairs']} d_c={r['allocation']['layer_kv_lora_ranks']}"
-            if "allocation" in r
-            else ""
-        )
+        + (_describe_allocation(r["allocation"]) if "allocation" in r else "")
     )
+
+
+def _describe_allocation(a: dict) -> str:
+    return f", per layer ({a['method']}) r={a['layer_rope_pairs']} d_c={a['layer_kv_lora_ranks']}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1016,8 +1018,8 @@ def main(argv: list[str] | None = None) -> int:
         "--allocation",
         choices=alloc.ALLOCATIONS,
         default=alloc.DEFAULT_ALLOCATION,
-        help="uniform: the same r and d_c in every layer; greedy: per-layer r and d_c from the calibration "
-        "(conversion.allocation), same total cache",
+        help="uniform: the same r and d_c in every layer; greedy: RoPE pairs per layer from the calibration; "
+        "greedy-ranks: also the latent rank per layer (conversion.allocation); the same total cache",
     )
     cli.add_calibration_arguments(parser, default_tokens=DEFAULT_CALIBRATION_TOKENS)
     cli.add_write_arguments(parser)

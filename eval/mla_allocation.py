@@ -7,8 +7,8 @@
 Protocol: as `eval.mla_curve` (one fp32 calibration pass shared by every conversion; each conversion written
 by the converter, loaded in fp32 and scored on the first `--max-tokens` tokens of *Persuasion* in disjoint
 windows of `--context-length`). Variants: the converter's `--allocation` values (`uniform`, `greedy`: RoPE
-pairs per layer, `greedy-ranks`: RoPE pairs and latent ranks per layer). Appends one JSON line per conversion to
-`--output` and prints a table.
+pairs per layer, `greedy-ranks`: RoPE pairs and latent ranks per layer). Appends one JSON line per conversion
+to `--output` and prints a table.
 """
 
 from __future__ import annotations

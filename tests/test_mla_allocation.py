@@ -46,17 +46,25 @@ def ragged_full_rank_from_source(src, pairs):
         for k, v in sc.to_dict().items()
         if k not in ("model_type", "architectures", "transformers_version", "auto_map", "dtype")
     }
-    cfg = LlamaMLAConfig(**fields, layer_rope_pairs=r_layers, rope_pair_indices=pairs, source_model_type="llama")
+    cfg = LlamaMLAConfig(
+        **fields, layer_rope_pairs=r_layers, rope_pair_indices=pairs, source_model_type="llama"
+    )
     dst = LlamaMLAForCausalLM(cfg).eval()
     sd = src.state_dict()
     new = {k: v for k, v in sd.items() if ".self_attn." not in k}
     for i in range(L):
         pre, dn = f"model.layers.{i}.self_attn.", d - 2 * r_layers[i]
         orders = [head_orders(pairs[i][g], d) for g in range(Hkv)]
-        new[pre + "q_proj.weight"] = sd[pre + "q_proj.weight"][[h * d + j for h in range(Hq) for j in sum(orders[h // G], [])]]
-        new[pre + "k_rope_proj.weight"] = sd[pre + "k_proj.weight"][[g * d + j for g in range(Hkv) for j in orders[g][0]]]
+        new[pre + "q_proj.weight"] = sd[pre + "q_proj.weight"][
+            [h * d + j for h in range(Hq) for j in sum(orders[h // G], [])]
+        ]
+        new[pre + "k_rope_proj.weight"] = sd[pre + "k_proj.weight"][
+            [g * d + j for g in range(Hkv) for j in orders[g][0]]
+        ]
         kn = [g * d + j for g in range(Hkv) for j in orders[g][1]]
-        new[pre + "kv_down_proj.weight"] = torch.cat([sd[pre + "k_proj.weight"][kn], sd[pre + "v_proj.weight"]])
+        new[pre + "kv_down_proj.weight"] = torch.cat(
+            [sd[pre + "k_proj.weight"][kn], sd[pre + "v_proj.weight"]]
+        )
         eye = torch.eye(Hkv * dn + Hkv * d)
         new[pre + "k_up_proj.weight"], new[pre + "v_up_proj.weight"] = eye[: Hkv * dn], eye[Hkv * dn :]
         new[pre + "o_proj.weight"] = sd[pre + "o_proj.weight"]
@@ -187,7 +195,10 @@ def test_greedy_rank_allocation_is_optimal_on_known_spectra(budget):
 
 
 def test_pair_allocation_keeps_the_total_and_prefers_costly_pairs():
-    scores = [torch.tensor([[5.0, 0.1, 0.1], [4.0, 0.2, 0.0]]), torch.tensor([[1.0, 3.0, 2.0], [1.0, 2.0, 3.0]])]
+    scores = [
+        torch.tensor([[5.0, 0.1, 0.1], [4.0, 0.2, 0.0]]),
+        torch.tensor([[1.0, 3.0, 2.0], [1.0, 2.0, 3.0]]),
+    ]
     r = alloc.allocate_pairs(scores, total_pairs=4, minimum=1)
     assert r == [1, 3]
     assert alloc.allocate_pairs(scores, total_pairs=2, minimum=1) == [1, 1]

@@ -76,7 +76,8 @@ class LlamaMLAConfig(LlamaConfig):
             self.num_key_value_heads = self.num_attention_heads
         self._check_layer_lists()
         if self.rope_pairs is None:
-            self.rope_pairs = self.head_dim // 2 if self.layer_rope_pairs is None else max(self.layer_rope_pairs)
+            layers = self.layer_rope_pairs
+            self.rope_pairs = self.head_dim // 2 if layers is None else max(layers)
         if self.kv_lora_rank is None and self.layer_kv_lora_ranks is not None:
             self.kv_lora_rank = max(self.layer_kv_lora_ranks)
         if self.kv_lora_rank is None and self.layer_rope_pairs is not None:  # full rank in every layer
@@ -117,7 +118,8 @@ class LlamaMLAConfig(LlamaConfig):
             if values is not None and getattr(self, scalar) != max(values):
                 raise ValueError(
                     f"{scalar}={getattr(self, scalar)} but max({field}) = {max(values)}: with per-layer "
-                    f"{kind} the scalar {scalar} is the largest layer's; drop {scalar} or set it to {max(values)}."
+                    f"{kind} the scalar {scalar} is the largest layer's; drop {scalar} or set it to "
+                    f"{max(values)}."
                 )
         if self.rope_layout not in ROPE_LAYOUTS:
             raise ValueError(
