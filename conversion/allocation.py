@@ -34,7 +34,6 @@ ALLOCATIONS = ("uniform", "greedy", "greedy-ranks")
 # greedy allocations: the RoPE keys' share of a --kv-budget when r is not given (uniform: 0.5, capped)
 GREEDY_ROPE_SHARE = 0.4
 NORMALIZATIONS = ("relative", "raw")
-DEFAULT_ALLOCATION = "uniform"
 DEFAULT_NORMALIZATION = "relative"
 
 
@@ -114,6 +113,16 @@ def allocate_ranks(
 # --------------------------------------------------------------------------------------------- planner
 
 
+def default_allocation(
+    *, kv_budget: float | None, given_ranks: bool, layout: str, selection: str, factorization: str
+) -> str:
+    """`greedy` where it applies and the user left the ranks to the budget (per-head layout, `attention`
+    selection and factorization, no --rope-pairs / --kv-lora-rank); `uniform` otherwise. `greedy` is at
+    least as good as `uniform` at every budget measured (docs/mla-allocation.md)."""
+    ok = kv_budget is not None and not given_ranks and layout == "per-head"
+    return "greedy" if ok and selection == "attention" and factorization == "attention" else "uniform"
+
+
 def default_rope_pairs(geometry, kv_budget: float, uniform_rule) -> int:
     """r (the mean over layers) for `greedy` when --rope-pairs is not given: GREEDY_ROPE_SHARE of the
     budget's numbers, capped like the uniform rule (`uniform_rule` = mla.default_rope_pairs). Placing the
@@ -162,6 +171,7 @@ def plan_allocation(
     normalization: str = DEFAULT_NORMALIZATION,
     allocate_rope: bool = True,
     allocate_latent: bool = True,
+    min_pairs: int = 1,
     progress: bool = True,
 ) -> tuple[Allocation, dict]:
     """Greedy per-layer (r_i, d_c,i) with the totals of the uniform plan (r, d_c) in every layer.
@@ -178,7 +188,7 @@ def plan_allocation(
     L, d = geometry.num_layers, geometry.head_dim
     scores = [pair_scores[i] for i in range(L)]
     if allocate_rope and 0 < rope_pairs < d // 2:
-        r_layers = allocate_pairs(scores, total_pairs=L * rope_pairs, minimum=1)
+        r_layers = allocate_pairs(scores, total_pairs=L * rope_pairs, minimum=min(min_pairs, rope_pairs))
     else:
         r_layers = [rope_pairs] * L
     pairs = [rs.top_pairs(scores[i], r_layers[i]) for i in range(L)]

@@ -730,13 +730,16 @@ def plan_conversion(
     calibration_window: int = cal.DEFAULT_WINDOW,
     calibration: Calibration | None = None,
     layout: str = "per-head",
-    allocation: str = alloc.DEFAULT_ALLOCATION,
+    allocation: str | None = None,
     allocation_normalization: str = alloc.DEFAULT_NORMALIZATION,
 ) -> MLAConversion:
     """Validate everything, calibrate if the options need it (or reuse `calibration`), choose the pairs.
     layout "deepseek": one RoPE key per layer shared by all heads on the pairs 0, s, ..., (r-1) s of every
     layer, and a latent RMSNorm (conversion.shared_rope); selections `attention` (s by its pair scores, and
-    its query refit of the dropped pairs) or `high` (s = 1)."""
+    its query refit of the dropped pairs) or `high` (s = 1).
+    allocation (conversion.allocation): "uniform", "greedy" or "greedy-ranks"; None: "greedy" where it applies
+    (a --kv-budget without --rope-pairs / --kv-lora-rank, the per-head layout, the `attention` selection and
+    factorization), else "uniform"."""
     if layout not in sr.LAYOUTS:
         raise ValueError(f"Unknown --layout {layout!r}; choose one of {', '.join(sr.LAYOUTS)}.")
     if layout == "deepseek" and rope_selection not in sr.DEEPSEEK_SELECTIONS:
@@ -752,6 +755,14 @@ def plan_conversion(
     if factorization not in fac.FACTORIZATIONS:
         raise ValueError(
             f"Unknown --factorization {factorization!r}; choose one of {', '.join(fac.FACTORIZATIONS)}."
+        )
+    if allocation is None:
+        allocation = alloc.default_allocation(
+            kv_budget=kv_budget,
+            given_ranks=rope_pairs is not None or kv_lora_rank is not None,
+            layout=layout,
+            selection=rope_selection,
+            factorization=factorization,
         )
     _check_allocation(allocation, layout=layout, selection=rope_selection, factorization=factorization)
     source = src if isinstance(src, Source) else open_source(src)
@@ -917,7 +928,7 @@ def convert_to_mla(
     overwrite: bool = False,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     layout: str = "per-head",
-    allocation: str = alloc.DEFAULT_ALLOCATION,
+    allocation: str | None = None,
 ) -> Path:
     """Write `dst`: checkpoint `src` (None: the embedded SmolLM2) converted to `llama_mla`.
     `layout`: "per-head" (a RoPE key per KV head on its own pairs) or "deepseek" (see `plan_conversion`).
@@ -1017,9 +1028,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--allocation",
         choices=alloc.ALLOCATIONS,
-        default=alloc.DEFAULT_ALLOCATION,
+        default=None,
         help="uniform: the same r and d_c in every layer; greedy: RoPE pairs per layer from the calibration; "
-        "greedy-ranks: also the latent rank per layer (conversion.allocation); the same total cache",
+        "greedy-ranks: also the latent rank per layer (conversion.allocation); the same total cache "
+        "(default: greedy with --kv-budget and the attention selection / factorization, else uniform)",
     )
     cli.add_calibration_arguments(parser, default_tokens=DEFAULT_CALIBRATION_TOKENS)
     cli.add_write_arguments(parser)

@@ -232,10 +232,20 @@ def test_greedy_conversion_honours_the_budget_and_loads(tiny_root, tmp_path, all
         assert torch.isfinite(model(input_ids=ids, attention_mask=mask).logits).all()
     # uniform: no per-layer fields in config.json, as before
     uniform = mla.write_conversion(
-        mla.plan_conversion(src=src, kv_budget=0.5, calibration=plan.calibration), tmp_path / "uniform"
+        mla.plan_conversion(src=src, kv_budget=0.5, calibration=plan.calibration, allocation="uniform"),
+        tmp_path / "uniform",
     )
     text = (uniform / "config.json").read_text()
     assert "layer_kv_lora_ranks" not in text and "layer_rope_pairs" not in text
+
+
+def test_default_allocation_is_greedy_only_where_it_applies():
+    base = dict(kv_budget=0.5, given_ranks=False, layout="per-head", selection="attention")
+    assert alloc.default_allocation(**base, factorization="attention") == "greedy"
+    assert alloc.default_allocation(**{**base, "given_ranks": True}, factorization="attention") == "uniform"
+    assert alloc.default_allocation(**{**base, "kv_budget": None}, factorization="attention") == "uniform"
+    assert alloc.default_allocation(**{**base, "layout": "deepseek"}, factorization="attention") == "uniform"
+    assert alloc.default_allocation(**base, factorization="activation") == "uniform"
 
 
 def test_greedy_refuses_deepseek_layout_and_other_options(tiny_root):  # noqa: F811
