@@ -994,8 +994,10 @@ def describe(out: Path) -> str:
     """One line on the checkpoint `convert_to_mla` wrote to `out` (for the command)."""
     r = cli.last_record(out)
     s, numbers = r["settings"], r["kv_numbers_per_token_per_layer"]
+    most = "<=" if "allocation" in r else "="  # per-layer ranks: the scalars are the largest layer's
     return (
-        f"MLA ({s['layout']} layout): r={r['rope_pairs']} ({s['rope_selection']}), d_c={r['kv_lora_rank']} "
+        f"MLA ({s['layout']} layout): r{most}{r['rope_pairs']} ({s['rope_selection']}), "
+        f"d_c{most}{r['kv_lora_rank']} "
         f"({s['factorization']}), {numbers['mla']}/{numbers['source']} numbers per token and layer "
         f"({100 * r['kv_fraction']:.1f}%)"
         + (_describe_allocation(r["allocation"]) if "allocation" in r else "")
