@@ -644,10 +644,8 @@ class MLAConversion:
         """Numbers cached per token and layer (the mean over layers when they differ)."""
         if self.layer_shapes is None:
             return self.shape.cache_numbers
-        total = sum(s.cache_numbers for s in self.layer_shapes)
-        return total // len(self.layer_shapes) if total % len(self.layer_shapes) == 0 else total / len(
-            self.layer_shapes
-        )
+        total, layers = sum(s.cache_numbers for s in self.layer_shapes), len(self.layer_shapes)
+        return total // layers if total % layers == 0 else total / layers
 
     def _deepseek_record(self) -> dict:
         if self.layout != "deepseek":
