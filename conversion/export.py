@@ -178,6 +178,13 @@ def plan_export(
             "token, DeepSeek-V3 one shared key",
             f"{convert} (per_head with num_key_value_heads 1 is the same model and exports as is)",
         )
+    if getattr(config, "is_ragged", False):
+        raise _refuse(
+            f"per-layer ranks (layer_kv_lora_ranks={config.layer_kv_lora_ranks}, layer_rope_pairs="
+            f"{config.layer_rope_pairs}), but a deepseek_v3 config has one kv_lora_rank and one "
+            "qk_rope_head_dim for every layer",
+            "convert with `hf-attn convert mla --layout deepseek --allocation uniform`",
+        )
     if not config.latent_norm:
         raise _refuse(
             "latent_norm=False, but DeepSeek-V3 always RMS-normalises the cached latent (kv_a_layernorm), "

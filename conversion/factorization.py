@@ -155,8 +155,55 @@ def attention_pca(
     the least-squares decoders of the keys (centred) and values from c.
     """
     w_k, w_v, w_q, w_o = w_k.double(), w_v.double(), w_q.double(), w_o.double()
-    nk, nv = w_k.shape[0], w_v.shape[0]
     _check(torch.cat([w_k, w_v]), None, rank)
+    a, weighted, cov, second, mean, v_center = _attention_metric(
+        w_k, w_v, w_q, b_q, b_v, w_o, moment, num_kv_heads
+    )
+    _, evecs = torch.linalg.eigh((weighted + weighted.T) / 2)
+    basis = evecs[:, -rank:].flip(-1)  # (W, r)
+    down = basis.T @ a @ torch.cat([w_k, w_v])  # (r, C)
+
+    # least-squares decoders: keys from the centred latent, values from the latent (+1 if biased)
+    c_cov = down @ cov @ down.T  # (r, r)
+    up_k = _lstsq_decoder(w_k @ cov @ down.T, c_cov)  # (nk, r)
+    if v_center:
+        up_v = _lstsq_decoder(w_v @ cov @ down.T, c_cov)  # (nv, r)
+    else:
+        up_v = _lstsq_decoder(w_v @ second @ down.T, down @ second @ down.T)  # (nv, r)
+    up = torch.cat([up_k, up_v])  # (W, r)
+    up_bias = None
+    if b_k is not None or b_v is not None:
+        assert b_k is not None and b_v is not None, "keys and values both biased or neither"
+        c_mean = down @ mean  # (r,)
+        up_bias = torch.cat(
+            [w_k @ mean + b_k.double() - up_k @ c_mean, w_v @ mean + b_v.double() - up_v @ c_mean]
+        )
+    return LowRank(down, up, up_bias)
+
+
+def attention_spectrum(
+    *,
+    w_k: torch.Tensor,
+    w_v: torch.Tensor,
+    b_v: torch.Tensor | None,
+    w_q: torch.Tensor,
+    b_q: torch.Tensor | None,
+    w_o: torch.Tensor,
+    moment: torch.Tensor,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """Eigenvalues (W,), descending, of the weighted second moment that `attention_pca` truncates (its
+    arguments, no rank): keeping the top c directions leaves the sum of the eigenvalues after the c-th as the
+    metric error (before the least-squares decoders, which can only lower it)."""
+    w_k, w_v, w_q, w_o = w_k.double(), w_v.double(), w_q.double(), w_o.double()
+    _, weighted, *_ = _attention_metric(w_k, w_v, w_q, b_q, b_v, w_o, moment, num_kv_heads)
+    return torch.linalg.eigvalsh((weighted + weighted.T) / 2).flip(0).clamp_min(0.0)
+
+
+def _attention_metric(w_k, w_v, w_q, b_q, b_v, w_o, moment, num_kv_heads):
+    """`attention_pca`'s metric (float64 weights): A (W, W), A joint A^T (W, W), Cov x (C, C), E[x x^T]
+    (C, C), E[x] (C,) and whether the values are centred."""
+    nk, nv = w_k.shape[0], w_v.shape[0]
     hkv = num_kv_heads
     dn, d = nk // hkv, nv // hkv
     hq = w_o.shape[1] // d
@@ -199,23 +246,4 @@ def attention_pca(
         ]
     )  # (W, W)
     weighted = a @ joint @ a.T
-    _, evecs = torch.linalg.eigh((weighted + weighted.T) / 2)
-    basis = evecs[:, -rank:].flip(-1)  # (W, r)
-    down = basis.T @ a @ torch.cat([w_k, w_v])  # (r, C)
-
-    # least-squares decoders: keys from the centred latent, values from the latent (+1 if biased)
-    c_cov = down @ cov @ down.T  # (r, r)
-    up_k = _lstsq_decoder(w_k @ cov @ down.T, c_cov)  # (nk, r)
-    if v_center:
-        up_v = _lstsq_decoder(w_v @ cov @ down.T, c_cov)  # (nv, r)
-    else:
-        up_v = _lstsq_decoder(w_v @ second @ down.T, down @ second @ down.T)  # (nv, r)
-    up = torch.cat([up_k, up_v])  # (W, r)
-    up_bias = None
-    if b_k is not None or b_v is not None:
-        assert b_k is not None and b_v is not None, "keys and values both biased or neither"
-        c_mean = down @ mean  # (r,)
-        up_bias = torch.cat(
-            [w_k @ mean + b_k.double() - up_k @ c_mean, w_v @ mean + b_v.double() - up_v @ c_mean]
-        )
-    return LowRank(down, up, up_bias)
+    return a, weighted, cov, second, mean, v_center

@@ -20,6 +20,7 @@ exact deepseek_v3 checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 import sys
@@ -31,6 +32,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from hf_attn.conversion import allocation as alloc
 from hf_attn.conversion import calibration as cal
 from hf_attn.conversion import cli, layerwise
 from hf_attn.conversion import factorization as fac
@@ -536,6 +538,7 @@ def mla_config(
     qkv_bias: bool,
     o_bias: bool,
     latent_norm: bool = True,
+    layer_ranks: tuple[list[int], list[int]] | None = None,
 ) -> dict:
     """(shape.shared_rope: the DeepSeek layout, `pairs` [num_layers][1][r], rope_layout "shared" and the
     latent norm.)"""
@@ -553,6 +556,8 @@ def mla_config(
     }
     if shape.shared_rope:
         fields.update(rope_layout="shared", latent_norm=latent_norm)
+    if layer_ranks is not None:  # (layer_rope_pairs, layer_kv_lora_ranks): ragged (conversion.allocation)
+        fields.update(layer_rope_pairs=layer_ranks[0], layer_kv_lora_ranks=layer_ranks[1])
     config = LlamaMLAConfig(
         **fields,
         kv_lora_rank=shape.kv_lora_rank,
@@ -607,6 +612,12 @@ class MLAConversion:
     shared_keys: dict[int, sr.SharedKey] | None = None  # DeepSeek layout: layer -> fitted shared key
     norm_eps: float | None = None  # DeepSeek layout: the latent norm's eps (the source's rms_norm_eps)
     norm_refine_steps: int = 0  # DeepSeek layout: L-BFGS steps on the encoder through the norm (sr._refine)
+    layer_shapes: list[MLAShape] | None = None  # per-layer ranks (conversion.allocation); None: `shape`
+    allocation: dict | None = None  # the allocation's record (per-layer lists); None: uniform
+
+    def layer_shape(self, layer: int) -> MLAShape:
+        """The ranks of layer `layer`: its own (`--allocation greedy`) or the shared `shape`."""
+        return self.shape if self.layer_shapes is None else self.layer_shapes[layer]
 
     def query_fit(self, layer: int) -> torch.Tensor | None:
         """The `attention` selection's query refit of the dropped pairs of `layer` (None otherwise)."""
@@ -630,8 +641,9 @@ class MLAConversion:
             kv_lora_rank=s.kv_lora_rank,
             rope_pairs=s.rope_pairs,
             query_fit=self.selection == "attention",
-            kv_numbers_per_token_per_layer={"source": s.source_cache_numbers, "mla": s.cache_numbers},
-            kv_fraction=s.kv_fraction,
+            kv_numbers_per_token_per_layer={"source": s.source_cache_numbers, "mla": self._mean_numbers()},
+            kv_fraction=self._mean_numbers() / s.source_cache_numbers,
+            **({} if self.allocation is None else {"allocation": self.allocation}),
             calibration=None if self.calibration is None else self.calibration.record,
             **self._deepseek_record(),
         )
@@ -640,6 +652,13 @@ class MLAConversion:
         """device / forward_dtype of the calibration forward (None: no calibration ran)."""
         record = {} if self.calibration is None else self.calibration.record
         return {key: record.get(key) for key in ("device", "forward_dtype")}
+
+    def _mean_numbers(self) -> int | float:
+        """Numbers cached per token and layer (the mean over layers when they differ)."""
+        if self.layer_shapes is None:
+            return self.shape.cache_numbers
+        total, layers = sum(s.cache_numbers for s in self.layer_shapes), len(self.layer_shapes)
+        return total // layers if total % layers == 0 else total / layers
 
     def _deepseek_record(self) -> dict:
         if self.layout != "deepseek":
@@ -664,6 +683,9 @@ class MLAConversion:
             qkv_bias=self.qkv_bias,
             o_bias=self.o_bias,
             latent_norm=self.norm_eps is not None,
+            layer_ranks=None
+            if self.layer_shapes is None
+            else ([s.rope_pairs for s in self.layer_shapes], [s.kv_lora_rank for s in self.layer_shapes]),
         )
         if dtype is not None:
             out["dtype"] = dtype_name(dtype)
@@ -692,7 +714,7 @@ class MLAConversion:
             new = convert_layer(
                 weights={k: (w.double() if w is not None else None) for k, w in weights.items()},
                 pairs=self.pairs[layer],
-                shape=self.shape,
+                shape=self.layer_shape(layer),
                 factorization=self.factorization,
                 statistics=None if self.calibration is None else self.calibration.statistics[layer],
                 query_fit=self.query_fit(layer),
@@ -721,11 +743,16 @@ def plan_conversion(
     layout: str = "per-head",
     device: str = "cpu",
     forward_dtype: str = "float32",
+    allocation: str | None = None,
+    allocation_normalization: str = alloc.DEFAULT_NORMALIZATION,
 ) -> MLAConversion:
     """Validate everything, calibrate if the options need it (or reuse `calibration`), choose the pairs.
     layout "deepseek": one RoPE key per layer shared by all heads on the pairs 0, s, ..., (r-1) s of every
     layer, and a latent RMSNorm (conversion.shared_rope); selections `attention` (s by its pair scores, and
-    its query refit of the dropped pairs) or `high` (s = 1)."""
+    its query refit of the dropped pairs) or `high` (s = 1).
+    allocation (conversion.allocation): "uniform", "greedy" or "greedy-ranks"; None: "greedy" where it applies
+    (a --kv-budget without --rope-pairs / --kv-lora-rank, the per-head layout, the `attention` selection and
+    factorization), else "uniform"."""
     if layout not in sr.LAYOUTS:
         raise ValueError(f"Unknown --layout {layout!r}; choose one of {', '.join(sr.LAYOUTS)}.")
     if layout == "deepseek" and rope_selection not in sr.DEEPSEEK_SELECTIONS:
@@ -742,11 +769,22 @@ def plan_conversion(
         raise ValueError(
             f"Unknown --factorization {factorization!r}; choose one of {', '.join(fac.FACTORIZATIONS)}."
         )
+    if allocation is None:
+        allocation = alloc.default_allocation(
+            kv_budget=kv_budget,
+            given_ranks=rope_pairs is not None or kv_lora_rank is not None,
+            layout=layout,
+            selection=rope_selection,
+            factorization=factorization,
+        )
+    _check_allocation(allocation, layout=layout, selection=rope_selection, factorization=factorization)
     source = src if isinstance(src, Source) else open_source(src)
     src_dir, geometry, index, config = source.dir, source.geometry, source.index, source.config
     if geometry.head_dim % 2:
         raise ValueError(f"head_dim {geometry.head_dim} is odd; RoPE pairs need an even head_dim.")
     qkv_bias, o_bias = _check_biases(index, geometry)
+    if allocation != "uniform" and rope_pairs is None and kv_budget is not None and layout == "per-head":
+        rope_pairs = alloc.default_rope_pairs(geometry, kv_budget, default_rope_pairs)
     shape = plan_shape(
         geometry,
         kv_lora_rank=kv_lora_rank,
@@ -800,8 +838,63 @@ def plan_conversion(
         rope_pairs=shape.rope_pairs,
         scores=None if calibration is None else calibration.pair_scores.get(selection),
     )
-    return MLAConversion(
+    plan = MLAConversion(
         src_dir, index, shape, selection, factorization, pairs, qkv_bias, o_bias, kv_budget, calibration
+    )
+    if allocation != "uniform" and not shape.is_full_rank:
+        plan = _allocate(plan, allocation_normalization, allocate_latent=allocation == "greedy-ranks")
+    return plan
+
+
+def _check_allocation(allocation: str, *, layout: str, selection: str, factorization: str) -> None:
+    """ValueError unless `--allocation` can run with these options."""
+    if allocation not in alloc.ALLOCATIONS:
+        choices = ", ".join(alloc.ALLOCATIONS)
+        raise ValueError(f"Unknown --allocation {allocation!r}; choose one of {choices}.")
+    if allocation == "uniform":
+        return
+    if layout == "deepseek":
+        raise ValueError(
+            f"--allocation {allocation} gives layers different ranks, but the DeepSeek layout (and "
+            "deepseek_v3) has one kv_lora_rank and one qk_rope_head_dim for every layer; "
+            "use --allocation uniform."
+        )
+    if selection != "attention" or factorization != "attention":
+        raise ValueError(
+            f"--allocation greedy reads the `attention` selection's pair scores and the `attention` "
+            f"factorization's spectrum, got --rope-selection {selection} --factorization {factorization}; "
+            "use both `attention` (the defaults) or --allocation uniform."
+        )
+
+
+def _allocate(
+    plan: MLAConversion, normalization: str, *, allocate_rope: bool = True, allocate_latent: bool = True
+) -> MLAConversion:
+    """`plan` with per-layer ranks (conversion.allocation) under the same total cache."""
+    geo, s = plan.shape.geometry, plan.shape
+    cal_ = plan.calibration
+
+    def read_layer(i: int) -> dict[str, torch.Tensor | None]:
+        names = layer_attn_keys(i)
+        return {k: read_tensor(plan.index[n]).double() if n in plan.index else None for k, n in names.items()}
+
+    chosen, record = alloc.plan_allocation(
+        geometry=geo,
+        read_layer=read_layer,
+        pair_scores=cal_.pair_scores["attention"],
+        query_fit=cal_.query_fit,
+        moments={i: cal_.statistics[i].moment for i in range(geo.num_layers)},
+        rope_pairs=s.rope_pairs,
+        kv_lora_rank=s.kv_lora_rank,
+        normalization=normalization,
+        allocate_rope=allocate_rope,
+        allocate_latent=allocate_latent,
+    )
+    shapes = [MLAShape(geo, r, c) for r, c in zip(chosen.rope_pairs, chosen.kv_lora_ranks)]
+    assert sum(x.cache_numbers for x in shapes) <= geo.num_layers * s.cache_numbers, "over the budget"
+    widest = MLAShape(geo, max(chosen.rope_pairs), max(chosen.kv_lora_ranks))
+    return dataclasses.replace(
+        plan, shape=widest, pairs=chosen.pairs, layer_shapes=shapes, allocation=record
     )
 
 
@@ -857,6 +950,7 @@ def convert_to_mla(
     layout: str = "per-head",
     device: str = "cpu",
     forward_dtype: str = "float32",
+    allocation: str | None = None,
 ) -> Path:
     """Write `dst`: checkpoint `src` (None: the embedded SmolLM2) converted to `llama_mla`.
     `layout`: "per-head" (a RoPE key per KV head on its own pairs) or "deepseek" (see `plan_conversion`).
@@ -883,6 +977,7 @@ def convert_to_mla(
         layout=layout,
         device=device,
         forward_dtype=forward_dtype,
+        allocation=allocation,
     )
     return write_conversion(
         plan, dst, dtype=source.dtype, overwrite=overwrite, max_shard_bytes=max_shard_bytes, start=start
@@ -925,11 +1020,18 @@ def describe(out: Path) -> str:
     """One line on the checkpoint `convert_to_mla` wrote to `out` (for the command)."""
     r = cli.last_record(out)
     s, numbers = r["settings"], r["kv_numbers_per_token_per_layer"]
+    most = "<=" if "allocation" in r else "="  # per-layer ranks: the scalars are the largest layer's
     return (
-        f"MLA ({s['layout']} layout): r={r['rope_pairs']} ({s['rope_selection']}), d_c={r['kv_lora_rank']} "
+        f"MLA ({s['layout']} layout): r{most}{r['rope_pairs']} ({s['rope_selection']}), "
+        f"d_c{most}{r['kv_lora_rank']} "
         f"({s['factorization']}), {numbers['mla']}/{numbers['source']} numbers per token and layer "
         f"({100 * r['kv_fraction']:.1f}%)"
+        + (_describe_allocation(r["allocation"]) if "allocation" in r else "")
     )
+
+
+def _describe_allocation(a: dict) -> str:
+    return f", per layer ({a['method']}) r={a['layer_rope_pairs']} d_c={a['layer_kv_lora_ranks']}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -951,6 +1053,14 @@ def main(argv: list[str] | None = None) -> int:
         default="per-head",
         help="per-head: a RoPE key per KV head; deepseek: one shared RoPE key + latent norm (DeepSeek MLA)",
     )
+    parser.add_argument(
+        "--allocation",
+        choices=alloc.ALLOCATIONS,
+        default=None,
+        help="uniform: the same r and d_c in every layer; greedy: RoPE pairs per layer from the calibration; "
+        "greedy-ranks: also the latent rank per layer (conversion.allocation); the same total cache "
+        "(default: greedy with --kv-budget and the attention selection / factorization, else uniform)",
+    )
     cli.add_calibration_arguments(parser, default_tokens=DEFAULT_CALIBRATION_TOKENS)
     cli.add_write_arguments(parser)
     args = parser.parse_args(argv)
@@ -967,6 +1077,7 @@ def main(argv: list[str] | None = None) -> int:
         rope_selection=args.rope_selection,
         factorization=args.factorization,
         layout=args.layout,
+        allocation=args.allocation,
         **cli.calibration_options(args),
     )
 

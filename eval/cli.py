@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "harness": ("hf_attn.eval.harness", "lm-eval-harness on any checkpoint (local or hub tasks)"),
     "study": ("hf_attn.eval.study", "convert, evaluate, heal every variant and write the report"),
     "curve": ("hf_attn.eval.mla_curve", "the MLA KV-fraction / perplexity curve"),
+    "allocation": ("hf_attn.eval.mla_allocation", "uniform vs greedy per-layer MLA ranks at each budget"),
     "assets": ("hf_attn.tooling.assets", "fetch the embedded default (SmolLM2 and the Austen novels)"),
     "bench attention": (
         "hf_attn.eval.bench.attention",

@@ -66,28 +66,52 @@ def numbers_per_token_per_layer(config) -> int:
     if config.model_type == "deepseek_v3":  # what an MLA engine caches (transformers caches expanded K/V)
         return int(config.kv_lora_rank) + int(config.qk_rope_head_dim)
     if config.model_type == "llama_mla":
-        rope_keys = 1 if getattr(config, "rope_layout", "per_head") == "shared" else hkv
-        return LlamaMLAConfig.cache_numbers(int(config.kv_lora_rank), rope_keys, int(config.rope_pairs))
+        per_layer = mla_numbers_per_layer(config)
+        total = sum(per_layer)
+        return total // len(per_layer) if total % len(per_layer) == 0 else total / len(per_layer)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // hq
     return 2 * hkv * head_dim
+
+
+def mla_numbers_per_layer(config) -> list[int]:
+    """llama_mla: numbers cached per token in each layer, d_c,i + Hr * 2 r_i (per-layer ranks when the
+    config has `layer_kv_lora_ranks` / `layer_rope_pairs`, else the same in every layer)."""
+    layers = config.num_hidden_layers
+    hkv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    rope_keys = 1 if getattr(config, "rope_layout", "per_head") == "shared" else hkv
+    ranks = getattr(config, "layer_kv_lora_ranks", None) or [int(config.kv_lora_rank)] * layers
+    pairs = getattr(config, "layer_rope_pairs", None) or [int(config.rope_pairs)] * layers
+    return [LlamaMLAConfig.cache_numbers(int(c), rope_keys, int(r)) for c, r in zip(ranks, pairs)]
+
+
+def _numbers_per_layer(config) -> list[int | float]:
+    """Cached numbers per token of every decoder layer (before the window / no-cache caps)."""
+    if config.model_type == "llama_mla":
+        return mla_numbers_per_layer(config)
+    return [numbers_per_token_per_layer(config)] * len(_layer_windows(config))
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype = torch.float32) -> KVBytes:
     """KV-cache bytes per token from a config, for a cache stored in `dtype`."""
     text = config.get_text_config()
     numbers = numbers_per_token_per_layer(text)
-    layers = sum(1 for w in _layer_windows(text) if w != 0)
+    windows = _layer_windows(text)
+    layers = sum(1 for w in windows if w != 0)
     size = torch.empty((), dtype=dtype).element_size()
-    return KVBytes(numbers, numbers * size, numbers * size * layers, layers, dtype_name(dtype))
+    total = sum(n for n, w in zip(_numbers_per_layer(text), windows) if w != 0) * size  # per-layer sum
+    return KVBytes(numbers, numbers * size, total, layers, dtype_name(dtype))
 
 
 def kv_cache_bytes(config, seq_len: int, *, batch_size: int = 1, dtype: torch.dtype = torch.float32) -> int:
     """Bytes of the whole KV cache for `batch_size` sequences of `seq_len` tokens; sliding-window layers hold
     at most `window` tokens (transformers' dynamic cache keeps `window - 1` between steps)."""
     text = config.get_text_config()
-    per_token = kv_bytes_per_token(text, dtype).per_layer
-    tokens = sum(0 if w == 0 else seq_len if w is None else min(seq_len, w) for w in _layer_windows(text))
-    return int(per_token * tokens * batch_size)
+    size = torch.empty((), dtype=dtype).element_size()
+    numbers = sum(  # per layer: its numbers per token times the tokens it holds
+        n * (0 if w == 0 else seq_len if w is None else min(seq_len, w))
+        for n, w in zip(_numbers_per_layer(text), _layer_windows(text))
+    )
+    return int(numbers * size * batch_size)
 
 
 def cache_tensor_bytes(cache) -> int:

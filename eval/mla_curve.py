@@ -233,6 +233,7 @@ def measure_point(p: dict, src_dir, calibration, ids: torch.Tensor, context_leng
         rope_selection=p["selection"],
         factorization=p["factorization"],
         calibration=calibration,
+        allocation="uniform",  # the curve measures one r and d_c in every layer (eval.mla_allocation: greedy)
     )
     tmp = Path(tempfile.mkdtemp(prefix="mla_curve_", dir=work))
     try:

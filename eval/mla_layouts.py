@@ -166,8 +166,9 @@ def _plan(src_dir, layout: str, budget: float, rope_pairs: int | None, calibrati
         return plan
     if layout != "per-head-progression":
         return mla.plan_conversion(
-            src=src_dir, kv_budget=budget, rope_pairs=rope_pairs, calibration=calibration, layout=layout
-        )
+            src=src_dir, kv_budget=budget, rope_pairs=rope_pairs, calibration=calibration, layout=layout,
+            allocation="uniform",  # the layouts are compared at one r and d_c in every layer
+        )  # fmt: skip
     ds = mla.plan_conversion(
         src=src_dir, kv_budget=budget, rope_pairs=rope_pairs, calibration=calibration, layout="deepseek"
     )

@@ -25,9 +25,14 @@ class LlamaMLAConfig(LlamaConfig):
         `Hkv * (d - 2r) + Hkv * d` (the converter's exact construction).
     rope_pairs (`int`, *optional*): r, RoPE frequency pairs kept per KV head, `0 <= r <= d / 2`.
         Default: d / 2.
-    rope_pair_indices (`list[list[list[int]]]`, *optional*): `[num_layers][Hr][r]` kept pair indices in
-        `[0, d / 2)`, each list strictly ascending (Hr = Hkv for "per_head", 1 for "shared"). None:
-        `list(range(r))` everywhere (highest frequencies).
+    rope_pair_indices (`list[list[list[int]]]`, *optional*): `[num_layers][Hr][r_i]` kept pair indices in
+        `[0, d / 2)`, each list strictly ascending (Hr = Hkv for "per_head", 1 for "shared"; r_i the layer's
+        RoPE pairs). None: `list(range(r_i))` everywhere (highest frequencies).
+    layer_kv_lora_ranks (`list[int]`, *optional*): per-layer d_c (ragged latent widths, e.g. from the
+        converter's `--allocation greedy`). None (default): every layer has `kv_lora_rank`. When given,
+        `kv_lora_rank` is their maximum.
+    layer_rope_pairs (`list[int]`, *optional*): per-layer r. None (default): every layer has `rope_pairs`.
+        When given, `rope_pairs` is their maximum.
     rope_layout (`str`): "per_head" (default): one RoPE key per KV head, `k_rope_proj` is Linear(E, Hkv * 2r)
         and query head h rotates on the pairs of its KV head h // G. "shared": DeepSeek's decoupled RoPE, ONE
         RoPE key per layer read by every query head, `k_rope_proj` is Linear(E, 2r) and every query head
@@ -52,6 +57,8 @@ class LlamaMLAConfig(LlamaConfig):
     kv_lora_rank: int | None = None
     rope_pairs: int | None = None
     rope_pair_indices: list | None = None
+    layer_kv_lora_ranks: list | None = None
+    layer_rope_pairs: list | None = None
     qkv_bias: bool | None = None
     o_bias: bool | None = None
     source_model_type: str = "llama"
@@ -67,8 +74,16 @@ class LlamaMLAConfig(LlamaConfig):
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
+        self._check_layer_lists()
         if self.rope_pairs is None:
-            self.rope_pairs = self.head_dim // 2
+            layers = self.layer_rope_pairs
+            self.rope_pairs = self.head_dim // 2 if layers is None else max(layers)
+        if self.kv_lora_rank is None and self.layer_kv_lora_ranks is not None:
+            self.kv_lora_rank = max(self.layer_kv_lora_ranks)
+        if self.kv_lora_rank is None and self.layer_rope_pairs is not None:  # full rank in every layer
+            hkv, d = self.num_key_value_heads, self.head_dim
+            self.layer_kv_lora_ranks = [self.full_kv_lora_rank(hkv, d, r) for r in self.layer_rope_pairs]
+            self.kv_lora_rank = max(self.layer_kv_lora_ranks)
         if self.kv_lora_rank is None:
             hkv, d, r = self.num_key_value_heads, self.head_dim, self.rope_pairs
             self.kv_lora_rank = self.full_kv_lora_rank(hkv, d, r)
@@ -95,6 +110,17 @@ class LlamaMLAConfig(LlamaConfig):
             raise ValueError(f"rope_pairs must be in [0, head_dim / 2 = {d // 2}], got {r}.")
         if self.kv_lora_rank < 1:
             raise ValueError(f"kv_lora_rank must be >= 1, got {self.kv_lora_rank}.")
+        for field, scalar, kind in (
+            ("layer_rope_pairs", "rope_pairs", "r"),
+            ("layer_kv_lora_ranks", "kv_lora_rank", "d_c"),
+        ):
+            values = getattr(self, field)
+            if values is not None and getattr(self, scalar) != max(values):
+                raise ValueError(
+                    f"{scalar}={getattr(self, scalar)} but max({field}) = {max(values)}: with per-layer "
+                    f"{kind} the scalar {scalar} is the largest layer's; drop {scalar} or set it to "
+                    f"{max(values)}."
+                )
         if self.rope_layout not in ROPE_LAYOUTS:
             raise ValueError(
                 f"rope_layout must be one of {ROPE_LAYOUTS}, got {self.rope_layout!r}; use 'shared' for "
@@ -127,21 +153,39 @@ class LlamaMLAConfig(LlamaConfig):
         if self.rope_pair_indices is not None:
             self._check_rope_pair_indices()
 
+    def _check_layer_lists(self) -> None:
+        """layer_rope_pairs / layer_kv_lora_ranks: one int per layer, r in [0, d/2], d_c >= 1."""
+        layers, half = self.num_hidden_layers, self.head_dim // 2
+        for field, low, high in (("layer_rope_pairs", 0, half), ("layer_kv_lora_ranks", 1, None)):
+            values = getattr(self, field)
+            if values is None:
+                continue
+            bad = not isinstance(values, (list, tuple)) or len(values) != layers
+            bad = bad or any(not isinstance(v, int) or isinstance(v, bool) or v < low for v in values)
+            bad = bad or (high is not None and any(v > high for v in values))
+            if bad:
+                bounds = f"[{low}, {high}]" if high is not None else f">= {low}"
+                raise ValueError(
+                    f"{field} must be a list of num_hidden_layers={layers} ints {bounds}, got {values!r}; "
+                    f"give one value per layer or None for the same value in every layer."
+                )
+            setattr(self, field, list(values))
+
     def _check_rope_pair_indices(self) -> None:
-        idx, layers, hr, r, half = (
+        idx, layers, hr, half = (
             self.rope_pair_indices,
             self.num_hidden_layers,
             self.num_rope_keys,
-            self.rope_pairs,
             self.head_dim // 2,
         )
         if len(idx) != layers or any(len(heads) != hr for heads in idx):
             what = "1 (rope_layout='shared')" if self.rope_layout == "shared" else "num_key_value_heads"
             raise ValueError(
                 f"rope_pair_indices must be [num_layers={layers}][{what}={hr}]"
-                f"[rope_pairs={r}]; got {len(idx)} layers with {sorted({len(h) for h in idx})} heads."
+                f"[rope_pairs]; got {len(idx)} layers with {sorted({len(h) for h in idx})} heads."
             )
         for i, heads in enumerate(idx):
+            r = self.layer_rope_pairs_of(i)
             for g, pairs in enumerate(heads):
                 ok = len(pairs) == r and all(isinstance(p, int) and 0 <= p < half for p in pairs)
                 if not ok or any(a >= b for a, b in zip(pairs, pairs[1:])):
@@ -149,6 +193,14 @@ class LlamaMLAConfig(LlamaConfig):
                         f"rope_pair_indices[{i}][{g}] = {pairs} must hold {r} strictly ascending ints "
                         f"in [0, {half})."
                     )
+
+    def to_dict(self) -> dict:
+        """The config's fields; the per-layer lists only when set (uniform configs serialise as before)."""
+        out = super().to_dict()
+        for key in ("layer_kv_lora_ranks", "layer_rope_pairs"):
+            if key in out and out[key] is None:
+                del out[key]
+        return out
 
     @property
     def num_rope_keys(self) -> int:
@@ -158,13 +210,36 @@ class LlamaMLAConfig(LlamaConfig):
     def pair_indices(self, layer_idx: int) -> list[list[int]]:
         """Kept RoPE pairs of layer `layer_idx`: `[Hr][r]`, sorted ascending."""
         if self.rope_pair_indices is None:
-            return [list(range(self.rope_pairs)) for _ in range(self.num_rope_keys)]
+            return [list(range(self.layer_rope_pairs_of(layer_idx))) for _ in range(self.num_rope_keys)]
         return [list(p) for p in self.rope_pair_indices[layer_idx]]
 
-    def kv_cache_numbers_per_token(self) -> int:
+    def layer_rope_pairs_of(self, layer_idx: int) -> int:
+        """r of layer `layer_idx` (`layer_rope_pairs[i]`, else `rope_pairs`)."""
+        return self.rope_pairs if self.layer_rope_pairs is None else self.layer_rope_pairs[layer_idx]
+
+    def layer_kv_lora_rank_of(self, layer_idx: int) -> int:
+        """d_c of layer `layer_idx` (`layer_kv_lora_ranks[i]`, else `kv_lora_rank`)."""
+        return self.kv_lora_rank if self.layer_kv_lora_ranks is None else self.layer_kv_lora_ranks[layer_idx]
+
+    @property
+    def is_ragged(self) -> bool:
+        """True when layers differ in d_c or r (per-layer lists that are not constant)."""
+        lists = (self.layer_kv_lora_ranks, self.layer_rope_pairs)
+        return any(v is not None and len(set(v)) > 1 for v in lists)
+
+    def kv_cache_numbers_per_layer(self) -> list[int]:
+        """Numbers cached per token in each layer: d_c,i + Hr * 2 r_i."""
+        return [
+            self.cache_numbers(self.layer_kv_lora_rank_of(i), self.num_rope_keys, self.layer_rope_pairs_of(i))
+            for i in range(self.num_hidden_layers)
+        ]
+
+    def kv_cache_numbers_per_token(self) -> int | float:
         """Numbers cached per token and layer: the latent (d_c) plus the post-RoPE keys (Hr * 2r, Hr = Hkv
-        per head or 1 shared)."""
-        return self.cache_numbers(self.kv_lora_rank, self.num_rope_keys, self.rope_pairs)
+        per head or 1 shared); with per-layer ranks the mean over layers (sum / num_layers)."""
+        per_layer = self.kv_cache_numbers_per_layer()
+        total = sum(per_layer)
+        return total // len(per_layer) if total % len(per_layer) == 0 else total / len(per_layer)
 
     @staticmethod
     def cache_numbers(kv_lora_rank: int, num_rope_keys: int, rope_pairs: int) -> int:

@@ -18,6 +18,8 @@ RoPE key k(h) (= g for rope_layout "per_head", 0 for "shared": DeepSeek's one de
 KV cache: a transformers `Cache` (DynamicCache by default; StaticCache and sliding-window layers work too)
 whose per-layer "keys" hold c as (B, 1, S, d_c) and "values" hold k_rope as (B, 1, S, Hr * 2r) (head-major):
 d_c + Hr * 2r numbers per token and layer, nothing else (one "head" in both, so static caches preallocate).
+d_c and r may differ between layers (`config.layer_kv_lora_ranks`, `config.layer_rope_pairs`): every layer's
+modules and cache entries have that layer's widths; nothing is shared across layers.
 
 Two attention paths, equal up to rounding:
 - expanded: rebuild k = [k_rope | k_nope] and v for all S tokens, then the configured attention function
@@ -127,9 +129,9 @@ class LlamaMLAAttention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.num_key_value_groups = self.num_heads // self.num_kv_heads
         self.num_rope_keys = config.num_rope_keys  # Hr: Hkv (per_head) or 1 (shared)
-        self.rope_dim = 2 * config.rope_pairs  # 2r
+        self.rope_dim = 2 * config.layer_rope_pairs_of(layer_idx)  # 2r (this layer's)
         self.nope_dim = d - self.rope_dim  # d - 2r
-        self.kv_lora_rank = config.kv_lora_rank
+        self.kv_lora_rank = config.layer_kv_lora_rank_of(layer_idx)  # d_c (this layer's)
         self.scaling = d**-0.5
         self.attention_dropout = config.attention_dropout
         self.is_causal = True
