@@ -50,6 +50,7 @@ from hf_attn.tooling.files import checkpoint_hash
 PROG = "hf-attn convert gqa"
 
 METHODS = ("mean", "calibrated")
+DEFAULT_GROUPING = {"mean": "contiguous", "calibrated": "contiguous"}  # search is opt-in: README says why
 _RIDGE = 1e-9  # relative ridge on the covariances that are inverted or square-rooted
 _CG_STEPS, _CG_TOL = 50, 1e-4  # conjugate-gradient budget of one value refit (relative residual)
 
@@ -466,11 +467,20 @@ def convert_gqa(
     dtype: str | torch.dtype | None = None,
     overwrite: bool = False,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    grouping: str | None = None,
 ) -> Path:
     """Write `dst`: checkpoint `src` with its KV heads pooled into `num_kv_heads` groups by `method`.
-    `device`, `forward_dtype`: where the calibration forward runs (`layerwise.ForwardSettings`)."""
+    `device`, `forward_dtype`: where the calibration forward runs (`layerwise.ForwardSettings`).
+    grouping: "contiguous" (groups of consecutive heads), "search" (per layer, the grouping whose pooled fit
+    loses least on the calibration text: `conversion/grouping.py`) or None (the method's default,
+    DEFAULT_GROUPING)."""
+    from hf_attn.conversion import grouping as grp
+
     if method not in METHODS:
         raise ValueError(f"Unknown --method {method!r}; choose one of {', '.join(METHODS)}.")
+    grouping = DEFAULT_GROUPING[method] if grouping is None else grouping
+    if grouping not in grp.GROUPINGS:
+        raise ValueError(f"Unknown --grouping {grouping!r}; choose one of {', '.join(grp.GROUPINGS)}.")
     layerwise.resolve_forward(device, forward_dtype)  # fails before any slow work
     source = open_source(src, dst=dst, overwrite=overwrite, dtype=dtype)  # fails before any slow calibration
     src_dir, config, geometry = source.dir, source.config, source.geometry
@@ -480,14 +490,36 @@ def convert_gqa(
         kind="gqa",
         source=src_dir,
         source_hash=checkpoint_hash(src_dir),
-        settings={"method": method, "num_kv_heads": num_kv_heads, "device": None, "forward_dtype": None},
+        settings={
+            "method": method,
+            "num_kv_heads": num_kv_heads,
+            "grouping": grouping,
+            "device": None,
+            "forward_dtype": None,
+        },
         num_key_value_heads={"from": geometry.num_kv_heads, "to": num_kv_heads},
         groups=pooling.groups,
         calibration=None,
         dtype=dtype_name(dtype) if dtype is not None else config.get("dtype", config.get("torch_dtype")),
     )
     calibrated = None
-    if method == "calibrated" and pooling.heads_per_group > 1:  # (G == H is the identity for every method)
+    searched = grouping == "search" and pooling.heads_per_group > 1 and pooling.num_groups > 1
+    if searched:  # (with one group or one head per group every grouping is the same)
+        files = None if calibration_files is None else [Path(f) for f in calibration_files]
+        calibrated, record["groups"] = grp.search_and_pool(
+            src_dir=src_dir,
+            index=index,
+            pooling=pooling,
+            method=method,
+            files=files,
+            tokens=calibration_tokens,
+            window=calibration_window,
+            device=device,
+            forward_dtype=forward_dtype,
+        )  # groups: per layer, the source KV heads of each group (q_proj rows / o_proj columns permuted)
+        record["settings"].update(layerwise.forward_record(device, forward_dtype))
+        record["calibration"] = {**cal.corpus_record(files, calibration_tokens), "window": calibration_window}
+    elif method == "calibrated" and pooling.heads_per_group > 1:  # (G == H is the identity for every method)
         files = None if calibration_files is None else [Path(f) for f in calibration_files]
         calibrated = calibrate(
             src_dir=src_dir,
@@ -527,6 +559,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = cli.converter_parser(PROG, __doc__, output_help="converted checkpoint dir")
     parser.add_argument("--num-kv-heads", type=int, required=True, help="G, the KV heads after pooling")
     parser.add_argument("--method", choices=METHODS, default="mean")
+    parser.add_argument(
+        "--grouping",
+        choices=("contiguous", "search"),
+        default=None,
+        help="which KV heads pool together: consecutive ones, or searched per layer on the calibration text "
+        "(default: contiguous for mean, search for calibrated)",
+    )
     cli.add_calibration_arguments(parser, default_tokens=cal.DEFAULT_CALIBRATION_TOKENS)
     cli.add_write_arguments(parser)
     args = parser.parse_args(argv)
@@ -537,6 +576,7 @@ def main(argv: list[str] | None = None) -> int:
         describe=describe,
         num_kv_heads=args.num_kv_heads,
         method=args.method,
+        grouping=args.grouping,
         **cli.calibration_options(args),
     )
 
