@@ -241,18 +241,40 @@ def weight_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in Path(path).glob("*.safetensors"))
 
 
-def measure(argv: list[str]) -> tuple[int, float, int, str]:
-    """Run argv as a child; (exit status, wall seconds, peak RSS bytes of the child, stderr tail)."""
+def _rss_of(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def measure(argv: list[str], *, rss_limit: int | None = None) -> tuple[int, float, int, str, bool]:
+    """Run argv as a child; (exit status, wall seconds, ru_maxrss bytes, stderr tail, killed over the limit).
+
+    With `rss_limit` (bytes) the child's VmRSS is polled twice a second and the child killed (SIGKILL) once
+    it is above: the machine is shared, a converter that needs 13 GB must not take it from the others."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
+    killed = False
     with tempfile.TemporaryFile() as err:
         start = time.perf_counter()
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, env=env)
-        _, status, usage = os.wait4(proc.pid, 0)
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            rss = _rss_of(proc.pid)
+            if rss_limit is not None and rss is not None and rss > rss_limit and not killed:
+                proc.kill()
+                killed = True
+            time.sleep(0.5)
         wall = time.perf_counter() - start
         proc.returncode = os.waitstatus_to_exitcode(status)
         err.seek(0)
         tail = err.read().decode(errors="replace")[-2000:]
-    return proc.returncode, wall, usage.ru_maxrss * 1024, tail
+    return proc.returncode, wall, usage.ru_maxrss * 1024, tail, killed
 
 
 def child_argv(module: str, *, cuda: bool) -> list[str]:
@@ -273,12 +295,21 @@ def child_argv(module: str, *, cuda: bool) -> list[str]:
 
 
 def run_step(
-    *, shape: str, converter: str, module: str, args: list[str], src: Path, dst: Path, device: str, keep: bool
+        *,
+    shape: str,
+    converter: str,
+    module: str,
+    args: list[str],
+    src: Path,
+    dst: Path,
+    device: str,
+    keep: bool,
+    rss_limit: int | None = None,
 ) -> Row:
     argv = child_argv(module, cuda=device == "cuda") + args
     shown = f"python -m {module} " + " ".join(args)
     row = Row(shape=shape, converter=converter, command=shown, device=device)
-    code, wall, rss, tail = measure(argv)
+    code, wall, _, tail, killed = measure(argv, rss_limit=rss_limit)
     row.wall_s = round(wall, 1)
     for line in tail.splitlines():
         if line.startswith("PEAK_RSS "):
@@ -299,7 +330,7 @@ def run_step(
 
 def copy_reference(*, shape: str, src: Path, dst: Path) -> Row:
     row = Row(shape=shape, converter="cp -r (disk reference)", command=f"cp -r {src.name} {dst.name}", device="-")
-    code, wall, rss, tail = measure(["cp", "-r", str(src), str(dst)])
+    code, wall, _, tail, _ = measure(["cp", "-r", str(src), str(dst)])
     row.wall_s = round(wall, 1)
     if code != 0:
         row.status, row.note = f"failed (exit {code})", tail.strip()[-300:]
@@ -340,6 +371,7 @@ def run_shape(
     keep: bool,
     skip: set[str],
     emit,
+    rss_limit: int | None = None,
 ) -> None:
     src = workdir / f"{shape}-source"
     start = time.perf_counter()
@@ -373,6 +405,7 @@ def run_shape(
                 dst=dst,
                 device=device,
                 keep=keep,
+                rss_limit=rss_limit,
             )
         )
     if "export" in skip:
@@ -391,6 +424,7 @@ def run_shape(
             dst=mla,
             device=device,
             keep=True,
+            rss_limit=rss_limit,
         )
     )
     if not keep:
@@ -407,6 +441,7 @@ def run_shape(
                 dst=dst,
                 device="cpu",
                 keep=keep,
+                rss_limit=rss_limit,
             )
         )
         if not keep:
@@ -447,6 +482,12 @@ def main(argv: list[str] | None = None) -> int:
         "--skip", nargs="*", default=[], choices=["cp", "expand", "gqa", "mla", "export"], help="steps to skip"
     )
     parser.add_argument("--output", default=None, help="write FILE.json and FILE.md (FILE without suffix)")
+    parser.add_argument(
+        "--rss-limit-gb",
+        type=float,
+        default=8.0,
+        help="kill a converter whose RSS goes above this many GiB (shared machines; 0: no limit)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints (needs a lot of disk)")
     args = parser.parse_args(argv)
 
@@ -460,7 +501,8 @@ def main(argv: list[str] | None = None) -> int:
         workdir.mkdir(parents=True, exist_ok=True)
         header = (
             f"calibration: {args.calibration_tokens} tokens; device {args.device}; "
-            f"nice {os.nice(0)}; {os.cpu_count()} CPUs; torch threads {torch.get_num_threads()}"
+            f"nice {os.nice(0)}; {os.cpu_count()} CPUs; torch threads {torch.get_num_threads()}; "
+            f"RSS limit {args.rss_limit_gb} GiB"
         )
         rows: list[Row] = []
 
@@ -483,6 +525,7 @@ def main(argv: list[str] | None = None) -> int:
                     keep=args.keep,
                     skip=set(args.skip),
                     emit=emit,
+                    rss_limit=int(args.rss_limit_gb * 1024**3) if args.rss_limit_gb > 0 else None,
                 )
         finally:
             if made and not args.keep:
