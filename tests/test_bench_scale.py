@@ -97,3 +97,19 @@ def test_failed_step_is_a_row_not_a_crash(tmp_path):
         keep=False,
     )
     assert row.status == "failed (exit 2)" and "3" in row.note and not (tmp_path / "out").exists()
+
+
+def test_a_converter_over_the_rss_limit_is_killed_and_said_so(tmp_path):
+    src = _tiny(tmp_path, max_shard_bytes=scale.HUB_SHARD_BYTES)
+    row = scale.run_step(
+        shape="tiny",
+        converter="gqa mean 2->1",
+        module="hf_attn.conversion.gqa",
+        args=["--model", str(src), "--output", str(tmp_path / "out"), "--num-kv-heads", "1"],
+        src=src,
+        dst=tmp_path / "out",
+        device="cpu",
+        keep=False,
+        rss_limit=1,  # any running Python is above one byte
+    )
+    assert row.status.startswith("killed") and not (tmp_path / "out").exists()

@@ -316,7 +316,10 @@ def run_step(
             row.peak_rss_bytes = int(line.split()[1])
         if line.startswith("CUDA_PEAK "):
             row.extra["cuda_peak_bytes"] = int(line.split()[1])
-    if code != 0:
+    if killed:
+        row.status = f"killed: RSS above --rss-limit-gb {rss_limit / 1024**3:.1f}"
+        row.peak_rss_bytes = max(row.peak_rss_bytes or 0, rss_limit)
+    elif code != 0:
         row.status = f"failed (exit {code})"
         errors = [x for x in tail.strip().splitlines() if not x.startswith(("PEAK_RSS", "CUDA_PEAK"))]
         row.note = errors[-1][:300] if errors else ""
@@ -325,6 +328,8 @@ def run_step(
         row.output_bytes = weight_bytes(dst)
     if dst.exists() and not keep:
         shutil.rmtree(dst)
+    for partial in dst.parent.glob(f".{dst.name}.*.tmp"):  # what atomic_directory leaves after a kill
+        shutil.rmtree(partial, ignore_errors=True)
     return row
 
 
