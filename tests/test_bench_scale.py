@@ -1,4 +1,4 @@
-"""`hf-attn bench scale`: the synthetic checkpoint is what vanilla transformers loads, and a step gives a row."""
+"""`hf-attn bench scale`: vanilla transformers loads the synthetic checkpoint; a step gives a row."""
 
 import json
 
@@ -11,9 +11,13 @@ from hf_attn.eval.bench import scale
 
 def _tiny(tmp_path, max_shard_bytes=200_000):
     text = tmp_path / "text.txt"
-    text.write_text("It is a truth universally acknowledged, that a single man in possession of a fortune.\n" * 50)
+    text.write_text("It is a truth universally acknowledged, that a single man in possession.\n" * 50)
     return scale.write_synthetic(
-        tmp_path / "src", shape="tiny", max_shard_bytes=max_shard_bytes, tokenizer_files=[text], progress=False
+        tmp_path / "src",
+        shape="tiny",
+        max_shard_bytes=max_shard_bytes,
+        tokenizer_files=[text],
+        progress=False,
     )
 
 
@@ -77,7 +81,14 @@ def test_runner_gives_a_row_for_mean_pooling(tmp_path):
     assert not dst.exists()  # deleted right after measuring
     # the output: the source less half the K/V projection bytes (2 KV heads pooled into 1)
     dims = scale.SHAPES["tiny"]
-    kv = 2 * dims["num_hidden_layers"] * dims["num_key_value_heads"] * dims["head_dim"] * dims["hidden_size"] * 2
+    kv = (
+        2
+        * dims["num_hidden_layers"]
+        * dims["num_key_value_heads"]
+        * dims["head_dim"]
+        * dims["hidden_size"]
+        * 2
+    )
     assert row.output_bytes - row.read_bytes < 0  # smaller
     assert abs((row.read_bytes - row.output_bytes) - kv // 2) < 4096  # headers differ by a few bytes
     assert row.peak_rss_bytes > 0 and row.wall_s > 0

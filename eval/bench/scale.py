@@ -1,4 +1,4 @@
-"""Every converter on checkpoints with the real shapes of Llama-2-7B and Llama-3-8B: peak RSS, wall time, MB/s.
+"""Every converter on checkpoints shaped like Llama-2-7B and Llama-3-8B: peak RSS, wall time, MB/s.
 
     hf-attn bench scale [--shapes llama-2-7b llama-3-8b] [--workdir DIR] [--calibration-tokens 256]
                         [--device cpu|cuda] [--output FILE] [--keep]
@@ -169,7 +169,9 @@ def write_tokenizer(directory: Path, *, vocab_size: int, files: list[Path]) -> N
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     trainer = trainers.WordLevelTrainer(vocab_size=size, special_tokens=[UNK, "<s>", "</s>"])
     tokenizer.train([str(f) for f in files], trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token=UNK, bos_token="<s>", eos_token="</s>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token=UNK, bos_token="<s>", eos_token="</s>"
+    )
     fast.save_pretrained(directory)
 
 
@@ -182,7 +184,7 @@ def write_synthetic(
     tokenizer_files: list[Path] | None = None,
     progress: bool = True,
 ) -> Path:
-    """Write a random bf16 Llama checkpoint of `shape` (a SHAPES key) into `directory` (created); returns it."""
+    """Write a random bf16 Llama checkpoint of `shape` (a SHAPES key) into new `directory`; returns it."""
     from tqdm import tqdm
 
     from hf_attn.conversion.calibration import default_calibration_files
@@ -277,6 +279,9 @@ def measure(argv: list[str], *, rss_limit: int | None = None) -> tuple[int, floa
     return proc.returncode, wall, usage.ru_maxrss * 1024, tail, killed
 
 
+_CUDA_REPORT = "    import torch; print('CUDA_PEAK', torch.cuda.max_memory_allocated(), file=sys.stderr)\n"
+
+
 def child_argv(module: str, *, cuda: bool) -> list[str]:
     """argv that runs `python -m module` and prints its own VmHWM (and CUDA peak) to stderr at exit.
 
@@ -286,7 +291,11 @@ def child_argv(module: str, *, cuda: bool) -> list[str]:
         "from hf_attn.eval.bench.memory import status_bytes\n"
         "def report():\n"
         "    print('PEAK_RSS', status_bytes('VmHWM'), file=sys.stderr)\n"
-        + ("    import torch; print('CUDA_PEAK', torch.cuda.max_memory_allocated(), file=sys.stderr)\n" if cuda else "")
+        + (
+            "    import torch; print('CUDA_PEAK', torch.cuda.max_memory_allocated(), file=sys.stderr)\n"
+            if cuda
+            else ""
+        )
         + "atexit.register(report)\n"
         f"sys.argv = [{module!r}] + sys.argv[1:]\n"
         f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n"
@@ -295,7 +304,7 @@ def child_argv(module: str, *, cuda: bool) -> list[str]:
 
 
 def run_step(
-        *,
+    *,
     shape: str,
     converter: str,
     module: str,
@@ -334,7 +343,9 @@ def run_step(
 
 
 def copy_reference(*, shape: str, src: Path, dst: Path) -> Row:
-    row = Row(shape=shape, converter="cp -r (disk reference)", command=f"cp -r {src.name} {dst.name}", device="-")
+    row = Row(
+        shape=shape, converter="cp -r (disk reference)", command=f"cp -r {src.name} {dst.name}", device="-"
+    )
     code, wall, _, tail, _ = measure(["cp", "-r", str(src), str(dst)])
     row.wall_s = round(wall, 1)
     if code != 0:
@@ -362,7 +373,11 @@ def plan(shape: str, *, calibration: list[str], device_args: list[str]) -> list[
         )
     )
     steps.append(
-        ("mla --kv-budget 0.5 (calibrated)", "hf_attn.conversion.mla", ["--kv-budget", "0.5", *calibration, *device_args])
+        (
+            "mla --kv-budget 0.5 (calibrated)",
+            "hf_attn.conversion.mla",
+            ["--kv-budget", "0.5", *calibration, *device_args],
+        )
     )
     return steps
 
@@ -423,8 +438,18 @@ def run_shape(
             shape=shape,
             converter="mla --layout deepseek --kv-budget 0.5",
             module="hf_attn.conversion.mla",
-            args=["--model", str(src), "--output", str(mla), "--layout", "deepseek", "--kv-budget", "0.5",
-                  *calibration, *device_args],
+            args=[
+                "--model",
+                str(src),
+                "--output",
+                str(mla),
+                "--layout",
+                "deepseek",
+                "--kv-budget",
+                "0.5",
+                *calibration,
+                *device_args,
+            ],
             src=src,
             dst=mla,
             device=device,
@@ -461,7 +486,8 @@ def markdown(rows: list[Row], header: str) -> str:
     lines = [
         header,
         "",
-        "| shape | converter | device | peak RSS | peak GPU | wall time | output size | MB/s (read+write) | status |",
+        "| shape | converter | device | peak RSS | peak GPU | wall time | output size | MB/s (read+write) "
+        "| status |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -484,7 +510,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calibration-tokens", type=int, default=256)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="calibration forward device")
     parser.add_argument(
-        "--skip", nargs="*", default=[], choices=["cp", "expand", "gqa", "mla", "export"], help="steps to skip"
+        "--skip",
+        nargs="*",
+        default=[],
+        choices=["cp", "expand", "gqa", "mla", "export"],
+        help="steps to skip",
     )
     parser.add_argument("--output", default=None, help="write FILE.json and FILE.md (FILE without suffix)")
     parser.add_argument(
