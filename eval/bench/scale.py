@@ -1,0 +1,575 @@
+"""Every converter on checkpoints shaped like Llama-2-7B and Llama-3-8B: peak RSS, wall time, MB/s.
+
+    hf-attn bench scale [--shapes llama-2-7b llama-3-8b] [--workdir DIR] [--calibration-tokens 256]
+                        [--device cpu|cuda] [--output FILE] [--keep]
+
+1. For each shape, write a synthetic checkpoint into `--workdir`: the model's exact config (hidden size,
+   layers, heads, KV heads, intermediate size, vocabulary, RoPE theta and scaling, untied embeddings), bf16
+   weights drawn from a seeded normal of small std (norm weights 1) so forward passes stay finite, generated
+   tensor by tensor in row blocks (never the whole model, never a whole tensor in float32), sharded like the
+   hub's checkpoints (`--shard-gb`, default 5 GB, with `model.safetensors.index.json`). The tokenizer is a
+   word-level one trained on the calibration text with a vocabulary smaller than the model's, so every id
+   it gives is a valid embedding row and the converters' own `--calibration-text` path is used unchanged.
+2. Reference: `cp -r` of the source (raw disk speed, read + write).
+3. Each converter runs in a child process (`python -m hf_attn.conversion.<x>`): its peak RSS is the child's
+   `ru_maxrss` (`os.wait4`), its wall time is measured around it, its output size read from disk, and its
+   output deleted at once. MB/s = (source bytes read + output bytes written) / wall time.
+4. The DeepSeek export runs on an MLA DeepSeek-layout conversion, after the source is deleted (at most two
+   checkpoints exist at any time).
+
+Rows are written (JSON and markdown) after every measurement, so an interrupted run keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+PROG = "hf-attn bench scale"
+
+# (shape notation) H query heads, G KV heads, D head dim, d hidden, f intermediate, V vocabulary, L layers
+SHAPES: dict[str, dict] = {
+    "llama-2-7b": dict(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        head_dim=128,
+        intermediate_size=11008,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+    "llama-3-8b": dict(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=14336,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+        bos_token_id=128000,
+        eos_token_id=128001,
+    ),
+    # a few-MB stand-in with the same structure (GQA, llama3 scaling, untied), for tests and dry runs
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=1024,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=128,
+        ),
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
+}
+HUB_SHARD_BYTES = 5_000_000_000  # the hub's max_shard_size="5GB"
+WEIGHT_STD = 0.02
+ROW_BLOCK_BYTES = 64 * 1024**2  # float32 bytes drawn at a time
+UNK = "[UNK]"
+
+
+def llama_config(shape: dict) -> dict:
+    """config.json of a Llama checkpoint with these dimensions, in the hub's (transformers 4) spelling."""
+    config = dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        attention_bias=False,
+        attention_dropout=0.0,
+        hidden_act="silu",
+        initializer_range=WEIGHT_STD,
+        mlp_bias=False,
+        pretraining_tp=1,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+        use_cache=True,
+        **shape,
+    )
+    if config["rope_scaling"] is None:
+        del config["rope_scaling"]
+    return config
+
+
+def tensor_shapes(shape: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """Every weight of the Llama checkpoint with its shape, in the hub's order (embeddings, layers, head)."""
+    d, f, V = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    H, G, D = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
+    out = [("model.embed_tokens.weight", (V, d))]
+    for i in range(shape["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out += [
+            (p + "input_layernorm.weight", (d,)),
+            (p + "mlp.down_proj.weight", (d, f)),
+            (p + "mlp.gate_proj.weight", (f, d)),
+            (p + "mlp.up_proj.weight", (f, d)),
+            (p + "post_attention_layernorm.weight", (d,)),
+            (p + "self_attn.k_proj.weight", (G * D, d)),
+            (p + "self_attn.o_proj.weight", (d, H * D)),
+            (p + "self_attn.q_proj.weight", (H * D, d)),
+            (p + "self_attn.v_proj.weight", (G * D, d)),
+        ]
+    out += [("model.norm.weight", (d,)), ("lm_head.weight", (V, d))]
+    return out
+
+
+def random_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """bf16 weight: ones for norms, else N(0, WEIGHT_STD^2) drawn in float32 blocks of rows, (shape)."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, dtype=torch.bfloat16)
+    out = torch.empty(shape, dtype=torch.bfloat16)
+    rows = max(1, ROW_BLOCK_BYTES // (4 * shape[-1]))
+    for start in range(0, shape[0], rows):
+        block = torch.randn((min(rows, shape[0] - start), shape[-1]), generator=generator)  # (rows, cols)
+        out[start : start + rows] = block.mul_(WEIGHT_STD)
+    return out
+
+
+def write_tokenizer(directory: Path, *, vocab_size: int, files: list[Path]) -> None:
+    """A word-level tokenizer trained on `files`, with fewer than `vocab_size` ids (all valid embeddings)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    size = min(vocab_size, 16000)
+    tokenizer = Tokenizer(models.WordLevel(unk_token=UNK))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.WordLevelTrainer(vocab_size=size, special_tokens=[UNK, "<s>", "</s>"])
+    tokenizer.train([str(f) for f in files], trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token=UNK, bos_token="<s>", eos_token="</s>"
+    )
+    fast.save_pretrained(directory)
+
+
+def write_synthetic(
+    directory: str | os.PathLike,
+    *,
+    shape: str,
+    seed: int = 0,
+    max_shard_bytes: int = HUB_SHARD_BYTES,
+    tokenizer_files: list[Path] | None = None,
+    progress: bool = True,
+) -> Path:
+    """Write a random bf16 Llama checkpoint of `shape` (a SHAPES key) into new `directory`; returns it."""
+    from tqdm import tqdm
+
+    from hf_attn.conversion.calibration import default_calibration_files
+    from hf_attn.conversion.checkpoint import ShardedWriter, write_config
+
+    if shape not in SHAPES:
+        raise ValueError(f"Unknown shape {shape!r}; choose one of {sorted(SHAPES)}")
+    dims = SHAPES[shape]
+    directory = Path(directory)
+    directory.mkdir(parents=True)
+    generator = torch.Generator().manual_seed(seed)
+    names = tensor_shapes(dims)
+    with ShardedWriter(directory, max_shard_bytes=max_shard_bytes) as writer:
+        for name, tensor_shape in tqdm(names, desc=f"write {shape}", unit="tensor", disable=not progress):
+            tensor = random_tensor(name, tensor_shape, generator)
+            writer.add(name, tensor)
+            del tensor
+    write_config(directory, llama_config(dims))
+    (directory / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": dims["bos_token_id"], "eos_token_id": dims["eos_token_id"]}) + "\n"
+    )
+    files = default_calibration_files() if tokenizer_files is None else tokenizer_files
+    write_tokenizer(directory, vocab_size=dims["vocab_size"], files=files)
+    return directory
+
+
+# --------------------------------------------------------------------------------------------- measuring
+
+
+@dataclass
+class Row:
+    shape: str
+    converter: str
+    command: str
+    device: str
+    peak_rss_bytes: int | None = None
+    wall_s: float | None = None
+    read_bytes: int = 0
+    output_bytes: int = 0
+    status: str = "ok"
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def mb_per_s(self) -> float | None:
+        if not self.wall_s or self.status != "ok":
+            return None
+        return (self.read_bytes + self.output_bytes) / 1e6 / self.wall_s
+
+
+def directory_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def weight_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).glob("*.safetensors"))
+
+
+def _rss_of(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def measure(argv: list[str], *, rss_limit: int | None = None) -> tuple[int, float, int, str, bool]:
+    """Run argv as a child; (exit status, wall seconds, ru_maxrss bytes, stderr tail, killed over the limit).
+
+    With `rss_limit` (bytes) the child's VmRSS is polled twice a second and the child killed (SIGKILL) once
+    it is above: the machine is shared, a converter that needs 13 GB must not take it from the others."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
+    killed = False
+    with tempfile.TemporaryFile() as err:
+        start = time.perf_counter()
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, env=env)
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            rss = _rss_of(proc.pid)
+            if rss_limit is not None and rss is not None and rss > rss_limit and not killed:
+                proc.kill()
+                killed = True
+            time.sleep(0.5)
+        wall = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        err.seek(0)
+        tail = err.read().decode(errors="replace")[-2000:]
+    return proc.returncode, wall, usage.ru_maxrss * 1024, tail, killed
+
+
+_CUDA_REPORT = "    import torch; print('CUDA_PEAK', torch.cuda.max_memory_allocated(), file=sys.stderr)\n"
+
+
+def child_argv(module: str, *, cuda: bool) -> list[str]:
+    """argv that runs `python -m module` and prints its own VmHWM (and CUDA peak) to stderr at exit.
+
+    The child's own high-water mark, not `ru_maxrss`: that one keeps the forked parent's RSS across exec."""
+    code = (
+        "import atexit, runpy, sys\n"
+        "from hf_attn.eval.bench.memory import status_bytes\n"
+        "def report():\n"
+        "    print('PEAK_RSS', status_bytes('VmHWM'), file=sys.stderr)\n"
+        + (
+            "    import torch; print('CUDA_PEAK', torch.cuda.max_memory_allocated(), file=sys.stderr)\n"
+            if cuda
+            else ""
+        )
+        + "atexit.register(report)\n"
+        f"sys.argv = [{module!r}] + sys.argv[1:]\n"
+        f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n"
+    )
+    return [sys.executable, "-c", code]
+
+
+def run_step(
+    *,
+    shape: str,
+    converter: str,
+    module: str,
+    args: list[str],
+    src: Path,
+    dst: Path,
+    device: str,
+    keep: bool,
+    rss_limit: int | None = None,
+) -> Row:
+    argv = child_argv(module, cuda=device == "cuda") + args
+    shown = f"python -m {module} " + " ".join(args)
+    row = Row(shape=shape, converter=converter, command=shown, device=device)
+    code, wall, _, tail, killed = measure(argv, rss_limit=rss_limit)
+    row.wall_s = round(wall, 1)
+    for line in tail.splitlines():
+        if line.startswith("PEAK_RSS "):
+            row.peak_rss_bytes = int(line.split()[1])
+        if line.startswith("CUDA_PEAK "):
+            row.extra["cuda_peak_bytes"] = int(line.split()[1])
+    if killed:
+        row.status = f"killed: RSS above --rss-limit-gb {rss_limit / 1024**3:.1f}"
+        row.peak_rss_bytes = max(row.peak_rss_bytes or 0, rss_limit)
+    elif code != 0:
+        row.status = f"failed (exit {code})"
+        errors = [x for x in tail.strip().splitlines() if not x.startswith(("PEAK_RSS", "CUDA_PEAK"))]
+        row.note = errors[-1][:300] if errors else ""
+    else:
+        row.read_bytes = weight_bytes(src)
+        row.output_bytes = weight_bytes(dst)
+    if dst.exists() and not keep:
+        shutil.rmtree(dst)
+    for partial in dst.parent.glob(f".{dst.name}.*.tmp"):  # what atomic_directory leaves after a kill
+        shutil.rmtree(partial, ignore_errors=True)
+    return row
+
+
+def copy_reference(*, shape: str, src: Path, dst: Path) -> Row:
+    row = Row(
+        shape=shape, converter="cp -r (disk reference)", command=f"cp -r {src.name} {dst.name}", device="-"
+    )
+    code, wall, _, tail, _ = measure(["cp", "-r", str(src), str(dst)])
+    row.wall_s = round(wall, 1)
+    if code != 0:
+        row.status, row.note = f"failed (exit {code})", tail.strip()[-300:]
+    else:
+        row.read_bytes = row.output_bytes = weight_bytes(src)
+    shutil.rmtree(dst, ignore_errors=True)
+    return row
+
+
+def plan(shape: str, *, calibration: list[str], device_args: list[str]) -> list[tuple[str, str, list[str]]]:
+    """(converter label, module, arguments after --model/--output) for one shape, in running order."""
+    dims = SHAPES[shape]
+    H, G = dims["num_attention_heads"], dims["num_key_value_heads"]
+    pooled = G // 4 if G >= 32 else 1  # 32 -> 8 (Llama-2-7B), 8 -> 1 (Llama-3-8B)
+    steps = []
+    expand_note = "expand (no-op: already MHA)" if G == H else f"expand {G}->{H} (MHA)"
+    steps.append((expand_note, "hf_attn.conversion.expand", []))
+    steps.append((f"gqa mean {G}->{pooled}", "hf_attn.conversion.gqa", ["--num-kv-heads", str(pooled)]))
+    steps.append(
+        (
+            f"gqa calibrated {G}->{pooled}",
+            "hf_attn.conversion.gqa",
+            ["--num-kv-heads", str(pooled), "--method", "calibrated", *calibration, *device_args],
+        )
+    )
+    steps.append(
+        (
+            "mla --kv-budget 0.5 (calibrated)",
+            "hf_attn.conversion.mla",
+            ["--kv-budget", "0.5", *calibration, *device_args],
+        )
+    )
+    return steps
+
+
+def run_shape(
+    shape: str,
+    *,
+    workdir: Path,
+    calibration_tokens: int,
+    device: str,
+    keep: bool,
+    skip: set[str],
+    emit,
+    rss_limit: int | None = None,
+) -> None:
+    src = workdir / f"{shape}-source"
+    start = time.perf_counter()
+    write_synthetic(src, shape=shape)
+    written = Row(
+        shape=shape,
+        converter="write synthetic source",
+        command=f"write_synthetic(shape={shape!r})",
+        device="cpu",
+        wall_s=round(time.perf_counter() - start, 1),
+        output_bytes=weight_bytes(src),
+        note=f"{len(list(src.glob('*.safetensors')))} shards",
+    )
+    written.peak_rss_bytes = None
+    emit(written)
+    if "cp" not in skip:
+        emit(copy_reference(shape=shape, src=src, dst=workdir / f"{shape}-copy"))
+    calibration = ["--calibration-tokens", str(calibration_tokens)]
+    device_args = ["--device", device] if device != "cpu" else []
+    for label, module, args in plan(shape, calibration=calibration, device_args=device_args):
+        if label.split()[0] in skip:
+            continue
+        dst = workdir / f"{shape}-out"
+        emit(
+            run_step(
+                shape=shape,
+                converter=label,
+                module=module,
+                args=["--model", str(src), "--output", str(dst), *args],
+                src=src,
+                dst=dst,
+                device=device,
+                keep=keep,
+                rss_limit=rss_limit,
+            )
+        )
+    if "export" in skip:
+        if not keep:
+            shutil.rmtree(src)
+        return
+    mla = workdir / f"{shape}-mla-deepseek"
+    emit(
+        run_step(
+            shape=shape,
+            converter="mla --layout deepseek --kv-budget 0.5",
+            module="hf_attn.conversion.mla",
+            args=[
+                "--model",
+                str(src),
+                "--output",
+                str(mla),
+                "--layout",
+                "deepseek",
+                "--kv-budget",
+                "0.5",
+                *calibration,
+                *device_args,
+            ],
+            src=src,
+            dst=mla,
+            device=device,
+            keep=True,
+            rss_limit=rss_limit,
+        )
+    )
+    if not keep:
+        shutil.rmtree(src)  # at most two checkpoints on disk: the MLA source of the export and its output
+    if mla.exists():
+        dst = workdir / f"{shape}-deepseek-v3"
+        emit(
+            run_step(
+                shape=shape,
+                converter="export --to deepseek_v3",
+                module="hf_attn.conversion.export",
+                args=["--to", "deepseek_v3", "--model", str(mla), "--output", str(dst)],
+                src=mla,
+                dst=dst,
+                device="cpu",
+                keep=keep,
+                rss_limit=rss_limit,
+            )
+        )
+        if not keep:
+            shutil.rmtree(mla)
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 1024**3:.2f} GiB"
+
+
+def markdown(rows: list[Row], header: str) -> str:
+    lines = [
+        header,
+        "",
+        "| shape | converter | device | peak RSS | peak GPU | wall time | output size | MB/s (read+write) "
+        "| status |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        mbs = r.mb_per_s
+        lines.append(
+            f"| {r.shape} | {r.converter} | {r.device} | {_gib(r.peak_rss_bytes)} | "
+            f"{_gib(r.extra.get('cuda_peak_bytes'))} | {'-' if r.wall_s is None else f'{r.wall_s:.0f} s'} | "
+            f"{_gib(r.output_bytes) if r.output_bytes else '-'} | {'-' if mbs is None else f'{mbs:.0f}'} | "
+            f"{r.status}{(': ' + r.note) if r.note else ''} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hf_attn.tooling.cli import run_command
+
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["llama-2-7b", "llama-3-8b"])
+    parser.add_argument("--workdir", default=None, help="where checkpoints are written (default: a temp dir)")
+    parser.add_argument("--calibration-tokens", type=int, default=256)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="calibration forward device")
+    parser.add_argument(
+        "--skip",
+        nargs="*",
+        default=[],
+        choices=["cp", "expand", "gqa", "mla", "export"],
+        help="steps to skip",
+    )
+    parser.add_argument("--output", default=None, help="write FILE.json and FILE.md (FILE without suffix)")
+    parser.add_argument(
+        "--rss-limit-gb",
+        type=float,
+        default=8.0,
+        help="kill a converter whose RSS goes above this many GiB (shared machines; 0: no limit)",
+    )
+    parser.add_argument("--keep", action="store_true", help="keep the checkpoints (needs a lot of disk)")
+    args = parser.parse_args(argv)
+
+    def body() -> int:
+        if args.calibration_tokens <= 0:
+            raise ValueError(f"--calibration-tokens must be positive, got {args.calibration_tokens}")
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device here; pass --device cpu")
+        made = args.workdir is None
+        workdir = Path(tempfile.mkdtemp(prefix="hf-attn-bench-scale-")) if made else Path(args.workdir)
+        workdir.mkdir(parents=True, exist_ok=True)
+        header = (
+            f"calibration: {args.calibration_tokens} tokens; device {args.device}; "
+            f"nice {os.nice(0)}; {os.cpu_count()} CPUs; torch threads {torch.get_num_threads()}; "
+            f"RSS limit {args.rss_limit_gb} GiB"
+        )
+        rows: list[Row] = []
+
+        def emit(row: Row) -> None:
+            rows.append(row)
+            print(markdown([row], "").splitlines()[-1], flush=True)
+            if args.output:
+                base = Path(args.output).with_suffix("")
+                payload = {"settings": header, "rows": [{**asdict(r), "mb_per_s": r.mb_per_s} for r in rows]}
+                base.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
+                base.with_suffix(".md").write_text(markdown(rows, header))
+
+        try:
+            for shape in args.shapes:
+                run_shape(
+                    shape,
+                    workdir=workdir,
+                    calibration_tokens=args.calibration_tokens,
+                    device=args.device,
+                    keep=args.keep,
+                    skip=set(args.skip),
+                    emit=emit,
+                    rss_limit=int(args.rss_limit_gb * 1024**3) if args.rss_limit_gb > 0 else None,
+                )
+        finally:
+            if made and not args.keep:
+                shutil.rmtree(workdir, ignore_errors=True)
+        print(markdown(rows, header))
+        return 0
+
+    return run_command(PROG, body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
