@@ -1,8 +1,13 @@
 """Scramble the heads of an MHA checkpoint (seeded permutation per layer; same function)."""
-import json, shutil, sys
+
+import json
+import shutil
+import sys
 from pathlib import Path
+
 import torch
 from safetensors.torch import load_file, save_file
+
 from hf_attn.conversion.checkpoint import AttentionGeometry
 from hf_attn.conversion.grouping import permute_layer
 
@@ -19,7 +24,7 @@ for f in src.glob("*.safetensors"):
     t = load_file(f)
     for l, perm in enumerate(perms):
         pre = f"model.layers.{l}.self_attn."
-        w = {k[len(pre):]: v for k, v in t.items() if k.startswith(pre)}
+        w = {k[len(pre) :]: v for k, v in t.items() if k.startswith(pre)}
         if w:
             for k, v in permute_layer(w, perm, geo).items():
                 t[pre + k] = v

@@ -38,7 +38,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench deepseek-export": ("hf_attn.eval.deepseek_export_check", "an export vs its source on real text"),
     "bench mla-kernel": ("hf_attn.eval.bench.mla_kernel", "the Triton MLA decode kernel (GPU)"),
     "bench mla-kernel-registers": ("hf_attn.eval.bench.mla_kernel_registers", "the kernel's sm_90 registers"),
-    "bench scale": ("hf_attn.eval.bench.scale", "every converter on Llama-2-7B / Llama-3-8B-shaped checkpoints"),
+    "bench scale": (
+        "hf_attn.eval.bench.scale",
+        "every converter on Llama-2-7B / Llama-3-8B-shaped checkpoints",
+    ),
     "bench stream": ("hf_attn.eval.bench.stream", "peak memory of the streamed mean-pooling conversion"),
 }
 PROG = "hf-attn"

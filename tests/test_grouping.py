@@ -16,9 +16,9 @@ from hf_attn.conversion.expand import expand_checkpoint
 
 
 def scramble_heads(src: Path, dst: Path, perms: list[list[int]]) -> Path:
-    """Copy the MHA checkpoint `src` to `dst` with layer l's heads reordered: new head j = old head perms[l][j]
-    (q/k/v rows and o columns of head blocks together; biases too): the same function. Written with explicit
-    per-head slices, independently of conversion/grouping.py."""
+    """Copy the MHA checkpoint `src` to `dst` with layer l's heads reordered: new head j = old head
+    perms[l][j] (q/k/v rows and o columns of head blocks together; biases too): the same function. Written
+    with explicit per-head slices, independently of conversion/grouping.py."""
     dst.mkdir()
     for f in src.iterdir():
         if f.suffix != ".safetensors":
@@ -42,7 +42,9 @@ def scramble_heads(src: Path, dst: Path, perms: list[list[int]]) -> Path:
 
 
 def logits_of(path: Path, ids: torch.Tensor) -> torch.Tensor:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     with torch.no_grad():
         return model(input_ids=ids).logits
 
@@ -71,7 +73,9 @@ def test_scrambled_expansion_pools_back_exactly_with_search(tmp_path, smollm2_pa
             assert sorted(sorted(g) for g in record["groups"][layer]) == sorted(
                 sorted(j for j in range(8) if perm[j] // 4 == src_head) for src_head in range(2)
             ), (method, layer)
-        bad = gqa.convert_gqa(src=scrambled, dst=tmp_path / f"{method}-contiguous", grouping="contiguous", **kw)
+        bad = gqa.convert_gqa(
+            src=scrambled, dst=tmp_path / f"{method}-contiguous", grouping="contiguous", **kw
+        )
         assert (logits_of(bad, ids) - want).abs().max() > 1e-2
 
 
@@ -93,9 +97,9 @@ def test_choose_groups_finds_known_classes():
 def test_smollm2_scrambled_expansion_pools_back_exactly(tmp_path, smollm2_path):
     """SmolLM2 3 -> 9 KV heads (exact), heads scrambled in every layer, pooled 9 -> 3 with the search: every
     layer's groups are the copies of one source head, and the logits are the original SmolLM2's within fp32
-    rounding. Mean pooling only: the calibrated search is checked exactly on the tiny model above (on SmolLM2 it
-    finds the same groups, but its fit is only within about 1e-2 of the original even without scrambling, and
-    the pass would double this test's time)."""
+    rounding. Mean pooling only: the calibrated search is checked exactly on the tiny model above (on SmolLM2
+    it finds the same groups, but its fit is only within about 1e-2 of the original even without scrambling,
+    and the pass would double this test's time)."""
     mha = expand_checkpoint(src=smollm2_path, dst=tmp_path / "mha")
     layers = json.loads((mha / "config.json").read_text())["num_hidden_layers"]
     gen = torch.Generator().manual_seed(0)
