@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hf_attn.conversion import calibration as cal
+from hf_attn.tooling import assets
 from hf_attn.tooling.cli import add_deprecated_alias, run_command
 
 
@@ -25,13 +26,21 @@ def converter_parser(prog: str, doc: str, *, output_help: str) -> argparse.Argum
 
 
 def add_calibration_arguments(parser: argparse.ArgumentParser, *, default_tokens: int) -> None:
-    """--calibration-text FILE..., --calibration-tokens N, --calibration-window N."""
-    parser.add_argument(
+    """--calibration-text FILE... or --calibration-corpus NAME, --calibration-tokens N, --calibration-window N."""
+    text = parser.add_mutually_exclusive_group()
+    text.add_argument(
         "--calibration-text",
         nargs="+",
         default=None,
         metavar="FILE",
         help="calibration text files (default: the five Austen novels other than Persuasion)",
+    )
+    text.add_argument(
+        "--calibration-corpus",
+        choices=assets.CORPORA,
+        default=None,
+        help="an embedded calibration corpus instead of files: austen (the default text), python-docs "
+        "(five sections of the Python 3.11 docs) or mix (equal token shares of both)",
     )
     parser.add_argument("--calibration-tokens", type=int, default=default_tokens)
     parser.add_argument("--calibration-window", type=int, default=cal.DEFAULT_WINDOW)
@@ -52,6 +61,7 @@ def calibration_options(args: argparse.Namespace) -> dict:
     """The converter keywords of `add_calibration_arguments`."""
     return {
         "calibration_files": args.calibration_text,
+        "calibration_corpus": args.calibration_corpus,  # resolved to files by `run` (fetching may fail there)
         "calibration_tokens": args.calibration_tokens,
         "calibration_window": args.calibration_window,
     }
@@ -69,8 +79,11 @@ def run(
 
     def convert_and_report() -> None:
         start = time.perf_counter()
+        kwargs = dict(options)
+        if kwargs.pop("calibration_corpus", None) is not None:
+            kwargs["calibration_files"] = assets.calibration_corpus_files(options["calibration_corpus"])
         out = convert(
-            src=args.model, dst=args.output, dtype=args.save_dtype, overwrite=args.overwrite, **options
+            src=args.model, dst=args.output, dtype=args.save_dtype, overwrite=args.overwrite, **kwargs
         )
         print(f"{describe(out)} in {time.perf_counter() - start:.1f} s: {out}")
 

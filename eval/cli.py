@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "harness": ("hf_attn.eval.harness", "lm-eval-harness on any checkpoint (local or hub tasks)"),
     "study": ("hf_attn.eval.study", "convert, evaluate, heal every variant and write the report"),
     "curve": ("hf_attn.eval.mla_curve", "the MLA KV-fraction / perplexity curve"),
+    "cross-domain": ("hf_attn.eval.cross_domain", "calibration corpus x conversion on both evaluation texts"),
     "assets": ("hf_attn.tooling.assets", "fetch the embedded default (SmolLM2 and the Austen novels)"),
     "bench attention": (
         "hf_attn.eval.bench.attention",
