@@ -26,7 +26,7 @@ def converter_parser(prog: str, doc: str, *, output_help: str) -> argparse.Argum
 
 
 def add_calibration_arguments(parser: argparse.ArgumentParser, *, default_tokens: int) -> None:
-    """--calibration-text FILE... or --calibration-corpus NAME, --calibration-tokens N, --calibration-window N."""
+    """--calibration-text FILE... or --calibration-corpus NAME; --calibration-tokens/-window N."""
     text = parser.add_mutually_exclusive_group()
     text.add_argument(
         "--calibration-text",

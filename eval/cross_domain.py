@@ -9,7 +9,7 @@ converted / original perplexity, and the check: on the Python FAQ every row's ra
 `TOLERANCE` x its ratio on *Persuasion*.
 
 Rows are stored in `RESULTS/rows/` (`eval.rows.RowStore`): an interrupted run resumes; each converted
-checkpoint is deleted once scored. The table goes to `RESULTS/cross_domain.md` and `RESULTS/cross_domain.json`.
+checkpoint is deleted once scored. The table goes to `RESULTS/cross_domain.md` and `.json`.
 """
 
 from __future__ import annotations
@@ -188,7 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", required=True, help="results directory (rows, cross_domain.md/json)")
     parser.add_argument("--corpora", nargs="+", choices=CORPORA, default=list(CORPORA))
     parser.add_argument(
-        "--conversions", nargs="+", choices=[c.name for c in CONVERSIONS], default=[c.name for c in CONVERSIONS]
+        "--conversions",
+        nargs="+",
+        choices=[c.name for c in CONVERSIONS],
+        default=[c.name for c in CONVERSIONS],
     )
     parser.add_argument("--max-tokens", type=int, default=8192, help="first N tokens of each evaluation text")
     parser.add_argument("--context-length", type=int, default=1024)

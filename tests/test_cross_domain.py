@@ -130,3 +130,25 @@ def test_cross_domain_check_and_default_rule():
     assert not cross_domain.check_row(row("a", 2.0, 2.51))
     rule = cross_domain.best_corpus([row("a", 2.0, 8.0), row("b", 3.0, 3.0)])  # geomeans 4 and 3
     assert rule["best"] == "b" and rule["scores"]["a"] == pytest.approx(4.0)
+
+
+def test_study_second_corpus_column_is_opt_in_and_keeps_earlier_row_keys():
+    import dataclasses
+
+    from hf_attn.eval import report
+    from hf_attn.eval.study import DEFAULT_CONFIG, load_config
+
+    settings, _ = load_config(DEFAULT_CONFIG, "default")
+    old_fields = {f.name for f in dataclasses.fields(settings)} - {"second_corpus_tokens"}
+    assert settings.key() == {k: getattr(settings, k) for k in old_fields}  # the keys rows had before
+    on = dataclasses.replace(settings, second_corpus_tokens=4096)
+    assert on.key()["second_corpus_tokens"] == 4096 and "Python 3.11 FAQ" in on.protocol
+
+    row = {"label": "x", "healed": False, "perplexity": 30.0, "kv_bytes_per_token": 1.0, "kv_fraction": 1.0}
+    plain = report.format_table({"rows": [row]})
+    assert "PPL Python FAQ" not in plain and plain.count("|") == 3 * (len(report.COLUMNS) + 1)
+    table = report.format_table({"rows": [{**row, "perplexity_python_faq": 16.25}]}).splitlines()
+    header = [c.strip() for c in table[0].strip("|").split("|")]
+    cells = [c.strip() for c in table[2].strip("|").split("|")]
+    assert header[header.index("Perplexity") + 1] == "PPL Python FAQ"
+    assert cells[header.index("PPL Python FAQ")] == "16.25" and len(cells) == len(header)

@@ -198,7 +198,7 @@ def _verify(directory: Path) -> None:
 
 
 def _download_deb(workdir: Path, package: str = _DEB_PACKAGE) -> Path:
-    """`apt-get download` + `dpkg -x` a Debian package (default: the R package); returns the extraction root."""
+    """`apt-get download` + `dpkg -x` a Debian package (default: the R one); returns the extraction root."""
     dl = workdir / "deb"
     dl.mkdir()
     cmd = ["apt-get", "download", package]
