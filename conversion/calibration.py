@@ -1,7 +1,8 @@
 """Calibration text and attention-layer inputs, shared by the calibrated converters (GQA pooling, MLA).
 
 - `calibration_ids(tokenizer, files=None, tokens=N)`: N token ids taken in equal shares from the start of each
-  file (default: the five embedded Austen novels other than *Persuasion*, which is kept for evaluation).
+  file (default: the `mix` corpus, the five Austen novels other than *Persuasion* and five sections of the
+  Python 3.11 documentation other than its FAQ; *Persuasion* and the FAQ are kept for evaluation).
 - `corpus_record(files, tokens)`: what a conversion record says about the calibration text.
 - `for_each_attention_input(model, ids, fn, window=...)`: runs the model over disjoint windows and calls
   `fn(layer, hidden_states, position_embeddings)` with the input of every `self_attn` (the post-norm hidden
@@ -33,12 +34,16 @@ _CHARS_PER_TOKEN_GUESS = 8  # tokenize this many characters per wanted token fir
 AttentionInputFn = Callable[[int, torch.Tensor, "tuple[torch.Tensor, torch.Tensor] | None"], None]
 
 
+DEFAULT_CORPUS = "mix"  # generalises best across both evaluation texts (README, "Calibration text")
+
+
 def default_calibration_files() -> list[Path]:
+    """The default calibration text: DEFAULT_CORPUS, never an evaluation text."""
     from hf_attn.tooling import assets
 
-    files = assets.train_text_files()
-    evaluation = {p.resolve() for p in assets.eval_text_files()}
-    assert not evaluation & {p.resolve() for p in files}, "calibration text must never include Persuasion"
+    files = assets.calibration_corpus_files(DEFAULT_CORPUS)
+    evaluation = {p.resolve() for p in assets.embedded_eval_files()}
+    assert not evaluation & {p.resolve() for p in files}, "calibration text overlaps evaluation text"
     return files
 
 

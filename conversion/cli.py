@@ -14,6 +14,7 @@ from pathlib import Path
 
 from hf_attn.conversion import calibration as cal
 from hf_attn.conversion import layerwise
+from hf_attn.tooling import assets
 from hf_attn.tooling.cli import add_deprecated_alias, add_settings_arguments, run_command
 
 
@@ -26,14 +27,22 @@ def converter_parser(prog: str, doc: str, *, output_help: str) -> argparse.Argum
 
 
 def add_calibration_arguments(parser: argparse.ArgumentParser, *, default_tokens: int) -> None:
-    """--calibration-text FILE..., --calibration-tokens N, --calibration-window N, and where the
+    """--calibration-text FILE... or --calibration-corpus NAME; --calibration-tokens/-window N; and where the
     layer-by-layer calibration forward runs: --device, --forward-dtype (`layerwise.ForwardSettings`)."""
-    parser.add_argument(
+    text = parser.add_mutually_exclusive_group()
+    text.add_argument(
         "--calibration-text",
         nargs="+",
         default=None,
         metavar="FILE",
-        help="calibration text files (default: the five Austen novels other than Persuasion)",
+        help="calibration text files (default: --calibration-corpus mix)",
+    )
+    text.add_argument(
+        "--calibration-corpus",
+        choices=assets.CORPORA,
+        default=None,
+        help="an embedded calibration corpus instead of files: austen (five novels), python-docs (five "
+        "sections of the Python 3.11 docs) or mix (equal token shares of both; the default)",
     )
     parser.add_argument("--calibration-tokens", type=int, default=default_tokens)
     parser.add_argument("--calibration-window", type=int, default=cal.DEFAULT_WINDOW)
@@ -55,6 +64,7 @@ def calibration_options(args: argparse.Namespace) -> dict:
     """The converter keywords of `add_calibration_arguments`."""
     return {
         "calibration_files": args.calibration_text,
+        "calibration_corpus": args.calibration_corpus,  # resolved to files by `run` (fetching may fail there)
         "calibration_tokens": args.calibration_tokens,
         "calibration_window": args.calibration_window,
         "device": args.device,
@@ -74,8 +84,11 @@ def run(
 
     def convert_and_report() -> None:
         start = time.perf_counter()
+        kwargs = dict(options)
+        if kwargs.pop("calibration_corpus", None) is not None:
+            kwargs["calibration_files"] = assets.calibration_corpus_files(options["calibration_corpus"])
         out = convert(
-            src=args.model, dst=args.output, dtype=args.save_dtype, overwrite=args.overwrite, **options
+            src=args.model, dst=args.output, dtype=args.save_dtype, overwrite=args.overwrite, **kwargs
         )
         print(f"{describe(out)} in {time.perf_counter() - start:.1f} s: {out}")
 

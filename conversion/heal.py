@@ -80,6 +80,7 @@ from hf_attn.conversion.checkpoint import (
 )
 from hf_attn.conversion.train_data import (
     check_disjoint,
+    check_not_embedded_eval,
     chunk_tokens,
     load_eval_corpus,
     load_train_corpus,
@@ -455,6 +456,7 @@ def load_data(settings: HealSettings, source: Path, *, num_processes: int) -> He
     )
     eval_corpus, eval_files = load_eval_corpus(s.eval_text)
     check_disjoint(train_corpus, train_files, eval_corpus, eval_files)
+    check_not_embedded_eval(train_corpus, train_files)
     tokenizer = loading.load_tokenizer(source)
     train_ids = tokenize(tokenizer, train_corpus)
     chunks = chunk_tokens(train_ids, s.seq_len, min_chunks=s.batch_size * num_processes * s.grad_accum)

@@ -4,6 +4,7 @@
   novels other than *Persuasion* (`hf_attn.assets.train_text_files()`), read through `eval.corpus`.
 - `check_disjoint`: training and evaluation text must never overlap: not the same file, not the same content
   (sha256 of every file and of the joined corpora), and no shared paragraph of 200+ characters.
+  `check_not_embedded_eval` applies it to every embedded evaluation text (*Persuasion*, the Python FAQ).
 - `chunk_tokens`: the token stream cut into `(N, seq_len)` chunks; the ragged tail is dropped.
 - `ChunkOrder`: an endless sampler over chunk indices, epoch e being a permutation seeded by (seed, e). It
   starts at any global position, so a resumed run sees exactly the chunks an uninterrupted one would.
@@ -103,6 +104,14 @@ def check_disjoint(
             f"Training text {train.name} and evaluation text {held_out.name} share {len(shared)} "
             f"paragraph(s) (e.g. {example!r}...); remove the evaluation text from the training text"
         )
+
+
+def check_not_embedded_eval(train: Corpus, train_files: Sequence[Path]) -> None:
+    """ValueError if the training text overlaps any embedded evaluation text (`check_disjoint`): *Persuasion*
+    and, once fetched, the Python FAQ, whatever `--eval-text` the run measures with."""
+    for path in assets.embedded_eval_files(fetch=False):
+        held_out = Corpus.from_text(path.read_text(encoding="utf-8"), name=str(path))
+        check_disjoint(train, train_files, held_out, [path])
 
 
 # --------------------------------------------------------------------------------------------- chunks

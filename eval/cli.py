@@ -26,7 +26,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "study": ("hf_attn.eval.study", "convert, evaluate, heal every variant and write the report"),
     "curve": ("hf_attn.eval.mla_curve", "the MLA KV-fraction / perplexity curve"),
     "allocation": ("hf_attn.eval.mla_allocation", "uniform vs greedy per-layer MLA ranks at each budget"),
-    "assets": ("hf_attn.tooling.assets", "fetch the embedded default (SmolLM2 and the Austen novels)"),
+    "cross-domain": ("hf_attn.eval.cross_domain", "calibration corpus x conversion on both evaluation texts"),
+    "assets": ("hf_attn.tooling.assets", "fetch the embedded default (SmolLM2, Austen, the Python docs)"),
     "bench attention": (
         "hf_attn.eval.bench.attention",
         "hf_attn_grouped vs sdpa / eager attention functions",

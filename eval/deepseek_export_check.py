@@ -142,9 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     from hf_attn.conversion.export import export_checkpoint
     from hf_attn.tooling import assets
 
-    parser = argparse.ArgumentParser(
-        prog="hf-attn bench deepseek-export", description=__doc__.split("\n")[0]
-    )
+    parser = argparse.ArgumentParser(prog="hf-attn bench deepseek-export", description=__doc__.split("\n")[0])
     parser.add_argument(
         "--source", default=None, help="llama_mla DeepSeek-layout dir (default: SmolLM2 demo)"
     )

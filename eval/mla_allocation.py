@@ -24,7 +24,7 @@ import torch
 
 from hf_attn.conversion import mla
 from hf_attn.conversion.checkpoint import open_source
-from hf_attn.eval.mla_curve import evaluate_checkpoint
+from hf_attn.eval.mla_curve import calibration_files, evaluate_checkpoint
 from hf_attn.tooling import loading
 from hf_attn.tooling.corpus import load_corpus, tokenize
 from hf_attn.tooling.loading import resolve_model
@@ -59,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
         calibration = torch.load(cache, weights_only=False)
     else:
         start = time.perf_counter()
-        calibration = mla.calibrate(src_dir=src_dir, geometry=geometry, tokens=args.calibration_tokens)
+        calibration = mla.calibrate(
+            src_dir=src_dir, geometry=geometry, files=calibration_files(), tokens=args.calibration_tokens
+        )
         print(f"calibration: {time.perf_counter() - start:.0f} s", flush=True)
         if cache is not None:
             torch.save(calibration, cache)

@@ -41,7 +41,7 @@ from hf_attn.conversion.rope_selection import SELECTIONS
 from hf_attn.eval.perplexity import evaluate_perplexity
 from hf_attn.eval.rows import RowStore, row_key
 from hf_attn.eval.study import CONVERSION_CODE, code_hash
-from hf_attn.tooling import loading
+from hf_attn.tooling import assets, loading
 from hf_attn.tooling.cli import error
 from hf_attn.tooling.corpus import load_corpus, tokenize
 from hf_attn.tooling.loading import resolve_model
@@ -53,6 +53,14 @@ MEASUREMENT_CODE = ("hf_attn.tooling.loading", "hf_attn.tooling.corpus", "hf_att
 BUDGETS = (0.125, 0.25, 0.3, 0.375, 0.5, 0.75)
 COMPARE_BUDGETS = BUDGETS  # every selection x factorization at every budget (the default allocation)
 ROPE_SHARES = (0.25, 0.375, 0.5, 0.625, 0.75)  # the allocation sweep: share of the budget for RoPE keys
+
+
+CALIBRATION_CORPUS = "austen"  # the curve, the layout and allocation tables were measured calibrating on it
+
+
+def calibration_files() -> list:
+    """The calibration text of the MLA research sweeps (curve, layouts, allocation): the five novels."""
+    return assets.calibration_corpus_files(CALIBRATION_CORPUS)
 
 
 def point(
@@ -205,7 +213,9 @@ def run_curve(
         if row is None:
             if calibration is None:  # one pass, shared by every point measured in this run
                 start = time.perf_counter()
-                calibration = mla.calibrate(src_dir=src_dir, geometry=geometry, tokens=calibration_tokens)
+                calibration = mla.calibrate(
+                    src_dir=src_dir, geometry=geometry, files=calibration_files(), tokens=calibration_tokens
+                )
                 calib = {**calibration.record, "seconds": round(time.perf_counter() - start, 1)}
                 protocol["calibration"] = store.put("calibration", conversion, {"record": calib})["record"]
             row = store.put(

@@ -29,7 +29,7 @@ import torch
 
 from hf_attn.conversion import mla
 from hf_attn.conversion.checkpoint import AttentionGeometry, read_config
-from hf_attn.eval.mla_curve import evaluate_checkpoint
+from hf_attn.eval.mla_curve import calibration_files, evaluate_checkpoint
 from hf_attn.tooling import loading
 from hf_attn.tooling.corpus import load_corpus, tokenize
 from hf_attn.tooling.loading import resolve_model
@@ -81,6 +81,7 @@ def run(
             src_dir=src_dir,
             geometry=geometry,
             pair_norms=False,
+            files=calibration_files(),
             tokens=calibration_tokens,
             shared_keys=True,
             sample_stride=mla.sr.SAMPLE_STRIDE,

@@ -25,12 +25,22 @@ def _fmt(x, spec: str) -> str:
     return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
-def _cells(row: dict) -> list[str]:
+SECOND_CORPUS = ("perplexity_python_faq", "PPL Python FAQ")  # a column only when the study measured it
+
+
+def _columns(record: dict) -> tuple:
+    if not any(SECOND_CORPUS[0] in r for r in record["rows"]):
+        return COLUMNS
+    at = [key for key, _ in COLUMNS].index("perplexity") + 1
+    return COLUMNS[:at] + (SECOND_CORPUS,) + COLUMNS[at:]
+
+
+def _cells(row: dict, columns: tuple = COLUMNS) -> list[str]:
     if "error" in row:
         return [row["label"], "yes" if row["healed"] else "no", f"FAILED: {row['error']}"] + [""] * (
-            len(COLUMNS) - 3
+            len(columns) - 3
         )
-    return [
+    cells = [
         row["label"],
         "yes" if row["healed"] else "no",
         _fmt(row.get("kv_bytes_per_token"), ",.0f"),
@@ -41,14 +51,18 @@ def _cells(row: dict) -> list[str]:
         _fmt(row.get("convert_seconds"), ".0f"),
         _fmt(row.get("heal_seconds"), ".0f") if row["healed"] else "",
     ]
+    if SECOND_CORPUS in columns:
+        cells.insert(columns.index(SECOND_CORPUS), _fmt(row.get(SECOND_CORPUS[0]), ",.2f"))
+    return cells
 
 
 def format_table(record: dict) -> str:
+    columns = _columns(record)
     lines = [
-        "| " + " | ".join(title for _, title in COLUMNS) + " |",
-        "|" + "|".join("---" if i < 2 else "---:" for i in range(len(COLUMNS))) + "|",
+        "| " + " | ".join(title for _, title in columns) + " |",
+        "|" + "|".join("---" if i < 2 else "---:" for i in range(len(columns))) + "|",
     ]
-    lines += ["| " + " | ".join(_cells(r)) + " |" for r in record["rows"]]
+    lines += ["| " + " | ".join(_cells(r, columns)) + " |" for r in record["rows"]]
     return "\n".join(lines)
 
 

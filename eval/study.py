@@ -60,6 +60,7 @@ class Settings:
     heal_lr: float
     heal_trainable: str
     task_items: int  # first N items of the local last-word task (eval/tasks), for the accuracy column
+    second_corpus_tokens: int = 0  # > 0: also the first N tokens of the Python FAQ (`hf-attn cross-domain`)
 
     @property
     def protocol(self) -> str:
@@ -68,7 +69,18 @@ class Settings:
             f"fp32; decode: batch 1, {self.decode_prompt_tokens}-token prompt, "
             f"{self.decode_new_tokens} new tokens; accuracy: first {self.task_items} items of the local "
             "last-word task (persuasion_lastword, zero-shot, lm-eval)"
+        ) + (
+            f"; second corpus: the Python 3.11 FAQ, first {self.second_corpus_tokens} tokens, same windows"
+            if self.second_corpus_tokens
+            else ""
         )
+
+    def key(self) -> dict:
+        """The settings a row's key depends on (an unset second corpus leaves earlier keys unchanged)."""
+        out = dataclasses.asdict(self)
+        if not self.second_corpus_tokens:
+            del out["second_corpus_tokens"]
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,6 +257,17 @@ def measure(path: Path, settings: Settings) -> dict:
             progress=False,
         )
     )
+    second = {}
+    if settings.second_corpus_tokens:  # the cross-domain column: the Python FAQ, the same windows
+        second = perplexity(
+            PerplexitySettings(
+                model=str(path),
+                texts=[str(assets.python_docs_eval_file())],
+                context_length=settings.context_length,
+                max_tokens=settings.second_corpus_tokens,
+                progress=False,
+            )
+        )
     accuracy = task_accuracy_of(path, settings.task_items)
     decode = bench_decode(
         path,
@@ -272,6 +295,7 @@ def measure(path: Path, settings: Settings) -> dict:
         "lastword_acc": accuracy["lastword_acc"],
         "task_items": accuracy["items"],
         "eval_seconds": ppl["seconds"],
+        **({"perplexity_python_faq": second["perplexity"]} if second else {}),
     }
 
 
@@ -385,7 +409,7 @@ class Study:
 
         rows, first_step = [], progress.done
         try:
-            before_key = _key(conv_key, self.code["measurement"], dataclasses.asdict(s), "before")
+            before_key = _key(conv_key, self.code["measurement"], s.key(), "before")
             label = "convert" if v.kind != "source" else "source checkpoint"
             rows.append(self._row(v, before_key, converted, label, progress, healed=False))
         except Exception as err:  # a failing variant is reported, never fatal
@@ -395,7 +419,7 @@ class Study:
         else:
             if v.heal:
                 try:
-                    after_key = _key(heal_key, self.code["measurement"], dataclasses.asdict(s), "after")
+                    after_key = _key(heal_key, self.code["measurement"], s.key(), "after")
                     label = f"heal for {s.heal_minutes} min"
                     after = self._row(v, after_key, healed, label, progress, healed=True)
                     after.setdefault("convert_seconds", rows[0].get("convert_seconds"))

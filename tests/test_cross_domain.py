@@ -1,0 +1,154 @@
+"""The second embedded corpus (Python 3.11 docs), `--calibration-corpus`, and heal's evaluation-text guard."""
+
+import argparse
+import hashlib
+from pathlib import Path
+
+import pytest
+from conftest import exit_status
+
+from hf_attn.conversion import calibration as cal
+from hf_attn.conversion import cli as conversion_cli
+from hf_attn.conversion import gqa, mla
+from hf_attn.conversion.heal import HealSettings, load_data
+from hf_attn.conversion.train_data import check_disjoint, check_not_embedded_eval, load_train_corpus
+from hf_attn.eval import cross_domain
+from hf_attn.tooling import assets, python_docs
+from hf_attn.tooling.corpus import Corpus
+
+
+@pytest.fixture(scope="module")
+def docs_dir():
+    return assets.python_docs_dir()
+
+
+def test_python_docs_texts_match_the_pinned_checksums(docs_dir):
+    for section in python_docs.SECTIONS:
+        path = docs_dir / f"{section}.txt"
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()  # computed here, not by the asset code
+        assert digest == python_docs.PINNED_SHA256[section], section
+    listed = {line.split()[1] for line in (docs_dir / "SHA256SUMS").read_text().splitlines()}
+    assert listed == {f"{s}.txt" for s in python_docs.SECTIONS}
+
+
+def test_split_is_disjoint_and_no_evaluation_text_is_calibration_or_heal_text(docs_dir):
+    evaluation = {p.resolve() for p in assets.embedded_eval_files()}
+    assert evaluation == {assets.austen_file("persuasion").resolve(), (docs_dir / "faq.txt").resolve()}
+    for name in assets.CORPORA:
+        assert not evaluation & {p.resolve() for p in assets.calibration_corpus_files(name)}, name
+    assert not evaluation & {p.resolve() for p in cal.default_calibration_files()}
+    assert not evaluation & {p.resolve() for p in load_train_corpus()[1]}
+    # content too: no 200+ character paragraph of the FAQ is in the docs' calibration part
+    calib = assets.python_docs_calibration_files()
+    joined = Corpus.from_text("\n\n".join(p.read_text() for p in calib), "calibration")
+    faq = assets.python_docs_eval_file()
+    check_disjoint(joined, calib, Corpus.from_text(faq.read_text(), "faq"), [faq])
+
+
+def test_mix_is_equal_shares_of_both_corpora():
+    mix = assets.calibration_corpus_files("mix")
+    assert mix == assets.train_text_files() + assets.python_docs_calibration_files()
+    assert len(assets.train_text_files()) == len(assets.python_docs_calibration_files())  # equal shares
+
+
+def test_strip_rest_on_a_hand_checked_example():
+    source = (
+        "Title\n=====\n\n.. index:: single: foo\n   pair: bar; baz\n\n"
+        "See :func:`os.path.join` and :ref:`the tutorial <tut-intro>`, ``x + 1`` and\n"
+        "`Python <https://python.org>`_ here::\n\n   print(1)\n\n"
+        ".. note::\n   :class: hidden\n\n   Kept body.\n\n.. A comment\n   spanning lines.\n\nEnd.\n"
+    )
+    expected = (
+        "Title\n\nSee os.path.join and the tutorial, x + 1 and\nPython here:\n\n   print(1)\n\n"
+        "   Kept body.\n\nEnd.\n"
+    )
+    assert python_docs.strip_rest(source) == expected
+
+
+def test_calibration_corpus_option_parses_resolves_and_refuses_unknown_names(capsys):
+    for main in (gqa.main, mla.main):
+        argv = ["--output", "/nonexistent/out", "--calibration-corpus", "shakespeare"]
+        assert exit_status(main, argv + (["--num-kv-heads", "1"] if main is gqa.main else [])) == 2
+        err = capsys.readouterr().err
+        assert "invalid choice: 'shakespeare'" in err and "python-docs" in err
+    both = ["--output", "o", "--num-kv-heads", "1", "--calibration-corpus", "mix", "--calibration-text", "a"]
+    assert exit_status(gqa.main, both) == 2
+    assert "not allowed with" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="Unknown calibration corpus 'x'"):
+        assets.calibration_corpus_files("x")
+
+    parser = argparse.ArgumentParser()
+    conversion_cli.add_calibration_arguments(parser, default_tokens=8)
+    seen = {}
+
+    def fake_convert(**kwargs):
+        seen.update(kwargs)
+        return Path("/out")
+
+    for name, files in [("python-docs", assets.python_docs_calibration_files()), ("mix", None)]:
+        args = parser.parse_args(["--calibration-corpus", name])
+        args.model, args.output, args.save_dtype, args.overwrite = None, "/out", None, False
+        status = conversion_cli.run(
+            "p", fake_convert, args, describe=str, **conversion_cli.calibration_options(args)
+        )
+        assert status == 0 and "calibration_corpus" not in seen
+        assert seen["calibration_files"] == (files or assets.calibration_corpus_files("mix"))
+    args = parser.parse_args([])
+    assert conversion_cli.calibration_options(args)["calibration_files"] is None  # default unchanged
+
+
+def test_heal_refuses_training_text_that_contains_an_evaluation_text(tmp_path, docs_dir):
+    emma = assets.austen_file("emma").read_text()[:50_000]
+    faq = (docs_dir / "faq.txt").read_text()
+    for name, text in [("faq", emma + "\n\n" + faq[10_000:20_000]), ("persuasion", emma + "\n\n")]:
+        if name == "persuasion":
+            text += assets.austen_file("persuasion").read_text()[5_000:9_000]
+        path = tmp_path / f"{name}.txt"
+        path.write_text(text)
+        corpus, files = load_train_corpus([path])
+        with pytest.raises(ValueError, match="share .* paragraph"):
+            check_not_embedded_eval(corpus, files)
+        # through heal itself, whatever --eval-text it measures with (refused before the model is read)
+        settings = HealSettings(output=str(tmp_path / "o"), train_text=[str(path)], eval_text=[str(path)])
+        with pytest.raises(ValueError):
+            load_data(settings, tmp_path / "no-model", num_processes=1)
+        other = tmp_path / "other_eval.txt"
+        other.write_text(assets.austen_file("emma").read_text()[60_000:80_000])
+        settings = HealSettings(output=str(tmp_path / "o"), train_text=[str(path)], eval_text=[str(other)])
+        with pytest.raises(ValueError, match="share .* paragraph"):
+            load_data(settings, tmp_path / "no-model", num_processes=1)
+    clean = tmp_path / "clean.txt"
+    clean.write_text(emma)
+    check_not_embedded_eval(*load_train_corpus([clean]))  # no overlap: no error
+
+
+def test_cross_domain_check_and_default_rule():
+    def row(corpus, p, q):
+        return {"corpus": corpus, "ratio": {"persuasion": p, "python-faq": q}}
+
+    assert cross_domain.check_row(row("a", 2.0, 2.5))
+    assert not cross_domain.check_row(row("a", 2.0, 2.51))
+    rule = cross_domain.best_corpus([row("a", 2.0, 8.0), row("b", 3.0, 3.0)])  # geomeans 4 and 3
+    assert rule["best"] == "b" and rule["scores"]["a"] == pytest.approx(4.0)
+
+
+def test_study_second_corpus_column_is_opt_in_and_keeps_earlier_row_keys():
+    import dataclasses
+
+    from hf_attn.eval import report
+    from hf_attn.eval.study import DEFAULT_CONFIG, load_config
+
+    settings, _ = load_config(DEFAULT_CONFIG, "default")
+    old_fields = {f.name for f in dataclasses.fields(settings)} - {"second_corpus_tokens"}
+    assert settings.key() == {k: getattr(settings, k) for k in old_fields}  # the keys rows had before
+    on = dataclasses.replace(settings, second_corpus_tokens=4096)
+    assert on.key()["second_corpus_tokens"] == 4096 and "Python 3.11 FAQ" in on.protocol
+
+    row = {"label": "x", "healed": False, "perplexity": 30.0, "kv_bytes_per_token": 1.0, "kv_fraction": 1.0}
+    plain = report.format_table({"rows": [row]})
+    assert "PPL Python FAQ" not in plain and plain.count("|") == 3 * (len(report.COLUMNS) + 1)
+    table = report.format_table({"rows": [{**row, "perplexity_python_faq": 16.25}]}).splitlines()
+    header = [c.strip() for c in table[0].strip("|").split("|")]
+    cells = [c.strip() for c in table[2].strip("|").split("|")]
+    assert header[header.index("Perplexity") + 1] == "PPL Python FAQ"
+    assert cells[header.index("PPL Python FAQ")] == "16.25" and len(cells) == len(header)
