@@ -310,7 +310,10 @@ def fit_values(
         direction, rz = z, (res * z).sum()
         for _ in range(_CG_STEPS):
             step = op(direction)
-            alpha = rz / (direction * step).sum()
+            curvature = (direction * step).sum()
+            if curvature <= 0:  # the statistics of few tokens can be slightly indefinite: stop, never diverge
+                break
+            alpha = rz / curvature
             p = p + alpha * direction
             res = res - alpha * step
             if (res * res).sum() <= _CG_TOL**2 * (rhs * rhs).sum():

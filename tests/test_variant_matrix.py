@@ -308,15 +308,9 @@ def test_mla_refuses_a_calibration_window_of_one_query(tmp_path, text_file):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.xfail(
-    reason="known bug in conversion/gqa.py (calibrated pooling, owned by another helper): this tiny MHA "
-    "source pooled to 1 KV head with 80 calibration tokens in windows of 40 gives a non-finite layer-0 "
-    "v_proj/o_proj (48/24 and 160/40 are finite): in gqa.fit_values, P after the alternating least-squares "
-    "iterations is finite but its decoders D are not (with iterations=0 both are finite); suspected a P row "
-    "collapsing in the conjugate-gradient refit, then blown up by the power rescale or a singular solve",
-    strict=True,
-)
-def test_gqa_calibrated_mha_to_mqa_finite_known_bug(tmp_path, text_file, smollm2_path):
+def test_gqa_calibrated_mha_to_mqa_from_few_tokens_is_finite(tmp_path, text_file, smollm2_path):
+    """80 calibration tokens in windows of 40 leave the value statistics rank-deficient and, after float32
+    accumulation, slightly indefinite: the value refit must stop rather than diverge (it once overflowed)."""
     v = Variant("llama_mha_tied", tmp_path, smollm2_path)
     out = gqa.convert_gqa(
         src=v.src,
