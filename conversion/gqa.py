@@ -589,7 +589,7 @@ def convert_gqa(
         record["calibration"] = {**cal.corpus_record(files, calibration_tokens), "window": calibration_window}
     elif method == "calibrated" and pooling.heads_per_group > 1:  # (G == H is the identity for every method)
         files = None if calibration_files is None else [Path(f) for f in calibration_files]
-        # the fitted tensors go to a scratch directory beside dst, one file per layer, until the save reads them
+        # the fitted tensors go to a scratch directory beside dst, one file per layer, until the save
         parent = Path(dst).resolve().parent
         spill = stack.enter_context(
             tempfile.TemporaryDirectory(prefix=".hf-attn-gqa-fit-", dir=parent if parent.is_dir() else None)
