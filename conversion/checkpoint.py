@@ -285,12 +285,17 @@ def iter_tensors(
 class ShardedWriter:
     """Stream tensors into safetensors shards of at most `max_shard_bytes` (one tensor may exceed it).
 
-    Each tensor's bytes go to a scratch data file immediately; when a shard is full its header is written
-    and the data copied behind it in chunks, so memory never holds more than the tensor being added.
+    Each tensor's bytes go to the shard file immediately, behind `HEADER_RESERVE` bytes kept for the header;
+    when the shard is full its header is written into them (padded with spaces, which the safetensors JSON
+    header allows), so every byte is written once and memory never holds more than the tensor being added.
+    A header longer than the reserve (thousands of tensors in a shard) falls back to copying the data
+    behind it in chunks.
     Tensors whose byte size is not a multiple of 8 are held back to the end of their shard so every other
     tensor stays 8-byte aligned. `close()` names the shards `model-0000k-of-0000n.safetensors` and writes
     `model.safetensors.index.json`, or a single `model.safetensors` when everything fits in one shard.
     """
+
+    HEADER_RESERVE = 64 * 1024  # bytes before a shard's data kept for its header (~150 bytes per tensor)
 
     def __init__(self, directory: str | os.PathLike, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES):
         if max_shard_bytes <= 0:
@@ -333,13 +338,13 @@ class ShardedWriter:
 
     def _write(self, name: str, tensor: torch.Tensor) -> None:
         if self._data is None:
-            self._data = open(self.directory / f".shard-{len(self.shards)}.data", "w+b")
-        begin = self._data.tell()
+            self._data = open(self.directory / f".shard-{len(self.shards)}.safetensors", "w+b")
+            self._data.seek(8 + self.HEADER_RESERVE)
+        begin = self._data.tell() - 8 - self.HEADER_RESERVE
         if tensor.numel():
             self._data.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
-        self._entries.append(
-            (name, _DTYPE_NAMES[tensor.dtype], tuple(tensor.shape), begin, self._data.tell())
-        )
+        end = begin + tensor.numel() * tensor.element_size()
+        self._entries.append((name, _DTYPE_NAMES[tensor.dtype], tuple(tensor.shape), begin, end))
 
     def _finish_shard(self) -> None:
         for name, tensor in self._held:
@@ -353,13 +358,21 @@ class ShardedWriter:
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)  # pad so the data section starts 8-byte aligned
         path = self.directory / f".shard-{len(self.shards)}.safetensors"
-        with open(path, "wb") as out:
-            out.write(struct.pack("<Q", len(blob)))
-            out.write(blob)
+        if len(blob) <= self.HEADER_RESERVE:  # the header fits the room left before the data: write it there
             self._data.seek(0)
-            shutil.copyfileobj(self._data, out, 16 * 1024 * 1024)
-        self._data.close()
-        os.unlink(self._data.name)
+            self._data.write(struct.pack("<Q", self.HEADER_RESERVE))
+            self._data.write(blob + b" " * (self.HEADER_RESERVE - len(blob)))
+            self._data.close()
+        else:  # too many tensors for the reserve: header first, then the data copied behind it
+            moved = self.directory / f".shard-{len(self.shards)}.data"
+            self._data.close()
+            os.rename(path, moved)
+            with open(moved, "rb") as data, open(path, "wb") as out:
+                out.write(struct.pack("<Q", len(blob)))
+                out.write(blob)
+                data.seek(8 + self.HEADER_RESERVE)
+                shutil.copyfileobj(data, out, 16 * 1024 * 1024)
+            os.unlink(moved)
         self.shards.append((path, [e[0] for e in self._entries]))
         self._data, self._entries, self._size = None, [], 0
 

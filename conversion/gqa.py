@@ -20,8 +20,10 @@ layer is then fitted and streamed like the mean method's. The derivation is in d
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -209,10 +211,17 @@ def collect_attention_statistics(
     pooling: Pooling,
     window: int = cal.DEFAULT_WINDOW,
     progress: bool = True,
+    done: Callable[[int, AttentionStatistics], None] | None = None,
 ) -> dict[int, AttentionStatistics]:
-    """Per layer, AttentionStatistics of the source model on the calibration tokens (1-D `input_ids`)."""
+    """Per layer, AttentionStatistics of the source model on the calibration tokens (1-D `input_ids`).
+
+    done: if given, called as done(layer, statistics) as soon as a layer's statistics are complete (they
+    cover every calibration token), which are then dropped: the returned dict is empty. With the layer-by-
+    layer model that is right after the pass leaves the layer, so only one layer's statistics are ever held.
+    """
     layers = model.model.layers
     out: dict[int, AttentionStatistics] = {}
+    total = int(input_ids.numel())
 
     def accumulate(idx: int, x: torch.Tensor, position_embeddings) -> None:
         if position_embeddings is None:
@@ -222,8 +231,13 @@ def collect_attention_statistics(
             out[idx] += stats
         else:
             out[idx] = stats
+        if done is not None and out[idx].tokens == total:  # every window of this layer is in
+            done(idx, out.pop(idx))
 
     cal.for_each_attention_input(model, input_ids, accumulate, window=window, progress=progress)
+    if done is not None:
+        for idx in sorted(out):  # (not reached when every window reports its tokens)
+            done(idx, out.pop(idx))
     return out
 
 
@@ -431,29 +445,82 @@ def calibrate(
     device: str = "cpu",
     forward_dtype: str = "float32",
     progress: bool = True,
-) -> dict[int, dict[str, torch.Tensor | None]]:
+    store: MutableMapping[int, dict[str, torch.Tensor | None]] | None = None,
+) -> MutableMapping[int, dict[str, torch.Tensor | None]]:
     """Calibrated pooling of every layer: one layer-by-layer forward pass of the source over the calibration
     text (`layerwise.LayerwiseModel`: one decoder layer in memory at a time, on `device` in `forward_dtype`)
-    collects each layer's AttentionStatistics, then each layer is fitted. Returns the new attention tensors
-    of every layer (float32), keyed like `calibrated_pool_layer`'s output. Every layer is fitted on the
-    source's own activations (one pass; docs/gqa.md says why not sequentially)."""
+    collects each layer's AttentionStatistics; each layer is fitted as soon as the pass has finished it and
+    its statistics are dropped (one layer's statistics in memory at a time). Returns `store` (default: a new
+    dict, float32 tensors; `SpilledLayers` keeps them on disk) with the new attention tensors of every layer,
+    keyed like `calibrated_pool_layer`'s output. Every layer is fitted on the source's own activations (one
+    pass; docs/gqa.md says why not sequentially)."""
     from transformers import AutoTokenizer
 
     model = layerwise.LayerwiseModel(src_dir, device=device, forward_dtype=forward_dtype)
     tokenizer = AutoTokenizer.from_pretrained(src_dir)
     ids = cal.calibration_ids(tokenizer, files, tokens)
-    with torch.inference_mode():
-        stats = collect_attention_statistics(model, ids, pooling=pooling, window=window, progress=progress)
-    out = {}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the fits are many small matrix products: threads only add synchronisation
-    try:
-        for layer in tqdm(range(pooling.geometry.num_layers), desc="fit", unit="layer", disable=not progress):
+    out = {} if store is None else store
+
+    def fit(layer: int, stats: AttentionStatistics) -> None:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # the fits are many small matrix products: threads only add synchronisation
+        try:
             weights = model.attention_weights(layer)  # float32, as the fp32 model holds them
-            out[layer] = calibrated_pool_layer(weights=weights, stats=stats.pop(layer), pooling=pooling)
-    finally:
-        torch.set_num_threads(threads)
+            out[layer] = calibrated_pool_layer(weights=weights, stats=stats, pooling=pooling)
+        finally:
+            torch.set_num_threads(threads)
+
+    with torch.inference_mode():
+        collect_attention_statistics(model, ids, pooling=pooling, window=window, progress=progress, done=fit)
     return out
+
+
+class SpilledLayers(MutableMapping):
+    """Fitted attention tensors per layer, kept on disk: layer i is written to `directory`/layer-i.safetensors
+    in the dtype of the source tensor it replaces (`index`: source name -> TensorInfo; what `_pooled_tensors`
+    casts to anyway) and read back on access, the last layer read cached. None entries (absent biases) are
+    not stored and read back as absent (`.get` gives None)."""
+
+    def __init__(self, directory: Path, index: dict[str, TensorInfo]) -> None:
+        self.directory, self.index = Path(directory), index
+        self._layers: set[int] = set()
+        self._cached: tuple[int, dict[str, torch.Tensor]] | None = None
+
+    def _path(self, layer: int) -> Path:
+        return self.directory / f"layer-{layer}.safetensors"
+
+    def __setitem__(self, layer: int, tensors: dict[str, torch.Tensor | None]) -> None:
+        from safetensors.torch import save_file
+
+        kept = {}
+        for key, tensor in tensors.items():
+            if tensor is not None:
+                dtype = self.index[f"model.layers.{layer}.self_attn.{key}"].dtype
+                kept[key] = tensor.to(dtype).contiguous()
+        save_file(kept, str(self._path(layer)))
+        self._layers.add(layer)
+        self._cached = None
+
+    def __getitem__(self, layer: int) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file
+
+        if layer not in self._layers:
+            raise KeyError(layer)
+        if self._cached is None or self._cached[0] != layer:
+            self._cached = None  # drop the previous layer before reading the next
+            self._cached = (layer, load_file(str(self._path(layer))))
+        return self._cached[1]
+
+    def __delitem__(self, layer: int) -> None:
+        self._layers.remove(layer)
+        self._path(layer).unlink()
+        self._cached = None
+
+    def __iter__(self):
+        return iter(sorted(self._layers))
+
+    def __len__(self) -> int:
+        return len(self._layers)
 
 
 def convert_gqa(
@@ -506,6 +573,7 @@ def convert_gqa(
         dtype=dtype_name(dtype) if dtype is not None else config.get("dtype", config.get("torch_dtype")),
     )
     calibrated = None
+    stack = contextlib.ExitStack()
     searched = grouping == "search" and pooling.heads_per_group > 1 and pooling.num_groups > 1
     if searched:  # (with one group or one head per group every grouping is the same)
         files = None if calibration_files is None else [Path(f) for f in calibration_files]
@@ -524,6 +592,11 @@ def convert_gqa(
         record["calibration"] = {**cal.corpus_record(files, calibration_tokens), "window": calibration_window}
     elif method == "calibrated" and pooling.heads_per_group > 1:  # (G == H is the identity for every method)
         files = None if calibration_files is None else [Path(f) for f in calibration_files]
+        # the fitted tensors go to a scratch directory beside dst, one file per layer, until the save
+        parent = Path(dst).resolve().parent
+        spill = stack.enter_context(
+            tempfile.TemporaryDirectory(prefix=".hf-attn-gqa-fit-", dir=parent if parent.is_dir() else None)
+        )
         calibrated = calibrate(
             src_dir=src_dir,
             pooling=pooling,
@@ -532,6 +605,7 @@ def convert_gqa(
             window=calibration_window,
             device=device,
             forward_dtype=forward_dtype,
+            store=SpilledLayers(Path(spill), index),
         )
         record["settings"].update(layerwise.forward_record(device, forward_dtype))
         record["calibration"] = {
@@ -539,15 +613,16 @@ def convert_gqa(
             "window": calibration_window,
         }
     new_config = add_record({**config, "num_key_value_heads": num_kv_heads}, record)
-    out = save_streamed(
-        src_dir=src_dir,
-        dst=dst,
-        tensors=_pooled_tensors(index, pooling, calibrated),
-        config=new_config,
-        overwrite=overwrite,
-        dtype=dtype,
-        max_shard_bytes=max_shard_bytes,
-    )
+    with stack:
+        out = save_streamed(
+            src_dir=src_dir,
+            dst=dst,
+            tensors=_pooled_tensors(index, pooling, calibrated),
+            config=new_config,
+            overwrite=overwrite,
+            dtype=dtype,
+            max_shard_bytes=max_shard_bytes,
+        )
     return out
 
 

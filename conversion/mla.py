@@ -24,8 +24,9 @@ import dataclasses
 import math
 import shutil
 import sys
+import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -225,6 +226,36 @@ class LayerStatistics:
     samples: list[torch.Tensor] | None = None  # inputs x of every sr-sampled token, each (n, C) float32
 
 
+class SpilledLayerStatistics:
+    """A layer's LayerStatistics whose moment lives in a file of a scratch directory (read back on every
+    access, so the moments of all layers are never in memory together: (C+1)^2 float64 each)."""
+
+    def __init__(self, stats: LayerStatistics, path: Path) -> None:
+        torch.save(stats.moment, path)
+        self.path = path
+        self.shared_keys, self.samples = stats.shared_keys, stats.samples
+
+    @property
+    def moment(self) -> torch.Tensor:
+        return torch.load(self.path, weights_only=True)  # (C+1, C+1) float64, as it was saved
+
+
+class _Moments(Mapping):
+    """layer -> the input moment of `statistics[layer]`, read when asked for (never all at once)."""
+
+    def __init__(self, statistics: dict) -> None:
+        self.statistics = statistics
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        return self.statistics[layer].moment
+
+    def __iter__(self):
+        return iter(self.statistics)
+
+    def __len__(self) -> int:
+        return len(self.statistics)
+
+
 def mla_shapes(
     shape: MLAShape, *, qkv_bias: bool, o_bias: bool, latent_norm: bool = True
 ) -> dict[str, tuple[int, ...]]:
@@ -412,6 +443,7 @@ class Calibration:
     pair_scores: dict[str, dict[int, torch.Tensor]]
     query_fit: dict[int, torch.Tensor] | None
     record: dict
+    scratch: object = None  # the scratch directory of spilled moments (removed with the Calibration)
 
 
 def calibrate(
@@ -445,12 +477,20 @@ def calibrate(
     scores = rs.AttentionPairStats(**heads) if attention_pairs else None
     shared = sr.SharedKeyStatistics(**heads) if shared_keys else None
     windows = [_sliding_window(model.config, i) for i in range(geometry.num_layers)]
+    # a layer's moment goes to a scratch file as soon as it covers every calibration token (with the
+    # layer-by-layer model: when the pass leaves the layer), so one moment is in memory at a time
+    scratch = tempfile.TemporaryDirectory(prefix="hf-attn-mla-moments-") if moments else None
+    seen = dict.fromkeys(range(geometry.num_layers), 0)
+    total = int(ids.numel())
 
     def accumulate(idx: int, x: torch.Tensor, position_embeddings) -> None:
         x = x.reshape(-1, x.shape[-1])  # (T, C)
         if moments:
             m = cal.augmented_moment(x)  # (C+1, C+1)
             stats[idx].moment = m if stats[idx].moment is None else stats[idx].moment + m
+            seen[idx] += x.shape[0]
+            if seen[idx] == total:
+                stats[idx] = SpilledLayerStatistics(stats[idx], Path(scratch.name) / f"moment-{idx}.pt")
         if sample_stride:
             stats[idx].samples = (stats[idx].samples or []) + [x[::sample_stride].float().clone()]
         if shared is not None:
@@ -480,6 +520,9 @@ def calibrate(
 
     cal.for_each_attention_input(model, ids, accumulate, window=window)
     del model
+    for i in range(geometry.num_layers):  # (none left when every window reports its tokens)
+        if moments and isinstance(stats[i], LayerStatistics) and stats[i].moment is not None:
+            stats[i] = SpilledLayerStatistics(stats[i], Path(scratch.name) / f"moment-{i}.pt")
     if shared is not None:
         for i in range(geometry.num_layers):
             stats[i].shared_keys = shared.sums[i]
@@ -495,7 +538,7 @@ def calibrate(
     if scores is not None:
         pair_scores["attention"] = {i: scores.pair_scores(i) for i in range(geometry.num_layers)}
         query_fit = {i: scores.query_fit(i) for i in range(geometry.num_layers)}
-    return Calibration(stats, pair_scores, query_fit, record)
+    return Calibration(stats, pair_scores, query_fit, record, scratch=scratch)
 
 
 def _sliding_window(config, layer: int) -> int | None:
@@ -883,7 +926,7 @@ def _allocate(
         read_layer=read_layer,
         pair_scores=cal_.pair_scores["attention"],
         query_fit=cal_.query_fit,
-        moments={i: cal_.statistics[i].moment for i in range(geo.num_layers)},
+        moments=_Moments(cal_.statistics),  # read layer by layer
         rope_pairs=s.rope_pairs,
         kv_lora_rank=s.kv_lora_rank,
         normalization=normalization,
