@@ -8,6 +8,9 @@ import math
 import textwrap
 from pathlib import Path
 
+from hf_attn.conversion.calibration import DEFAULT_CORPUS as CALIBRATION_CORPUS
+from hf_attn.tooling.assets import CORPUS_TEXTS
+
 COLUMNS = (
     ("variant", "Variant"),
     ("healed", "Healed"),
@@ -172,8 +175,8 @@ def write_report(record: dict, results: Path) -> None:
         f"Protocol: {record['protocol']}. Healing: {s['heal_minutes']} min per variant, sequences of "
         f"{s['heal_seq_len']} tokens, batch {s['heal_batch_size']}, lr {s['heal_lr']}, trainable "
         f"{s['heal_trainable']}, on the five other novels. Calibration: "
-        f"{s['calibration_tokens']} tokens of the "
-        f"five other novels (one pass shared by the MLA variants, counted in the first one's Convert s). "
+        f"{s['calibration_tokens']} tokens of the `{CALIBRATION_CORPUS}` corpus ({CORPUS_TEXTS[CALIBRATION_CORPUS]}; "
+        "one pass shared by the MLA variants, counted in the first one's Convert s). "
         f"KV bytes per token are measured from a real cache (fp32, all 30 layers), except for deepseek_v3 "
         "exports: what an MLA engine (vLLM, SGLang) caches, from the config (transformers' DeepseekV3 caches "
         "expanded per-head K/V). Decode: tokens/s of "

@@ -134,6 +134,11 @@ def train_text_files() -> list[Path]:
 # ------------------------------------------------- second corpus: the Python docs (cross-domain checks)
 
 CORPORA = ("austen", "python-docs", "mix")  # the names of `--calibration-corpus`
+CORPUS_TEXTS = {  # what each calibration corpus is, in words (reports)
+    "austen": "the five novels other than Persuasion",
+    "python-docs": "five sections of the Python 3.11 documentation, not the FAQ",
+    "mix": "the five novels other than Persuasion and five Python documentation sections, equal shares",
+}
 
 
 def python_docs_dir() -> Path:
