@@ -414,7 +414,7 @@ def copy_side_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]
     return copied
 
 
-RECORD_KINDS = ("gqa", "mla", "expand", "heal", "export")
+RECORD_KINDS = ("gqa", "mla", "expand", "heal", "export", "refine")
 
 
 def conversion_record(

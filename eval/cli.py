@@ -1,7 +1,7 @@
 """`hf-attn`: the one command-line tool. Each subcommand is a module's `main(argv) -> int`, imported only when
 it runs; the documented `python -m ...` module commands are the same functions.
 
-    hf-attn convert gqa|mla|expand ...   hf-attn heal ...        hf-attn perplexity ...
+    hf-attn convert gqa|mla|expand ...   hf-attn heal|refine ...  hf-attn perplexity ...
     hf-attn study ...                    hf-attn curve ...       hf-attn assets
     hf-attn bench attention|decode|heal|mla-decode|perplexity|stream ...
 """
@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "convert expand": ("hf_attn.conversion.expand", "GQA/MQA -> MHA (or more KV heads), exactly"),
     "export": ("hf_attn.conversion.export", "llama_mla (DeepSeek layout) -> deepseek_v3, exactly"),
     "heal": ("hf_attn.conversion.heal", "short uptraining of a converted checkpoint (accelerate)"),
+    "refine": ("hf_attn.conversion.refine", "layer-local refit of a conversion to its source (calibration)"),
     "perplexity": ("hf_attn.eval.perplexity", "corpus perplexity with sliding windows (accelerate)"),
     "harness": ("hf_attn.eval.harness", "lm-eval-harness on any checkpoint (local or hub tasks)"),
     "study": ("hf_attn.eval.study", "convert, evaluate, heal every variant and write the report"),

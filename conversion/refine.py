@@ -1,0 +1,281 @@
+"""Layer-local refinement of a converted checkpoint against its source: calibration text only, no labels.
+
+    hf-attn refine --model CONVERTED --output DIR [--source SRC] [--steps 32] [--lr 1e-4]
+        [--calibration-tokens 4096] [--calibration-corpus austen|python-docs|mix] [--overwrite]
+
+The closed-form converters (`conversion.gqa`, `conversion.mla`) fit every layer to the SOURCE model's
+activations with a local metric, so their errors compound through the layers. This step corrects that the way
+block-reconstruction post-training methods do (BRECQ, OmniQuant), not the way healing does (no next-token
+loss, no labels, no optimizer state kept): both models run side by side over the calibration windows, one
+decoder layer at a time, and the converted layer's attention parameters are fitted so that, fed the hidden
+states the converted layers before it produce, it returns the hidden states the SOURCE layer returns on its
+own stream:
+
+    x_src  (N, T, E)  source hidden states entering layer i (N windows of T tokens, E hidden size)
+    x_conv (N, T, E)  converted hidden states entering layer i (the refined layers 0..i-1 applied)
+    t = source_layer_i(x_src)                       target, (N, T, E)
+    minimise  mean_tokens |rms(conv_layer_i(x_conv)) - rms(t)|^2     rms(h) = h / sqrt(mean(h^2))
+
+over the converted layer's `self_attn` parameters only (the MLP and norms are frozen; the gradient passes
+through the MLP), `steps` Adam steps of one window each; rms() compares what the next layer's RMSNorm
+reads, so the few huge residual-stream dimensions do not dominate. A layer keeps its refined weights only if
+they lower the error over all windows (an exact conversion is left as it is). Then x_conv and x_src move
+on. The parameter shapes never change, so the output has the converted checkpoint's format (a DeepSeek-layout
+`llama_mla` stays exportable). Memory: both models whole (fp32) plus 3 N T E floats of hidden states.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from hf_attn.conversion.calibration import DEFAULT_CORPUS, DEFAULT_WINDOW, calibration_ids, corpus_record
+from hf_attn.conversion.checkpoint import (
+    add_record,
+    conversion_record,
+    copy_side_files,
+    read_config,
+    write_config,
+)
+from hf_attn.tooling import assets, loading
+from hf_attn.tooling.cli import (
+    USER_ERRORS,
+    add_settings_arguments,
+    check_choices,
+    error,
+    setting,
+    settings_from_args,
+)
+from hf_attn.tooling.files import atomic_directory, check_output, checkpoint_hash
+
+PROG = "hf-attn refine"
+CONVERSION_KINDS = ("gqa", "mla")  # records whose `source` a refinement defaults to
+
+
+@dataclass(frozen=True)
+class RefineSettings:
+    """Every option of `hf-attn refine` (its flags are built from these fields)."""
+
+    model: str = setting(
+        help="the converted checkpoint (llama_mla, or a pooled Llama-family model)", required=True
+    )
+    output: str = setting(help="directory of the refined checkpoint", required=True)
+    source: str | None = setting(
+        None, help="the checkpoint it was converted from (default: the source its conversion record names)"
+    )
+    steps: int = setting(32, help="Adam steps per decoder layer, one calibration window each")
+    lr: float = setting(1e-4, help="Adam learning rate")
+    calibration_tokens: int = setting(4096, help="calibration tokens (disjoint windows of 1,024)")
+    calibration_corpus: str = setting(
+        DEFAULT_CORPUS, help="calibration text (never an evaluation text)", choices=assets.CORPORA
+    )
+    overwrite: bool = setting(False, help="replace an existing --output")
+
+
+@dataclass(frozen=True)
+class LayerFit:
+    """One layer's mean error over the calibration windows before and after; kept=False: not lowered, so the
+    layer was left as converted."""
+
+    layer: int
+    error_before: float
+    error_after: float
+    kept: bool
+
+
+# --------------------------------------------------------------------------------------------- the fit
+
+
+def _rms(h: torch.Tensor) -> torch.Tensor:
+    """h / sqrt(mean(h^2) + 1e-6) over the last dim (an RMSNorm without gain)."""
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def _layer_kwargs(model, window: torch.Tensor) -> list[dict]:
+    """The keyword arguments (masks, position embeddings) `model` passes each decoder layer for a window
+    (1, T): the same for every window of that length."""
+    layers = model.model.layers
+    kwargs: list[dict] = [{} for _ in layers]
+
+    def make_hook(i: int):
+        def hook(module, args, kw):
+            kwargs[i] = {k: v for k, v in kw.items() if k != "hidden_states"}
+
+        return hook
+
+    handles = [
+        layer.register_forward_pre_hook(make_hook(i), with_kwargs=True) for i, layer in enumerate(layers)
+    ]
+    try:
+        with torch.no_grad():  # not inference_mode: the captured tensors are used under autograd later
+            model(input_ids=window, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return kwargs
+
+
+def refine_layers(
+    *, source, converted, windows: torch.Tensor, steps: int, lr: float, progress: bool = True
+) -> list[LayerFit]:
+    """Refine `converted` in place (see the module docstring). windows (N, T) token ids; both models loaded,
+    fp32, on the same device, with the same number of decoder layers and hidden size."""
+    src_layers, conv_layers = source.model.layers, converted.model.layers
+    if len(src_layers) != len(conv_layers):
+        raise ValueError(f"source has {len(src_layers)} layers, the converted model {len(conv_layers)}")
+    if windows.dim() != 2 or windows.shape[0] < 1:
+        raise ValueError(f"windows must be (N, T) token ids with N >= 1, got {tuple(windows.shape)}")
+    src_kw, conv_kw = _layer_kwargs(source, windows[:1]), _layer_kwargs(converted, windows[:1])
+    for p in converted.parameters():
+        p.requires_grad_(False)
+    with torch.no_grad():
+        x_src = [source.model.embed_tokens(w[None]) for w in windows]  # N x (1, T, E)
+        x_conv = [converted.model.embed_tokens(w[None]) for w in windows]  # N x (1, T, E)
+    fits = []
+    bar = tqdm(range(len(conv_layers)), desc="refine", unit="layer", disable=not progress)
+    for i in bar:
+        with torch.no_grad():
+            outputs = [src_layers[i](x, **src_kw[i]) for x in x_src]  # N x (1, T, E)
+        targets = [_rms(o) for o in outputs]
+        fits.append(fit_layer(i, conv_layers[i], x_conv, targets, conv_kw[i], steps=steps, lr=lr))
+        bar.set_postfix(error=f"{fits[-1].error_before:.3g}->{fits[-1].error_after:.3g}")
+        with torch.no_grad():
+            x_src, x_conv = outputs, [conv_layers[i](x, **conv_kw[i]) for x in x_conv]
+    return fits
+
+
+def fit_layer(
+    index: int, layer, inputs: list, targets: list, kwargs: dict, *, steps: int, lr: float
+) -> LayerFit:
+    """Adam on `layer.self_attn`'s parameters: minimise mean |rms(layer(inputs[j])) - targets[j]|^2, one
+    window per step; the fitted weights are kept only if they lower the error over all windows."""
+    attn = layer.self_attn
+
+    def error(j: int) -> torch.Tensor:
+        return (_rms(layer(inputs[j], **kwargs)) - targets[j]).pow(2).mean()
+
+    def total() -> float:
+        with torch.no_grad():
+            return sum(float(error(j)) for j in range(len(inputs))) / len(inputs)
+
+    before, saved = total(), {k: v.clone() for k, v in attn.state_dict().items()}
+    params = list(attn.parameters())
+    for p in params:
+        p.requires_grad_(True)
+    optimizer = torch.optim.Adam(params, lr=lr)
+    with torch.enable_grad():
+        for step in range(steps):
+            optimizer.zero_grad(set_to_none=True)
+            error(step % len(inputs)).backward()
+            optimizer.step()
+    for p in params:
+        p.requires_grad_(False)
+    after = total()
+    if after >= before:
+        attn.load_state_dict(saved)
+        return LayerFit(index, before, before, False)
+    return LayerFit(index, before, after, True)
+
+
+# --------------------------------------------------------------------------------------------- command
+
+
+def recorded_source(model_dir: Path) -> tuple[Path, str]:
+    """The source path and hash of the last gqa / mla conversion in the checkpoint's history."""
+    history = (read_config(model_dir).get("hf_attn") or {}).get("history", [])
+    records = [r for r in history if r.get("kind") in CONVERSION_KINDS]
+    if not records:
+        raise ValueError(f"{model_dir} records no gqa/mla conversion; pass --source (the model it came from)")
+    return Path(records[-1]["source"]), records[-1]["source_hash"]
+
+
+def refine(settings: RefineSettings, *, progress: bool = True) -> dict:
+    """Refine `settings.model` into `settings.output`; returns the record appended to its history."""
+    s = settings
+    check_choices(s)
+    if s.steps < 0:
+        raise ValueError(f"--steps must be >= 0, got {s.steps}")
+    if not s.lr > 0:
+        raise ValueError(f"--lr must be positive, got {s.lr}")
+    if s.calibration_tokens < 1:
+        raise ValueError(f"--calibration-tokens must be positive, got {s.calibration_tokens}")
+    model_dir = loading.resolve_model(s.model)
+    if s.source is None:
+        source_dir, recorded_hash = recorded_source(model_dir)
+        if not source_dir.is_dir():
+            raise ValueError(f"the recorded source {source_dir} is gone; pass --source")
+        if checkpoint_hash(source_dir) != recorded_hash:
+            raise ValueError(f"the recorded source {source_dir} changed since the conversion; pass --source")
+    else:
+        source_dir = loading.resolve_model(s.source)
+    output = check_output(model_dir, s.output, overwrite=s.overwrite)
+    check_output(source_dir, output, overwrite=True)
+    source = loading.load_causal_lm(source_dir, dtype=torch.float32)
+    converted = loading.load_causal_lm(model_dir, dtype=torch.float32)
+    cs, cc = source.config, converted.config
+    for name in ("num_hidden_layers", "hidden_size", "vocab_size"):
+        if getattr(cs, name) != getattr(cc, name):
+            raise ValueError(
+                f"{name} differs: source {getattr(cs, name)}, converted {getattr(cc, name)}; "
+                "pass the --source this checkpoint was converted from"
+            )
+    files = assets.calibration_corpus_files(s.calibration_corpus)
+    tokenizer = loading.load_tokenizer(model_dir)
+    ids = calibration_ids(tokenizer, files, tokens=s.calibration_tokens)
+    n = max(1, len(ids) // DEFAULT_WINDOW)
+    windows = ids[: n * DEFAULT_WINDOW].view(n, -1) if len(ids) >= DEFAULT_WINDOW else ids[None]  # (N, T)
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    fits = refine_layers(
+        source=source, converted=converted, windows=windows, steps=s.steps, lr=s.lr, progress=progress
+    )
+    seconds = time.perf_counter() - start
+    record = conversion_record(
+        kind="refine",
+        source=str(model_dir),
+        source_hash=checkpoint_hash(model_dir),
+        settings={k: v for k, v in asdict(s).items() if k not in ("model", "output", "overwrite")},
+        reference=str(source_dir),
+        calibration=corpus_record(files, len(ids)),
+        layers=[asdict(f) for f in fits],
+        seconds=round(seconds, 1),
+    )
+    config = read_config(model_dir)
+    dtype = loading.parse_dtype(config.get("dtype") or config.get("torch_dtype") or "float32")
+    with atomic_directory(output, overwrite=s.overwrite) as tmp:
+        converted.to(dtype).save_pretrained(tmp)
+        copy_side_files(model_dir, tmp)
+        write_config(tmp, add_record(read_config(tmp), record))
+    return record
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    add_settings_arguments(parser, RefineSettings)
+    parser.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        record = refine(settings_from_args(RefineSettings, args), progress=not args.no_progress)
+    except USER_ERRORS as err:
+        return error(PROG, err)
+    layers = record["layers"]
+    before = sum(f["error_before"] for f in layers) / len(layers)
+    after = sum(f["error_after"] for f in layers) / len(layers)
+    print(
+        f"refined {record['source']} -> {args.output}: {sum(f['kept'] for f in layers)}/{len(layers)} layers "
+        f"changed, mean layer error {before:.4g} -> {after:.4g} in {record['seconds']:.0f} s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

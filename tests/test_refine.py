@@ -1,0 +1,131 @@
+"""`conversion.refine`: the layer-local refit of a conversion to its source.
+
+References independent of the code under test: the models' own forwards (hidden states of vanilla
+transformers' Llama for the source), an exact conversion (the source itself) that must come back bit for bit,
+and the DeepSeek export's vanilla-transformers exactness after refinement."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import TINY_SHAPE, exit_status
+from test_export import SRC_TINY, deepseek_layout_model, randomize_
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from hf_attn.conversion import export, gqa, refine
+
+
+def tiny_llama(seed: int, **overrides) -> LlamaForCausalLM:
+    return randomize_(LlamaForCausalLM(LlamaConfig(**{**SRC_TINY, **overrides})), seed)
+
+
+def last_hidden_error(source, converted, ids) -> float:
+    """Mean squared difference of the final (normed) hidden states, from each model's own forward."""
+    with torch.no_grad():
+        a = source(input_ids=ids, output_hidden_states=True).hidden_states[-1]
+        b = converted(input_ids=ids, output_hidden_states=True).hidden_states[-1]
+    return float((a - b).pow(2).mean())
+
+
+def test_refinement_lowers_the_error_and_leaves_an_exact_conversion_alone():
+    source = tiny_llama(0)
+    pooled = tiny_llama(0)
+    with torch.no_grad():  # a lossy "conversion": mean-pool the two KV heads' weights into both (by hand)
+        for layer in pooled.model.layers:
+            for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):
+                w = proj.weight.view(2, -1, proj.weight.shape[1])  # (Hkv, d, E)
+                proj.weight.copy_(w.mean(0, keepdim=True).expand_as(w).reshape_as(proj.weight))
+    windows = torch.randint(3, SRC_TINY["vocab_size"], (3, 24))
+    before = last_hidden_error(source, pooled, windows)
+    fits = refine.refine_layers(
+        source=source, converted=pooled, windows=windows, steps=60, lr=3e-3, progress=False
+    )
+    assert len(fits) == TINY_SHAPE["num_hidden_layers"] and all(f.kept for f in fits)
+    assert all(f.error_after < f.error_before for f in fits)
+    assert last_hidden_error(source, pooled, windows) < 0.5 * before
+
+    exact = tiny_llama(0)
+    reference = {k: v.clone() for k, v in exact.state_dict().items()}
+    fits = refine.refine_layers(
+        source=source, converted=exact, windows=windows, steps=5, lr=3e-3, progress=False
+    )
+    assert not any(f.kept for f in fits)
+    assert all(torch.equal(v, reference[k]) for k, v in exact.state_dict().items())
+
+
+def test_refined_deepseek_layout_still_exports_exactly(tmp_path):
+    model = deepseek_layout_model("llama", seed=3)
+    src = tmp_path / "ds"
+    model.save_pretrained(src)
+    reference = tmp_path / "llama"
+    tiny_llama(4).save_pretrained(reference)
+    windows = torch.randint(3, SRC_TINY["vocab_size"], (2, 16))
+    source = AutoModelForCausalLM.from_pretrained(reference).eval()
+    fits = refine.refine_layers(
+        source=source, converted=model, windows=windows, steps=10, lr=3e-3, progress=False
+    )
+    assert any(f.kept for f in fits)
+    refined = tmp_path / "refined"
+    model.save_pretrained(refined)
+    out = export.export_checkpoint(src=refined, dst=tmp_path / "export")
+    vanilla = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(vanilla).__name__ == "DeepseekV3ForCausalLM"
+    with torch.no_grad():
+        want, got = model(input_ids=windows).logits, vanilla(input_ids=windows).logits
+    assert (want - got).abs().max() <= 1e-4 * want.abs().max()
+
+
+@pytest.fixture
+def converted_pair(tmp_path, smollm2_path):
+    """A tiny Llama with SmolLM2's tokenizer (so the calibration text tokenizes) and its mean-pooled MQA."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    src = tmp_path / "src"
+    tiny_llama(5, vocab_size=len(tokenizer)).save_pretrained(src)
+    tokenizer.save_pretrained(src)
+    conv = tmp_path / "mqa"
+    assert exit_status(gqa.main, ["--model", str(src), "--output", str(conv), "--num-kv-heads", "1"]) == 0
+    return src, conv
+
+
+def test_command_refines_against_the_recorded_source(converted_pair, tmp_path):
+    src, conv = converted_pair
+    before = {p.name: p.read_bytes() for p in conv.iterdir() if p.is_file()}
+    out = tmp_path / "refined"
+    argv = [
+        "--model",
+        str(conv),
+        "--output",
+        str(out),
+        "--calibration-tokens",
+        "64",
+        "--steps",
+        "8",
+        "--calibration-corpus",
+        "austen",
+        "--no-progress",
+    ]
+    assert exit_status(refine.main, argv) == 0
+    assert {p.name: p.read_bytes() for p in conv.iterdir() if p.is_file()} == before, "source modified"
+    record = json.loads((out / "config.json").read_text())["hf_attn"]["last"]
+    assert record["kind"] == "refine" and record["reference"] == str(src.resolve())
+    assert len(record["layers"]) == TINY_SHAPE["num_hidden_layers"]
+    AutoModelForCausalLM.from_pretrained(out)  # loads in the converted checkpoint's format
+
+
+def test_refusals_exit_2_and_write_nothing(converted_pair, tmp_path, capsys):
+    src, conv = converted_pair
+    other = tmp_path / "deeper"
+    tiny_llama(6, num_hidden_layers=3, vocab_size=49152).save_pretrained(other)
+    out = tmp_path / "out"
+    base = ["--model", str(conv), "--output", str(out), "--calibration-tokens", "64", "--no-progress"]
+    assert exit_status(refine.main, [*base, "--source", str(other)]) == 2
+    assert "num_hidden_layers differs" in capsys.readouterr().err
+    assert exit_status(refine.main, ["--model", str(src), "--output", str(out), "--no-progress"]) == 2
+    assert "pass --source" in capsys.readouterr().err
+    assert exit_status(refine.main, [*base, "--steps", "-1"]) == 2
+    assert "--steps" in capsys.readouterr().err
+    assert not out.exists()
