@@ -139,6 +139,7 @@ def attention_pca(
     moment: torch.Tensor,
     num_kv_heads: int,
     rank: int,
+    input_side: bool | None = None,
 ) -> LowRank:
     """PCA in the metric of what attention computes, with least-squares decoders.
 
@@ -153,15 +154,22 @@ def attention_pca(
       tr(O_h Cov(v_g) O_h^T)), the size of the output change per unit score error.
     The latent c = U_r^T A W x (top-r eigenvectors U_r of the weighted second moment); `up` and `up_bias` are
     the least-squares decoders of the keys (centred) and values from c.
+    Where W > C + 1 (a 7B MHA layer: W ~ 7300, C = 4096) the weighted moment, of rank <= C + 1, is never
+    formed: its top eigenvectors are the left singular vectors of its (W, C + 1) factor (`input_side`:
+    None chooses so, True / False force either computation).
     """
     w_k, w_v, w_q, w_o = w_k.double(), w_v.double(), w_q.double(), w_o.double()
     _check(torch.cat([w_k, w_v]), None, rank)
-    a, weighted, cov, second, mean, v_center = _attention_metric(
-        w_k, w_v, w_q, b_q, b_v, w_o, moment, num_kv_heads
-    )
-    _, evecs = torch.linalg.eigh((weighted + weighted.T) / 2)
-    basis = evecs[:, -rank:].flip(-1)  # (W, r)
-    down = basis.T @ a @ torch.cat([w_k, w_v])  # (r, C)
+    metric = _attention_metric(w_k, w_v, w_q, b_q, b_v, w_o, moment, num_kv_heads)
+    cov, second, mean, v_center = metric.cov, metric.second, metric.mean, metric.v_center
+    if _input_side(w_k, w_v, moment, rank, input_side):  # W > C + 1: never form a (W, W) matrix
+        u, _, _ = torch.linalg.svd(metric.factor(), full_matrices=False)  # u (W, C+1), left singular vectors
+        basis = u[:, :rank]  # (W, r): the top-r eigenvectors of F F^T
+    else:
+        weighted = metric.weighted()  # (W, W)
+        _, evecs = torch.linalg.eigh((weighted + weighted.T) / 2)
+        basis = evecs[:, -rank:].flip(-1)  # (W, r)
+    down = basis.T @ metric.aw  # (r, C): U_r^T A W
 
     # least-squares decoders: keys from the centred latent, values from the latent (+1 if biased)
     c_cov = down @ cov @ down.T  # (r, r)
@@ -191,18 +199,70 @@ def attention_spectrum(
     w_o: torch.Tensor,
     moment: torch.Tensor,
     num_kv_heads: int,
+    input_side: bool | None = None,
 ) -> torch.Tensor:
     """Eigenvalues (W,), descending, of the weighted second moment that `attention_pca` truncates (its
     arguments, no rank): keeping the top c directions leaves the sum of the eigenvalues after the c-th as the
     metric error (before the least-squares decoders, which can only lower it)."""
     w_k, w_v, w_q, w_o = w_k.double(), w_v.double(), w_q.double(), w_o.double()
-    _, weighted, *_ = _attention_metric(w_k, w_v, w_q, b_q, b_v, w_o, moment, num_kv_heads)
+    metric = _attention_metric(w_k, w_v, w_q, b_q, b_v, w_o, moment, num_kv_heads)
+    width = w_k.shape[0] + w_v.shape[0]
+    if _input_side(w_k, w_v, moment, 1, input_side):  # the nonzero eigenvalues are the squared singular values
+        evals = torch.linalg.svdvals(metric.factor()).square()  # (C+1,) descending
+        return torch.cat([evals, evals.new_zeros(width - evals.numel())])  # (W,)
+    weighted = metric.weighted()
     return torch.linalg.eigvalsh((weighted + weighted.T) / 2).flip(0).clamp_min(0.0)
 
 
-def _attention_metric(w_k, w_v, w_q, b_q, b_v, w_o, moment, num_kv_heads):
-    """`attention_pca`'s metric (float64 weights): A (W, W), A joint A^T (W, W), Cov x (C, C), E[x x^T]
-    (C, C), E[x] (C,) and whether the values are centred."""
+def _input_side(w_k, w_v, moment, rank: int, forced: bool | None) -> bool:
+    """Whether to work with the metric's (W, C + 1) factor instead of its (W, W) square."""
+    if forced is not None:
+        return forced
+    width, inputs = w_k.shape[0] + w_v.shape[0], moment.shape[0]
+    return width > inputs and rank <= inputs
+
+
+@dataclass(frozen=True)
+class _Metric:
+    """`attention_pca`'s metric: the weighted second moment A J A^T (W, W), J = E[z z^T] of
+    z = M [x; 1] = [W_K (x - mean); W_V x (- W_V mean if the values are centred)], A = block_diag(blocks)."""
+
+    blocks: list  # the A_g blocks: Hkv key blocks (dn, dn), then Hkv value blocks (d, d)
+    w: torch.Tensor  # (W, C): the stacked [W_K; W_V]
+    am: torch.Tensor  # (W, C+1): A M
+    moment: torch.Tensor  # (C+1, C+1): E[[x;1][x;1]^T]
+    cov: torch.Tensor  # (C, C)
+    second: torch.Tensor  # (C, C): E[x x^T]
+    mean: torch.Tensor  # (C,)
+    v_center: bool
+
+    @property
+    def aw(self) -> torch.Tensor:
+        """A W (W, C): the input columns of A M."""
+        return self.am[:, :-1]
+
+    def factor(self) -> torch.Tensor:
+        """F (W, C+1) with F F^T = A J A^T: A M times a square root of the augmented moment."""
+        evals, evecs = torch.linalg.eigh(self.moment)  # (C+1,), (C+1, C+1)
+        return self.am @ (evecs * evals.clamp_min(0.0).sqrt())  # (W, C+1)
+
+    def weighted(self) -> torch.Tensor:
+        """A J A^T (W, W), J assembled from the centred / uncentred input moments."""
+        a = torch.block_diag(*self.blocks)  # (W, W)
+        nk = sum(b.shape[0] for b in self.blocks[: len(self.blocks) // 2])
+        w_k, w_v = self.w[:nk], self.w[nk:]
+        sv = self.cov if self.v_center else self.second
+        joint = torch.cat(
+            [
+                torch.cat([w_k @ self.cov @ w_k.T, w_k @ self.cov @ w_v.T], 1),
+                torch.cat([w_v @ self.cov @ w_k.T, w_v @ sv @ w_v.T], 1),
+            ]
+        )  # (W, W)
+        return a @ joint @ a.T
+
+
+def _attention_metric(w_k, w_v, w_q, b_q, b_v, w_o, moment, num_kv_heads) -> _Metric:
+    """`attention_pca`'s metric from float64 weights (see `_Metric`)."""
     nk, nv = w_k.shape[0], w_v.shape[0]
     hkv = num_kv_heads
     dn, d = nk // hkv, nv // hkv
@@ -217,11 +277,11 @@ def _attention_metric(w_k, w_v, w_q, b_q, b_v, w_o, moment, num_kv_heads):
 
     a_blocks = []
     v_spread = []
-    cov_v = w_v @ cov @ w_v.T  # (Hkv*d, Hkv*d)
     for g in range(hkv):
         heads = range(g * group, (g + 1) * group)
         o_cols = [w_o[:, h * d : (h + 1) * d] for h in heads]  # each (C, d)
-        cv = cov_v[g * d : (g + 1) * d, g * d : (g + 1) * d]  # (d, d)
+        w_vg = w_v[g * d : (g + 1) * d]  # (d, C)
+        cv = w_vg @ cov @ w_vg.T  # (d, d)
         v_spread.append(sum(((o @ cv) * o).sum() for o in o_cols) / group)
     for g in range(hkv):
         heads = range(g * group, (g + 1) * group)
@@ -234,16 +294,16 @@ def _attention_metric(w_k, w_v, w_q, b_q, b_v, w_o, moment, num_kv_heads):
         a_blocks.append(
             _sqrt_psd(sum(w_o[:, h * d : (h + 1) * d].T @ w_o[:, h * d : (h + 1) * d] for h in heads))
         )
-    a = torch.block_diag(*a_blocks)  # (W, W)
 
-    # second moment of [W_K (x - mean); W_V x (+ b_V, centred if b_V is absorbed)]
     v_center = b_v is not None
-    sv = cov if v_center else second
-    joint = torch.cat(
-        [
-            torch.cat([w_k @ cov @ w_k.T, w_k @ cov @ w_v.T], 1),
-            torch.cat([w_v @ cov @ w_k.T, w_v @ sv @ w_v.T], 1),
-        ]
-    )  # (W, W)
-    weighted = a @ joint @ a.T
-    return a, weighted, cov, second, mean, v_center
+    w = torch.cat([w_k, w_v])  # (W, C)
+    shift = w @ mean  # (W,): z = W x - shift, keys always centred, values only if their bias absorbs it
+    if not v_center:
+        shift[nk:] = 0.0
+    am = torch.cat([w, -shift[:, None]], 1)  # (W, C+1): M
+    row = 0
+    for block in a_blocks:  # A M, block by block (A is block-diagonal)
+        n = block.shape[0]
+        am[row : row + n] = block @ am[row : row + n]
+        row += n
+    return _Metric(a_blocks, w, am, m, cov, second, mean, v_center)

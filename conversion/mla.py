@@ -225,19 +225,38 @@ class LayerStatistics:
     shared_keys: torch.Tensor | None = None  # (Hkv, d/2, Hkv, Hkv) complex: sr.SharedKeyStatistics
     samples: list[torch.Tensor] | None = None  # inputs x of every sr-sampled token, each (n, C) float32
 
+    def has(self, name: str) -> bool:
+        return getattr(self, name) is not None
+
 
 class SpilledLayerStatistics:
-    """A layer's LayerStatistics whose moment lives in a file of a scratch directory (read back on every
-    access, so the moments of all layers are never in memory together: (C+1)^2 float64 each)."""
+    """A layer's LayerStatistics in files of a scratch directory, one per statistic, read back on every
+    access: the statistics of all layers are never in memory together (a 7B layer: a 134 MB moment,
+    33.5 MB of shared-key sums for 32 KV heads, 134 MB of samples at 16,384 calibration tokens)."""
 
-    def __init__(self, stats: LayerStatistics, path: Path) -> None:
-        torch.save(stats.moment, path)
-        self.path = path
-        self.shared_keys, self.samples = stats.shared_keys, stats.samples
+    FIELDS = ("moment", "shared_keys", "samples")
 
-    @property
-    def moment(self) -> torch.Tensor:
-        return torch.load(self.path, weights_only=True)  # (C+1, C+1) float64, as it was saved
+    def __init__(self, stats: LayerStatistics, directory: Path, layer: int) -> None:
+        self.paths: dict[str, Path] = {}
+        for name in self.FIELDS:
+            value = getattr(stats, name)
+            if value is None:
+                continue
+            if name == "samples":
+                value = [torch.cat(value)]  # (N, C) float32, one tensor
+            self.paths[name] = directory / f"{name}-{layer}.pt"
+            torch.save(value, self.paths[name])
+
+    def has(self, name: str) -> bool:
+        return name in self.paths
+
+    def _load(self, name: str):
+        path = self.paths.get(name)
+        return None if path is None else torch.load(path, weights_only=True)  # as it was saved
+
+    moment = property(lambda self: self._load("moment"))
+    shared_keys = property(lambda self: self._load("shared_keys"))
+    samples = property(lambda self: self._load("samples"))
 
 
 class _Moments(Mapping):
@@ -443,7 +462,7 @@ class Calibration:
     pair_scores: dict[str, dict[int, torch.Tensor]]
     query_fit: dict[int, torch.Tensor] | None
     record: dict
-    scratch: object = None  # the scratch directory of spilled moments (removed with the Calibration)
+    scratch: object = None  # the scratch directory of the spilled statistics (removed with the Calibration)
 
 
 def calibrate(
@@ -477,20 +496,24 @@ def calibrate(
     scores = rs.AttentionPairStats(**heads) if attention_pairs else None
     shared = sr.SharedKeyStatistics(**heads) if shared_keys else None
     windows = [_sliding_window(model.config, i) for i in range(geometry.num_layers)]
-    # a layer's moment goes to a scratch file as soon as it covers every calibration token (with the
-    # layer-by-layer model: when the pass leaves the layer), so one moment is in memory at a time
-    scratch = tempfile.TemporaryDirectory(prefix="hf-attn-mla-moments-") if moments else None
+    # a layer's statistics go to a scratch directory as soon as they cover every calibration token (with the
+    # layer-by-layer model: when the pass leaves the layer), so one layer's are in memory at a time
+    spill = moments or shared is not None or sample_stride > 0
+    scratch = tempfile.TemporaryDirectory(prefix="hf-attn-mla-statistics-") if spill else None
     seen = dict.fromkeys(range(geometry.num_layers), 0)
     total = int(ids.numel())
+
+    def finish(idx: int) -> None:
+        if shared is not None:
+            stats[idx].shared_keys = shared.sums.pop(idx, None)
+        if spill:
+            stats[idx] = SpilledLayerStatistics(stats[idx], Path(scratch.name), idx)
 
     def accumulate(idx: int, x: torch.Tensor, position_embeddings) -> None:
         x = x.reshape(-1, x.shape[-1])  # (T, C)
         if moments:
             m = cal.augmented_moment(x)  # (C+1, C+1)
             stats[idx].moment = m if stats[idx].moment is None else stats[idx].moment + m
-            seen[idx] += x.shape[0]
-            if seen[idx] == total:
-                stats[idx] = SpilledLayerStatistics(stats[idx], Path(scratch.name) / f"moment-{idx}.pt")
         if sample_stride:
             stats[idx].samples = (stats[idx].samples or []) + [x[::sample_stride].float().clone()]
         if shared is not None:
@@ -517,15 +540,15 @@ def calibrate(
                 attn.k_proj.bias,
                 window=windows[idx],
             )
+        seen[idx] += x.shape[0]
+        if seen[idx] == total:
+            finish(idx)
 
     cal.for_each_attention_input(model, ids, accumulate, window=window)
     del model
     for i in range(geometry.num_layers):  # (none left when every window reports its tokens)
-        if moments and isinstance(stats[i], LayerStatistics) and stats[i].moment is not None:
-            stats[i] = SpilledLayerStatistics(stats[i], Path(scratch.name) / f"moment-{i}.pt")
-    if shared is not None:
-        for i in range(geometry.num_layers):
-            stats[i].shared_keys = shared.sums[i]
+        if isinstance(stats[i], LayerStatistics):
+            finish(i)
     record = {
         **cal.corpus_record(files, tokens),
         "window": window,
@@ -943,7 +966,7 @@ def _allocate(
 
 def _has_deepseek_statistics(calibration: Calibration, need_moments: bool) -> bool:
     first = calibration.statistics[0]
-    return first.samples is not None and (first.moment is not None or not need_moments)
+    return first.has("samples") and (first.has("moment") or not need_moments)
 
 
 def _plan_deepseek(
@@ -963,7 +986,7 @@ def _plan_deepseek(
     stride = sr.choose_stride(scores, half=half, rope_pairs=r)
     kept = sr.progression_pairs(r, stride)
     pairs = [[list(kept) for _ in range(geo.num_kv_heads)] for _ in range(geo.num_layers)]
-    if r and calibration.statistics[0].shared_keys is None:
+    if r and not calibration.statistics[0].has("shared_keys"):
         raise ValueError("The given calibration lacks the shared-key statistics; calibrate shared_keys=True.")
     keys = {i: sr.fit_shared_key(calibration.statistics[i].shared_keys, kept) for i in range(geo.num_layers)}
     eps = float(config.get("rms_norm_eps", 1e-6))

@@ -717,3 +717,32 @@ def test_curve_report_tables_and_plot(tmp_path, smollm2_path):
     assert "| high / activation | 180.0 | 65.0 |" in table  # the r30 - 2 row (1.0) belongs to the sweep
     plot_curve(record, tmp_path / "curve.png")
     assert (tmp_path / "curve.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("biased", [False, True])
+def test_attention_pca_input_side_equals_the_square_metric(biased):
+    """Where the stack is wider than the input (W > C + 1, a 7B MHA layer), the factorization works on the
+    metric's (W, C + 1) factor: same subspace, so the same effective weights and spectrum as the (W, W)
+    eigendecomposition."""
+    g = torch.Generator().manual_seed(5)
+    n, c, hq, hkv, d, dn = 400, 8, 4, 2, 6, 4  # W = 2 * 4 + 2 * 6 = 20 > C + 1 = 9
+    x = torch.randn(n, c, generator=g, dtype=torch.float64) + 0.3
+    w_k, w_v = torch.randn(hkv * dn, c, generator=g).double(), torch.randn(hkv * d, c, generator=g).double()
+    w_q, w_o = torch.randn(hq * dn, c, generator=g).double(), torch.randn(c, hq * d, generator=g).double()
+    b_k = torch.randn(hkv * dn, generator=g).double() if biased else None
+    b_v = torch.randn(hkv * d, generator=g).double() if biased else None
+    xa = torch.cat([x, torch.ones(n, 1, dtype=torch.float64)], 1)
+    kw = dict(
+        w_k=w_k, b_k=b_k, w_v=w_v, b_v=b_v, w_q=w_q, b_q=None, w_o=w_o, moment=xa.T @ xa, num_kv_heads=hkv
+    )
+    for rank in (3, 6, 9):
+        square, factor = fac.attention_pca(rank=rank, input_side=False, **kw), fac.attention_pca(rank=rank, **kw)
+        scale = square.reconstruct().abs().max()
+        assert (square.reconstruct() - factor.reconstruct()).abs().max() < 1e-9 * scale
+        if biased:
+            assert (square.up_bias - factor.up_bias).abs().max() < 1e-9 * square.up_bias.abs().max()
+    kw.pop("b_k")
+    square, factor = fac.attention_spectrum(input_side=False, **kw), fac.attention_spectrum(**kw)
+    assert square.shape == factor.shape == (hkv * (dn + d),)
+    assert (square - factor).abs().max() < 1e-9 * square[0]
+    assert factor[c + 1 :].abs().max() == 0  # rank <= C + 1

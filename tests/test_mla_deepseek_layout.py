@@ -412,3 +412,36 @@ def test_latent_norm_refinement_never_increases_the_error():
     cn = torch.nn.functional.rms_norm(x @ refined.down.T, (dc,), refined.gain, eps=1e-5)
     ev = float((x @ w_v.T - cn @ refined.up_v.T).pow(2).sum() / (x @ w_v.T).pow(2).sum())
     assert math.isclose(refined.value_error, ev, rel_tol=1e-6)  # the reported error is the model's
+
+
+def test_calibration_spills_every_layer_and_reads_back_the_whole_model_sums(smollm2_path, tmp_path):
+    """Every layer's moment, shared-key sums and samples leave memory when the layer-by-layer pass leaves the
+    layer (one layer's statistics in memory at a time, as 7B shapes need); what is read back equals the same
+    statistics accumulated here from a whole-model pass."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_attn.conversion import calibration as cal
+    from hf_attn.conversion.checkpoint import open_source
+
+    src = _tiny(tmp_path / "src", smollm2_path, num_kv_heads=2, constant_rms=False)
+    geometry = open_source(src).geometry
+    files = [src.parent / "calibration.txt"]
+    got = mla.calibrate(
+        src_dir=src, geometry=geometry, files=files, tokens=256, window=64, shared_keys=True, sample_stride=2
+    )
+    assert all(isinstance(s, mla.SpilledLayerStatistics) for s in got.statistics.values())
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    ids = cal.calibration_ids(AutoTokenizer.from_pretrained(src), files, 256)
+    inputs = cal.capture_attention_inputs(model, ids, layers=range(2), window=64, progress=False)
+    ref = sr.SharedKeyStatistics(num_heads=4, num_kv_heads=2, head_dim=8)
+    for i, layer in enumerate(model.model.layers):
+        x, (cos, sin) = inputs[i]
+        att = layer.self_attn
+        for start in range(0, x.shape[0], 64):  # window by window, as the pass adds them
+            w = slice(start, start + 64)
+            ref.add(i, x[w], cos[w], sin[w], att.q_proj.weight, None, att.k_proj.weight, None)
+        stats = got.statistics[i]
+        assert torch.allclose(stats.shared_keys, ref.sums[i], rtol=1e-5, atol=1e-6 * ref.sums[i].abs().max())
+        assert torch.allclose(torch.cat(stats.samples), x[::2], atol=1e-5)
+        xa = torch.cat([x, torch.ones(x.shape[0], 1)], 1).double()
+        assert torch.allclose(stats.moment, xa.T @ xa, rtol=1e-6, atol=1e-6 * (xa.T @ xa).abs().max())
