@@ -479,11 +479,14 @@ def calibrate(
     sample_stride: int = 0,
     device: str = "cpu",
     forward_dtype: str = "float32",
+    scratch_dir: Path | None = None,
 ) -> Calibration:
     """One forward pass of the source over `tokens` calibration tokens (windows of `window`), layer by layer
     (`layerwise.LayerwiseModel`: one decoder layer in memory at a time, on `device` in `forward_dtype`).
     The DeepSeek layout also needs `shared_keys` (sr.SharedKeyStatistics) and the inputs of every
-    `sample_stride`-th token (0: none) for its latent-norm refit."""
+    `sample_stride`-th token (0: none) for its latent-norm refit. The statistics are spilled to `scratch_dir`
+    (kept, so a pickled Calibration stays readable in a later process) or, if None, to a temporary directory
+    removed with the Calibration."""
     from transformers import AutoTokenizer
 
     model = layerwise.LayerwiseModel(src_dir, device=device, forward_dtype=forward_dtype)
@@ -499,7 +502,12 @@ def calibrate(
     # a layer's statistics go to a scratch directory as soon as they cover every calibration token (with the
     # layer-by-layer model: when the pass leaves the layer), so one layer's are in memory at a time
     spill = moments or shared is not None or sample_stride > 0
-    scratch = tempfile.TemporaryDirectory(prefix="hf-attn-mla-statistics-") if spill else None
+    scratch = None
+    if spill and scratch_dir is None:
+        scratch = tempfile.TemporaryDirectory(prefix="hf-attn-mla-statistics-")
+    spill_dir = Path(scratch.name) if scratch is not None else scratch_dir
+    if spill and scratch_dir is not None:
+        spill_dir.mkdir(parents=True, exist_ok=True)
     seen = dict.fromkeys(range(geometry.num_layers), 0)
     total = int(ids.numel())
 
@@ -507,7 +515,7 @@ def calibrate(
         if shared is not None:
             stats[idx].shared_keys = shared.sums.pop(idx, None)
         if spill:
-            stats[idx] = SpilledLayerStatistics(stats[idx], Path(scratch.name), idx)
+            stats[idx] = SpilledLayerStatistics(stats[idx], spill_dir, idx)
 
     def accumulate(idx: int, x: torch.Tensor, position_embeddings) -> None:
         x = x.reshape(-1, x.shape[-1])  # (T, C)

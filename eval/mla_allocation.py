@@ -60,7 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         start = time.perf_counter()
         calibration = mla.calibrate(
-            src_dir=src_dir, geometry=geometry, files=calibration_files(), tokens=args.calibration_tokens
+            src_dir=src_dir,
+            geometry=geometry,
+            files=calibration_files(),
+            tokens=args.calibration_tokens,
+            scratch_dir=None if cache is None else cache.with_suffix(".statistics"),  # kept beside the cache
         )
         print(f"calibration: {time.perf_counter() - start:.0f} s", flush=True)
         if cache is not None:

@@ -85,6 +85,7 @@ def run(
             tokens=calibration_tokens,
             shared_keys=True,
             sample_stride=mla.sr.SAMPLE_STRIDE,
+            scratch_dir=cal_path.with_suffix(".statistics"),  # the pickled calibration reads them later
         )
         print(f"calibration: {time.perf_counter() - start:.0f} s", flush=True)
         torch.save(calibration, cal_path)

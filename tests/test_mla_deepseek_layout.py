@@ -445,3 +445,22 @@ def test_calibration_spills_every_layer_and_reads_back_the_whole_model_sums(smol
         assert torch.allclose(torch.cat(stats.samples), x[::2], atol=1e-5)
         xa = torch.cat([x, torch.ones(x.shape[0], 1)], 1).double()
         assert torch.allclose(stats.moment, xa.T @ xa, rtol=1e-6, atol=1e-6 * (xa.T @ xa).abs().max())
+
+
+def test_a_pickled_calibration_reads_its_statistics_after_the_first_is_gone(smollm2_path, tmp_path):
+    """`eval.mla_layouts` and `eval.mla_allocation` torch.save a calibration and load it in a later process:
+    with `scratch_dir` the spilled statistics stay readable once the calibrating object is gone."""
+    import gc
+
+    from hf_attn.conversion.checkpoint import open_source
+
+    src = _tiny(tmp_path / "src", smollm2_path, num_kv_heads=2, constant_rms=False)
+    kw = dict(files=[src.parent / "calibration.txt"], tokens=128, window=64, shared_keys=True, sample_stride=2)
+    first = mla.calibrate(src_dir=src, geometry=open_source(src).geometry, scratch_dir=tmp_path / "st", **kw)
+    expected = first.statistics[1].moment
+    torch.save(first, tmp_path / "calibration.pt")
+    del first
+    gc.collect()
+    loaded = torch.load(tmp_path / "calibration.pt", weights_only=False)
+    assert torch.equal(loaded.statistics[1].moment, expected)
+    assert loaded.statistics[1].shared_keys is not None and loaded.statistics[1].samples is not None
