@@ -207,7 +207,9 @@ def attention_spectrum(
     w_k, w_v, w_q, w_o = w_k.double(), w_v.double(), w_q.double(), w_o.double()
     metric = _attention_metric(w_k, w_v, w_q, b_q, b_v, w_o, moment, num_kv_heads)
     width = w_k.shape[0] + w_v.shape[0]
-    if _input_side(w_k, w_v, moment, 1, input_side):  # the nonzero eigenvalues are the squared singular values
+    if _input_side(
+        w_k, w_v, moment, 1, input_side
+    ):  # the nonzero eigenvalues are the squared singular values
         evals = torch.linalg.svdvals(metric.factor()).square()  # (C+1,) descending
         return torch.cat([evals, evals.new_zeros(width - evals.numel())])  # (W,)
     weighted = metric.weighted()

@@ -528,7 +528,14 @@ def calibrate(
             attn = layers[idx].self_attn
             cos, sin = position_embeddings
             shared.add(
-                idx, x, cos, sin, attn.q_proj.weight, attn.q_proj.bias, attn.k_proj.weight, attn.k_proj.bias,
+                idx,
+                x,
+                cos,
+                sin,
+                attn.q_proj.weight,
+                attn.q_proj.bias,
+                attn.k_proj.weight,
+                attn.k_proj.bias,
                 window=windows[idx],
             )
         if norms is not None:
@@ -967,9 +974,7 @@ def _allocate(
     shapes = [MLAShape(geo, r, c) for r, c in zip(chosen.rope_pairs, chosen.kv_lora_ranks)]
     assert sum(x.cache_numbers for x in shapes) <= geo.num_layers * s.cache_numbers, "over the budget"
     widest = MLAShape(geo, max(chosen.rope_pairs), max(chosen.kv_lora_ranks))
-    return dataclasses.replace(
-        plan, shape=widest, pairs=chosen.pairs, layer_shapes=shapes, allocation=record
-    )
+    return dataclasses.replace(plan, shape=widest, pairs=chosen.pairs, layer_shapes=shapes, allocation=record)
 
 
 def _has_deepseek_statistics(calibration: Calibration, need_moments: bool) -> bool:
@@ -999,8 +1004,20 @@ def _plan_deepseek(
     keys = {i: sr.fit_shared_key(calibration.statistics[i].shared_keys, kept) for i in range(geo.num_layers)}
     eps = float(config.get("rms_norm_eps", 1e-6))
     return MLAConversion(
-        src_dir, index, shape, selection, factorization, pairs, qkv_bias, o_bias, kv_budget, calibration,
-        layout="deepseek", rope_stride=stride, shared_keys=keys, norm_eps=eps,
+        src_dir,
+        index,
+        shape,
+        selection,
+        factorization,
+        pairs,
+        qkv_bias,
+        o_bias,
+        kv_budget,
+        calibration,
+        layout="deepseek",
+        rope_stride=stride,
+        shared_keys=keys,
+        norm_eps=eps,
         norm_refine_steps=sr.NORM_REFINE_STEPS,
     )
 

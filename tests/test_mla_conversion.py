@@ -736,7 +736,10 @@ def test_attention_pca_input_side_equals_the_square_metric(biased):
         w_k=w_k, b_k=b_k, w_v=w_v, b_v=b_v, w_q=w_q, b_q=None, w_o=w_o, moment=xa.T @ xa, num_kv_heads=hkv
     )
     for rank in (3, 6, 9):
-        square, factor = fac.attention_pca(rank=rank, input_side=False, **kw), fac.attention_pca(rank=rank, **kw)
+        square, factor = (
+            fac.attention_pca(rank=rank, input_side=False, **kw),
+            fac.attention_pca(rank=rank, **kw),
+        )
         scale = square.reconstruct().abs().max()
         assert (square.reconstruct() - factor.reconstruct()).abs().max() < 1e-9 * scale
         if biased:

@@ -455,7 +455,9 @@ def test_a_pickled_calibration_reads_its_statistics_after_the_first_is_gone(smol
     from hf_attn.conversion.checkpoint import open_source
 
     src = _tiny(tmp_path / "src", smollm2_path, num_kv_heads=2, constant_rms=False)
-    kw = dict(files=[src.parent / "calibration.txt"], tokens=128, window=64, shared_keys=True, sample_stride=2)
+    kw = dict(
+        files=[src.parent / "calibration.txt"], tokens=128, window=64, shared_keys=True, sample_stride=2
+    )
     first = mla.calibrate(src_dir=src, geometry=open_source(src).geometry, scratch_dir=tmp_path / "st", **kw)
     expected = first.statistics[1].moment
     torch.save(first, tmp_path / "calibration.pt")
