@@ -21,7 +21,7 @@ import json
 import os
 import shutil
 import struct
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -397,6 +397,55 @@ class ShardedWriter:
         return files
 
 
+class SpilledLayers(MutableMapping):
+    """New attention tensors per layer ("q_proj.weight", ... of `model.layers.i.self_attn`), kept on disk:
+    layer i is written to `directory`/layer-i.safetensors in the dtype of the tensor it replaces (`index`:
+    name -> TensorInfo of the checkpoint being rewritten; what the save casts to anyway) and read back on
+    access, the last layer read cached (calibrated GQA's fits, refinement's refitted layers). None entries
+    (absent biases) are not stored and read back as absent (`.get` gives None)."""
+
+    def __init__(self, directory: Path, index: dict[str, TensorInfo]) -> None:
+        self.directory, self.index = Path(directory), index
+        self._layers: set[int] = set()
+        self._cached: tuple[int, dict[str, torch.Tensor]] | None = None
+
+    def _path(self, layer: int) -> Path:
+        return self.directory / f"layer-{layer}.safetensors"
+
+    def __setitem__(self, layer: int, tensors: dict[str, torch.Tensor | None]) -> None:
+        from safetensors.torch import save_file
+
+        kept = {}
+        for key, tensor in tensors.items():
+            if tensor is not None:
+                dtype = self.index[f"model.layers.{layer}.self_attn.{key}"].dtype
+                kept[key] = tensor.to(device="cpu", dtype=dtype).contiguous()
+        save_file(kept, str(self._path(layer)))
+        self._layers.add(layer)
+        self._cached = None
+
+    def __getitem__(self, layer: int) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file
+
+        if layer not in self._layers:
+            raise KeyError(layer)
+        if self._cached is None or self._cached[0] != layer:
+            self._cached = None  # drop the previous layer before reading the next
+            self._cached = (layer, load_file(str(self._path(layer))))
+        return self._cached[1]
+
+    def __delitem__(self, layer: int) -> None:
+        self._layers.remove(layer)
+        self._path(layer).unlink()
+        self._cached = None
+
+    def __iter__(self):
+        return iter(sorted(self._layers))
+
+    def __len__(self) -> int:
+        return len(self._layers)
+
+
 # --------------------------------------------------------------------------------------------- side files
 
 
@@ -578,6 +627,7 @@ __all__ = [
     "ATTENTION_PROJECTIONS",
     "AttentionGeometry",
     "ShardedWriter",
+    "SpilledLayers",
     "Source",
     "TensorInfo",
     "add_record",

@@ -36,6 +36,7 @@ from hf_attn.conversion import cli, layerwise
 from hf_attn.conversion.checkpoint import (
     DEFAULT_MAX_SHARD_BYTES,
     AttentionGeometry,
+    SpilledLayers,
     TensorInfo,
     add_record,
     conversion_record,
@@ -473,54 +474,6 @@ def calibrate(
     with torch.inference_mode():
         collect_attention_statistics(model, ids, pooling=pooling, window=window, progress=progress, done=fit)
     return out
-
-
-class SpilledLayers(MutableMapping):
-    """Fitted attention tensors per layer, kept on disk: layer i is written to `directory`/layer-i.safetensors
-    in the dtype of the source tensor it replaces (`index`: source name -> TensorInfo; what `_pooled_tensors`
-    casts to anyway) and read back on access, the last layer read cached. None entries (absent biases) are
-    not stored and read back as absent (`.get` gives None)."""
-
-    def __init__(self, directory: Path, index: dict[str, TensorInfo]) -> None:
-        self.directory, self.index = Path(directory), index
-        self._layers: set[int] = set()
-        self._cached: tuple[int, dict[str, torch.Tensor]] | None = None
-
-    def _path(self, layer: int) -> Path:
-        return self.directory / f"layer-{layer}.safetensors"
-
-    def __setitem__(self, layer: int, tensors: dict[str, torch.Tensor | None]) -> None:
-        from safetensors.torch import save_file
-
-        kept = {}
-        for key, tensor in tensors.items():
-            if tensor is not None:
-                dtype = self.index[f"model.layers.{layer}.self_attn.{key}"].dtype
-                kept[key] = tensor.to(dtype).contiguous()
-        save_file(kept, str(self._path(layer)))
-        self._layers.add(layer)
-        self._cached = None
-
-    def __getitem__(self, layer: int) -> dict[str, torch.Tensor]:
-        from safetensors.torch import load_file
-
-        if layer not in self._layers:
-            raise KeyError(layer)
-        if self._cached is None or self._cached[0] != layer:
-            self._cached = None  # drop the previous layer before reading the next
-            self._cached = (layer, load_file(str(self._path(layer))))
-        return self._cached[1]
-
-    def __delitem__(self, layer: int) -> None:
-        self._layers.remove(layer)
-        self._path(layer).unlink()
-        self._cached = None
-
-    def __iter__(self):
-        return iter(sorted(self._layers))
-
-    def __len__(self) -> int:
-        return len(self._layers)
 
 
 def convert_gqa(

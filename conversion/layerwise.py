@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+from accelerate import init_empty_weights
 from tqdm.auto import tqdm
 
 from hf_attn.conversion.calibration import DEFAULT_WINDOW, AttentionInputFn, _StopForward
@@ -109,10 +110,17 @@ class LayerwiseModel:
         self.src_dir = Path(src_dir)
         self.index = tensor_index(self.src_dir)
         config = AutoConfig.from_pretrained(self.src_dir)
-        with torch.device("meta"):
+        with init_empty_weights(include_buffers=False):  # parameters on `meta`, buffers computed
             causal_lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         self.model = causal_lm.model.eval()  # the decoder stack, every weight on `meta`
         self.config = causal_lm.config
+        # buffers the checkpoint does not hold but the config defines (llama_mla's `rope_dims`): kept here
+        # and put back whenever their module is materialised (freeing a layer moves them to `meta` too)
+        self._computed = {
+            name: buffer.clone()
+            for name, buffer in self.model.named_buffers()
+            if name.startswith("layers.") and f"model.{name}" not in self.index
+        }
         # inv_freq is computed from the config (rope scaling included), so build it off `meta`
         self.rotary = type(self.model.rotary_emb)(config=self.config).to(self.device)
         self.num_layers = len(self.model.layers)
@@ -133,6 +141,11 @@ class LayerwiseModel:
             tensor = self._read(prefix + name)
             state[name] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
         module.load_state_dict(state, strict=True, assign=True)
+        inside = prefix.removeprefix("model.")
+        for name, buffer in self._computed.items():
+            if name.startswith(inside):
+                owner, _, attr = name[len(inside) :].rpartition(".")
+                module.get_submodule(owner)._buffers[attr] = buffer.to(device)
         left = [n for n, t in itertools.chain(module.named_parameters(), module.named_buffers()) if t.is_meta]
         if left:
             raise ValueError(f"{prefix}: tensors not in the checkpoint and not computable: {left}")
@@ -201,6 +214,18 @@ class LayerwiseModel:
             cache[t, sliding] = (mask, position_ids, (cos, sin))
         return cache[t, sliding]
 
+    def layer_kwargs(self, h: torch.Tensor, layer: int, cache: dict) -> dict:
+        """The keyword arguments of decoder layer `layer` for a window h (1, T, C), as the model passes them
+        (`cache`: a dict the caller keeps, one mask and RoPE table per window length and layer kind)."""
+        mask, position_ids, position_embeddings = self._window_inputs(h, layer, cache)
+        return dict(
+            attention_mask=mask,
+            position_ids=position_ids,
+            position_embeddings=position_embeddings,
+            past_key_values=None,
+            use_cache=False,
+        )
+
     def _statistics_attention(self, layer: int) -> torch.nn.Module | None:
         """A float32 CPU copy of layer's self_attn for the callback, or None when the forward one is that."""
         if self.device.type == "cpu" and self.dtype == torch.float32:
@@ -258,16 +283,8 @@ class LayerwiseModel:
         handle = forward_attn.register_forward_pre_hook(grab, with_kwargs=True)
         try:
             for w, h in enumerate(hidden):
-                mask, position_ids, position_embeddings = self._window_inputs(h, i, cache)
                 try:
-                    out = block(
-                        h,
-                        attention_mask=mask,
-                        position_ids=position_ids,
-                        position_embeddings=position_embeddings,
-                        past_key_values=None,
-                        use_cache=False,
-                    )
+                    out = block(h, **self.layer_kwargs(h, i, cache))
                     hidden[w] = out[0] if isinstance(out, tuple) else out  # (1, T, C)
                 except _StopForward:
                     pass

@@ -21,13 +21,21 @@ through the MLP), `steps` Adam steps of one window each; rms() compares what the
 reads, so the few huge residual-stream dimensions do not dominate. A layer keeps its refined weights only if
 they lower the error over all windows (an exact conversion is left as it is). Then x_conv and x_src move
 on. The parameter shapes never change, so the output has the converted checkpoint's format (a DeepSeek-layout
-`llama_mla` stays exportable). Memory: both models whole (fp32) plus 3 N T E floats of hidden states.
+`llama_mla` stays exportable).
+
+Both models are read from their safetensors one decoder layer at a time (`layerwise.LayerwiseModel`), in fp32
+on `--device`: memory is one layer of each model plus 3 N T E floats of hidden states, whatever the depth (a
+7B pair fits one GPU). Refitted layers wait in a scratch directory (`checkpoint.SpilledLayers`) until the
+output is streamed: every other tensor is copied from the converted checkpoint as it is.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
+import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -36,12 +44,15 @@ from tqdm.auto import tqdm
 
 from hf_attn.conversion.calibration import DEFAULT_CORPUS, DEFAULT_WINDOW, calibration_ids, corpus_record
 from hf_attn.conversion.checkpoint import (
+    SpilledLayers,
     add_record,
     conversion_record,
-    copy_side_files,
+    names_in_file_order,
     read_config,
-    write_config,
+    read_tensor,
+    save_streamed,
 )
+from hf_attn.conversion.layerwise import DEVICES, LayerwiseModel, resolve_forward
 from hf_attn.tooling import assets, loading
 from hf_attn.tooling.cli import (
     USER_ERRORS,
@@ -51,7 +62,7 @@ from hf_attn.tooling.cli import (
     setting,
     settings_from_args,
 )
-from hf_attn.tooling.files import atomic_directory, check_output, checkpoint_hash
+from hf_attn.tooling.files import check_output, checkpoint_hash
 
 PROG = "hf-attn refine"
 CONVERSION_KINDS = ("gqa", "mla")  # records whose `source` a refinement defaults to
@@ -74,6 +85,7 @@ class RefineSettings:
     calibration_corpus: str = setting(
         DEFAULT_CORPUS, help="calibration text (never an evaluation text)", choices=assets.CORPORA
     )
+    device: str = setting("cpu", help="where the two models' layers run (fp32)", choices=DEVICES)
     overwrite: bool = setting(False, help="replace an existing --output")
 
 
@@ -96,56 +108,50 @@ def _rms(h: torch.Tensor) -> torch.Tensor:
     return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
-def _layer_kwargs(model, window: torch.Tensor) -> list[dict]:
-    """The keyword arguments (masks, position embeddings) `model` passes each decoder layer for a window
-    (1, T): the same for every window of that length."""
-    layers = model.model.layers
-    kwargs: list[dict] = [{} for _ in layers]
-
-    def make_hook(i: int):
-        def hook(module, args, kw):
-            kwargs[i] = {k: v for k, v in kw.items() if k != "hidden_states"}
-
-        return hook
-
-    handles = [
-        layer.register_forward_pre_hook(make_hook(i), with_kwargs=True) for i, layer in enumerate(layers)
-    ]
-    try:
-        with torch.no_grad():  # not inference_mode: the captured tensors are used under autograd later
-            model(input_ids=window, use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    return kwargs
+def _output(layer, h: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    out = layer(h, **kwargs)
+    return out[0] if isinstance(out, tuple) else out  # (1, T, E)
 
 
 def refine_layers(
-    *, source, converted, windows: torch.Tensor, steps: int, lr: float, progress: bool = True
+    *,
+    source: LayerwiseModel,
+    converted: LayerwiseModel,
+    windows: torch.Tensor,
+    steps: int,
+    lr: float,
+    keep: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
+    progress: bool = True,
 ) -> list[LayerFit]:
-    """Refine `converted` in place (see the module docstring). windows (N, T) token ids; both models loaded,
-    fp32, on the same device, with the same number of decoder layers and hidden size."""
-    src_layers, conv_layers = source.model.layers, converted.model.layers
-    if len(src_layers) != len(conv_layers):
-        raise ValueError(f"source has {len(src_layers)} layers, the converted model {len(conv_layers)}")
+    """Refine `converted` against `source` layer by layer (see the module docstring); windows (N, T) token
+    ids. keep(i, tensors) receives the refitted `self_attn` tensors of every layer whose error they lower
+    ("q_proj.weight", ...); the checkpoints are never written here."""
+    if source.num_layers != converted.num_layers:
+        raise ValueError(f"source has {source.num_layers} layers, the converted model {converted.num_layers}")
     if windows.dim() != 2 or windows.shape[0] < 1:
         raise ValueError(f"windows must be (N, T) token ids with N >= 1, got {tuple(windows.shape)}")
-    src_kw, conv_kw = _layer_kwargs(source, windows[:1]), _layer_kwargs(converted, windows[:1])
-    for p in converted.parameters():
-        p.requires_grad_(False)
     with torch.no_grad():
-        x_src = [source.model.embed_tokens(w[None]) for w in windows]  # N x (1, T, E)
-        x_conv = [converted.model.embed_tokens(w[None]) for w in windows]  # N x (1, T, E)
+        x_src = [source.embed(w).unsqueeze(0) for w in windows]  # N x (1, T, E)
+        x_conv = [converted.embed(w).unsqueeze(0) for w in windows]  # N x (1, T, E)
+    src_cache: dict = {}
+    conv_cache: dict = {}
     fits = []
-    bar = tqdm(range(len(conv_layers)), desc="refine", unit="layer", disable=not progress)
+    bar = tqdm(range(converted.num_layers), desc="refine", unit="layer", disable=not progress)
     for i in bar:
+        layer, kwargs = source.load_layer(i), source.layer_kwargs(x_src[0], i, src_cache)
         with torch.no_grad():
-            outputs = [src_layers[i](x, **src_kw[i]) for x in x_src]  # N x (1, T, E)
-        targets = [_rms(o) for o in outputs]
-        fits.append(fit_layer(i, conv_layers[i], x_conv, targets, conv_kw[i], steps=steps, lr=lr))
+            x_src = [_output(layer, x, kwargs) for x in x_src]  # N x (1, T, E): the targets' stream
+        source.free_layer(i)
+        targets = [_rms(x) for x in x_src]
+        layer, kwargs = converted.load_layer(i), converted.layer_kwargs(x_conv[0], i, conv_cache)
+        layer.requires_grad_(False)  # fit_layer trains self_attn alone; the gradient passes through the MLP
+        fits.append(fit_layer(i, layer, x_conv, targets, kwargs, steps=steps, lr=lr))
+        if fits[-1].kept and keep is not None:
+            keep(i, {k: v.detach().cpu() for k, v in layer.self_attn.state_dict().items()})
         bar.set_postfix(error=f"{fits[-1].error_before:.3g}->{fits[-1].error_after:.3g}")
         with torch.no_grad():
-            x_src, x_conv = outputs, [conv_layers[i](x, **conv_kw[i]) for x in x_conv]
+            x_conv = [_output(layer, x, kwargs) for x in x_conv]
+        converted.free_layer(i)
     return fits
 
 
@@ -157,7 +163,7 @@ def fit_layer(
     attn = layer.self_attn
 
     def error(j: int) -> torch.Tensor:
-        return (_rms(layer(inputs[j], **kwargs)) - targets[j]).pow(2).mean()
+        return (_rms(_output(layer, inputs[j], kwargs)) - targets[j]).pow(2).mean()
 
     def total() -> float:
         with torch.no_grad():
@@ -215,8 +221,9 @@ def refine(settings: RefineSettings, *, progress: bool = True) -> dict:
         source_dir = loading.resolve_model(s.source)
     output = check_output(model_dir, s.output, overwrite=s.overwrite)
     check_output(source_dir, output, overwrite=True)
-    source = loading.load_causal_lm(source_dir, dtype=torch.float32)
-    converted = loading.load_causal_lm(model_dir, dtype=torch.float32)
+    resolve_forward(s.device, "float32")  # fails before any slow work
+    source = LayerwiseModel(source_dir, device=s.device)
+    converted = LayerwiseModel(model_dir, device=s.device)
     cs, cc = source.config, converted.config
     for name in ("num_hidden_layers", "hidden_size", "vocab_size"):
         if getattr(cs, name) != getattr(cc, name):
@@ -230,28 +237,50 @@ def refine(settings: RefineSettings, *, progress: bool = True) -> dict:
     n = max(1, len(ids) // DEFAULT_WINDOW)
     windows = ids[: n * DEFAULT_WINDOW].view(n, -1) if len(ids) >= DEFAULT_WINDOW else ids[None]  # (N, T)
     torch.manual_seed(0)
-    start = time.perf_counter()
-    fits = refine_layers(
-        source=source, converted=converted, windows=windows, steps=s.steps, lr=s.lr, progress=progress
-    )
-    seconds = time.perf_counter() - start
-    record = conversion_record(
-        kind="refine",
-        source=str(model_dir),
-        source_hash=checkpoint_hash(model_dir),
-        settings={k: v for k, v in asdict(s).items() if k not in ("model", "output", "overwrite")},
-        reference=str(source_dir),
-        calibration=corpus_record(files, len(ids)),
-        layers=[asdict(f) for f in fits],
-        seconds=round(seconds, 1),
-    )
-    config = read_config(model_dir)
-    dtype = loading.parse_dtype(config.get("dtype") or config.get("torch_dtype") or "float32")
-    with atomic_directory(output, overwrite=s.overwrite) as tmp:
-        converted.to(dtype).save_pretrained(tmp)
-        copy_side_files(model_dir, tmp)
-        write_config(tmp, add_record(read_config(tmp), record))
+    with tempfile.TemporaryDirectory(prefix="hf-attn-refine-") as scratch:
+        refitted = SpilledLayers(Path(scratch), converted.index)
+        start = time.perf_counter()
+        fits = refine_layers(
+            source=source,
+            converted=converted,
+            windows=windows,
+            steps=s.steps,
+            lr=s.lr,
+            keep=refitted.__setitem__,
+            progress=progress,
+        )
+        seconds = time.perf_counter() - start
+        record = conversion_record(
+            kind="refine",
+            source=str(model_dir),
+            source_hash=checkpoint_hash(model_dir),
+            settings={k: v for k, v in asdict(s).items() if k not in ("model", "output", "overwrite")},
+            reference=str(source_dir),
+            calibration=corpus_record(files, len(ids)),
+            layers=[asdict(f) for f in fits],
+            seconds=round(seconds, 1),
+        )
+        save_streamed(
+            src_dir=model_dir,
+            dst=output,
+            tensors=_refined_tensors(converted.index, refitted),
+            config=add_record(read_config(model_dir), record),
+            overwrite=s.overwrite,
+        )
     return record
+
+
+def _refined_tensors(index: dict, refitted: SpilledLayers):
+    """The converted checkpoint's tensors in file order, a refitted layer's `self_attn` ones replaced."""
+    for name in names_in_file_order(index):
+        match = _ATTENTION.fullmatch(name)
+        if match and int(match[1]) in refitted:
+            yield name, refitted[int(match[1])][match[2]]
+        else:
+            yield name, read_tensor(index[name])
+
+
+_ATTENTION = re.compile(r"model\.layers\.(\d+)\.self_attn\.(.+)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,6 +6,7 @@ and the DeepSeek export's vanilla-transformers exactness after refinement."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -15,6 +16,8 @@ from test_export import SRC_TINY, deepseek_layout_model, randomize_
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from hf_attn.conversion import export, gqa, refine
+from hf_attn.conversion.checkpoint import read_tensor, tensor_index
+from hf_attn.conversion.layerwise import LayerwiseModel
 
 
 def tiny_llama(seed: int, **overrides) -> LlamaForCausalLM:
@@ -29,7 +32,28 @@ def last_hidden_error(source, converted, ids) -> float:
     return float((a - b).pow(2).mean())
 
 
-def test_refinement_lowers_the_error_and_leaves_an_exact_conversion_alone():
+def refine_saved(tmp_path, source, converted, windows, **options):
+    """Save both models, refine layer by layer from the files; returns the fits, the models' streams (for
+    their counters) and a copy of `converted` with the refitted layers put in by hand."""
+    for name, model in (("source", source), ("converted", converted)):
+        model.save_pretrained(tmp_path / name)
+    streams = LayerwiseModel(tmp_path / "source"), LayerwiseModel(tmp_path / "converted")
+    kept = {}
+    fits = refine.refine_layers(
+        source=streams[0],
+        converted=streams[1],
+        windows=windows,
+        keep=kept.__setitem__,
+        progress=False,
+        **options,
+    )
+    refined = copy.deepcopy(converted)
+    for i, tensors in kept.items():
+        refined.model.layers[i].self_attn.load_state_dict(tensors)
+    return fits, streams, refined
+
+
+def test_refinement_lowers_the_error_and_leaves_an_exact_conversion_alone(tmp_path):
     source = tiny_llama(0)
     pooled = tiny_llama(0)
     with torch.no_grad():  # a lossy "conversion": mean-pool the two KV heads' weights into both (by hand)
@@ -39,41 +63,30 @@ def test_refinement_lowers_the_error_and_leaves_an_exact_conversion_alone():
                 proj.weight.copy_(w.mean(0, keepdim=True).expand_as(w).reshape_as(proj.weight))
     windows = torch.randint(3, SRC_TINY["vocab_size"], (3, 24))
     before = last_hidden_error(source, pooled, windows)
-    fits = refine.refine_layers(
-        source=source, converted=pooled, windows=windows, steps=60, lr=3e-3, progress=False
-    )
+    fits, streams, refined = refine_saved(tmp_path / "lossy", source, pooled, windows, steps=60, lr=3e-3)
     assert len(fits) == TINY_SHAPE["num_hidden_layers"] and all(f.kept for f in fits)
     assert all(f.error_after < f.error_before for f in fits)
-    assert last_hidden_error(source, pooled, windows) < 0.5 * before
+    assert last_hidden_error(source, refined, windows) < 0.5 * before  # the refined model's own forward
+    assert [s.max_layers_loaded for s in streams] == [1, 1], "one decoder layer of each model at a time"
 
     exact = tiny_llama(0)
-    reference = {k: v.clone() for k, v in exact.state_dict().items()}
-    fits = refine.refine_layers(
-        source=source, converted=exact, windows=windows, steps=5, lr=3e-3, progress=False
-    )
+    fits, _, refined = refine_saved(tmp_path / "exact", source, exact, windows, steps=5, lr=3e-3)
     assert not any(f.kept for f in fits)
-    assert all(torch.equal(v, reference[k]) for k, v in exact.state_dict().items())
+    assert all(torch.equal(v, exact.state_dict()[k]) for k, v in refined.state_dict().items())
 
 
 def test_refined_deepseek_layout_still_exports_exactly(tmp_path):
     model = deepseek_layout_model("llama", seed=3)
-    src = tmp_path / "ds"
-    model.save_pretrained(src)
-    reference = tmp_path / "llama"
-    tiny_llama(4).save_pretrained(reference)
     windows = torch.randint(3, SRC_TINY["vocab_size"], (2, 16))
-    source = AutoModelForCausalLM.from_pretrained(reference).eval()
-    fits = refine.refine_layers(
-        source=source, converted=model, windows=windows, steps=10, lr=3e-3, progress=False
-    )
+    fits, _, refined_model = refine_saved(tmp_path, tiny_llama(4), model, windows, steps=10, lr=3e-3)
     assert any(f.kept for f in fits)
     refined = tmp_path / "refined"
-    model.save_pretrained(refined)
+    refined_model.save_pretrained(refined)
     out = export.export_checkpoint(src=refined, dst=tmp_path / "export")
     vanilla = AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(vanilla).__name__ == "DeepseekV3ForCausalLM"
     with torch.no_grad():
-        want, got = model(input_ids=windows).logits, vanilla(input_ids=windows).logits
+        want, got = refined_model(input_ids=windows).logits, vanilla(input_ids=windows).logits
     assert (want - got).abs().max() <= 1e-4 * want.abs().max()
 
 
@@ -114,6 +127,13 @@ def test_command_refines_against_the_recorded_source(converted_pair, tmp_path):
     assert record["kind"] == "refine" and record["reference"] == str(src.resolve())
     assert len(record["layers"]) == TINY_SHAPE["num_hidden_layers"]
     AutoModelForCausalLM.from_pretrained(out)  # loads in the converted checkpoint's format
+    a, b = tensor_index(conv), tensor_index(out)
+    assert set(a) == set(b)
+    kept = {i for i, f in enumerate(record["layers"]) if f["kept"]}
+    for name in a:
+        same = torch.equal(read_tensor(a[name]), read_tensor(b[name]))
+        refitted = ".self_attn." in name and int(name.split(".")[2]) in kept
+        assert same != refitted or name.endswith("bias"), name  # a refitted layer's weights all moved
 
 
 def test_refusals_exit_2_and_write_nothing(converted_pair, tmp_path, capsys):
@@ -128,4 +148,7 @@ def test_refusals_exit_2_and_write_nothing(converted_pair, tmp_path, capsys):
     assert "pass --source" in capsys.readouterr().err
     assert exit_status(refine.main, [*base, "--steps", "-1"]) == 2
     assert "--steps" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert exit_status(refine.main, [*base, "--device", "cuda"]) == 2
+        assert "cuda" in capsys.readouterr().err
     assert not out.exists()
