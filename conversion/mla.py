@@ -524,37 +524,13 @@ def calibrate(
             stats[idx].moment = m if stats[idx].moment is None else stats[idx].moment + m
         if sample_stride:
             stats[idx].samples = (stats[idx].samples or []) + [x[::sample_stride].float().clone()]
-        if shared is not None:
-            attn = layers[idx].self_attn
-            cos, sin = position_embeddings
-            shared.add(
-                idx,
-                x,
-                cos,
-                sin,
-                attn.q_proj.weight,
-                attn.q_proj.bias,
-                attn.k_proj.weight,
-                attn.k_proj.bias,
-                window=windows[idx],
-            )
+        attn = layers[idx].self_attn
+        weights = (attn.q_proj.weight, attn.q_proj.bias, attn.k_proj.weight, attn.k_proj.bias)
+        for rotated in (shared, scores):  # the statistics that need the RoPE tables and the window
+            if rotated is not None:
+                rotated.add(idx, x, *position_embeddings, *weights, window=windows[idx])
         if norms is not None:
-            attn = layers[idx].self_attn
-            norms.add(idx, x, attn.q_proj.weight, attn.q_proj.bias, attn.k_proj.weight, attn.k_proj.bias)
-        if scores is not None:
-            attn = layers[idx].self_attn
-            cos, sin = position_embeddings
-            scores.add(
-                idx,
-                x,
-                cos,
-                sin,
-                attn.q_proj.weight,
-                attn.q_proj.bias,
-                attn.k_proj.weight,
-                attn.k_proj.bias,
-                window=windows[idx],
-            )
+            norms.add(idx, x, *weights)
         seen[idx] += x.shape[0]
         if seen[idx] == total:
             finish(idx)

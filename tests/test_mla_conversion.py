@@ -625,21 +625,27 @@ def test_attention_selection_applies_its_query_fit(monkeypatch, tiny_root, tmp_p
     assert_close_logits(logits_of(load(out), test_ids), logits_of(source, test_ids))
 
 
-@pytest.mark.parametrize("biased", [False, True])
-def test_attention_pca_full_rank_is_exact_up_to_key_offsets(biased):
-    """At full width the latent keeps everything: values exactly, keys up to a constant (which softmax
-    ignores); the metric-weighted error can only grow as the rank drops."""
-    g = torch.Generator().manual_seed(2)
-    n, c, hq, hkv, d, dn = 300, 16, 4, 2, 4, 2
-    x = torch.randn(n, c, generator=g, dtype=torch.float64) + 0.7
+def _pca_problem(seed, *, n, c, hq, hkv, d, dn, biased, offset):
+    """Random inputs x (n, C) and the keyword arguments of `fac.attention_pca` (without `rank`)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, c, generator=g, dtype=torch.float64) + offset
     w_k, w_v = torch.randn(hkv * dn, c, generator=g).double(), torch.randn(hkv * d, c, generator=g).double()
     w_q, w_o = torch.randn(hq * dn, c, generator=g).double(), torch.randn(c, hq * d, generator=g).double()
     b_k = torch.randn(hkv * dn, generator=g).double() if biased else None
     b_v = torch.randn(hkv * d, generator=g).double() if biased else None
     xa = torch.cat([x, torch.ones(n, 1, dtype=torch.float64)], 1)
-    kw = dict(
+    return x, dict(
         w_k=w_k, b_k=b_k, w_v=w_v, b_v=b_v, w_q=w_q, b_q=None, w_o=w_o, moment=xa.T @ xa, num_kv_heads=hkv
     )
+
+
+@pytest.mark.parametrize("biased", [False, True])
+def test_attention_pca_full_rank_is_exact_up_to_key_offsets(biased):
+    """At full width the latent keeps everything: values exactly, keys up to a constant (which softmax
+    ignores); the metric-weighted error can only grow as the rank drops."""
+    n, c, hq, hkv, d, dn = 300, 16, 4, 2, 4, 2
+    x, kw = _pca_problem(2, n=n, c=c, hq=hq, hkv=hkv, d=d, dn=dn, biased=biased, offset=0.7)
+    w_k, w_v, b_k, b_v = kw["w_k"], kw["w_v"], kw["b_k"], kw["b_v"]
     full = fac.attention_pca(rank=hkv * (dn + d), **kw)
     y = x @ torch.cat([w_k, w_v]).T + (torch.cat([b_k, b_v]) if biased else 0)
     y_hat = x @ full.reconstruct().T + (full.up_bias if biased else 0)
@@ -724,17 +730,8 @@ def test_attention_pca_input_side_equals_the_square_metric(biased):
     """Where the stack is wider than the input (W > C + 1, a 7B MHA layer), the factorization works on the
     metric's (W, C + 1) factor: same subspace, so the same effective weights and spectrum as the (W, W)
     eigendecomposition."""
-    g = torch.Generator().manual_seed(5)
-    n, c, hq, hkv, d, dn = 400, 8, 4, 2, 6, 4  # W = 2 * 4 + 2 * 6 = 20 > C + 1 = 9
-    x = torch.randn(n, c, generator=g, dtype=torch.float64) + 0.3
-    w_k, w_v = torch.randn(hkv * dn, c, generator=g).double(), torch.randn(hkv * d, c, generator=g).double()
-    w_q, w_o = torch.randn(hq * dn, c, generator=g).double(), torch.randn(c, hq * d, generator=g).double()
-    b_k = torch.randn(hkv * dn, generator=g).double() if biased else None
-    b_v = torch.randn(hkv * d, generator=g).double() if biased else None
-    xa = torch.cat([x, torch.ones(n, 1, dtype=torch.float64)], 1)
-    kw = dict(
-        w_k=w_k, b_k=b_k, w_v=w_v, b_v=b_v, w_q=w_q, b_q=None, w_o=w_o, moment=xa.T @ xa, num_kv_heads=hkv
-    )
+    c, hkv, d, dn = 8, 2, 6, 4  # W = 2 * 4 + 2 * 6 = 20 > C + 1 = 9
+    _, kw = _pca_problem(5, n=400, c=c, hq=4, hkv=hkv, d=d, dn=dn, biased=biased, offset=0.3)
     for rank in (3, 6, 9):
         square, factor = (
             fac.attention_pca(rank=rank, input_side=False, **kw),
