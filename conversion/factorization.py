@@ -163,8 +163,7 @@ def attention_pca(
     metric = _attention_metric(w_k, w_v, w_q, b_q, b_v, w_o, moment, num_kv_heads)
     cov, second, mean, v_center = metric.cov, metric.second, metric.mean, metric.v_center
     if _input_side(w_k, w_v, moment, rank, input_side):  # W > C + 1: never form a (W, W) matrix
-        u, _, _ = torch.linalg.svd(metric.factor(), full_matrices=False)  # u (W, C+1), left singular vectors
-        basis = u[:, :rank]  # (W, r): the top-r eigenvectors of F F^T
+        basis = metric.top_directions(rank)  # (W, r)
     else:
         weighted = metric.weighted()  # (W, W)
         _, evecs = torch.linalg.eigh((weighted + weighted.T) / 2)
@@ -207,10 +206,9 @@ def attention_spectrum(
     w_k, w_v, w_q, w_o = w_k.double(), w_v.double(), w_q.double(), w_o.double()
     metric = _attention_metric(w_k, w_v, w_q, b_q, b_v, w_o, moment, num_kv_heads)
     width = w_k.shape[0] + w_v.shape[0]
-    if _input_side(
-        w_k, w_v, moment, 1, input_side
-    ):  # the nonzero eigenvalues are the squared singular values
-        evals = torch.linalg.svdvals(metric.factor()).square()  # (C+1,) descending
+    if _input_side(w_k, w_v, moment, 1, input_side):  # F F^T and F^T F share their nonzero eigenvalues
+        f = metric.factor()  # (W, C+1)
+        evals = torch.linalg.eigvalsh(f.T @ f).flip(0).clamp_min(0.0)  # (C+1,) descending
         return torch.cat([evals, evals.new_zeros(width - evals.numel())])  # (W,)
     weighted = metric.weighted()
     return torch.linalg.eigvalsh((weighted + weighted.T) / 2).flip(0).clamp_min(0.0)
@@ -230,7 +228,8 @@ class _Metric:
     z = M [x; 1] = [W_K (x - mean); W_V x (- W_V mean if the values are centred)], A = block_diag(blocks)."""
 
     blocks: list  # the A_g blocks: Hkv key blocks (dn, dn), then Hkv value blocks (d, d)
-    w: torch.Tensor  # (W, C): the stacked [W_K; W_V]
+    w_k: torch.Tensor  # (nk, C)
+    w_v: torch.Tensor  # (nv, C)
     am: torch.Tensor  # (W, C+1): A M
     moment: torch.Tensor  # (C+1, C+1): E[[x;1][x;1]^T]
     cov: torch.Tensor  # (C, C)
@@ -245,14 +244,31 @@ class _Metric:
 
     def factor(self) -> torch.Tensor:
         """F (W, C+1) with F F^T = A J A^T: A M times a square root of the augmented moment."""
-        evals, evecs = torch.linalg.eigh(self.moment)  # (C+1,), (C+1, C+1)
-        return self.am @ (evecs * evals.clamp_min(0.0).sqrt())  # (W, C+1)
+        evals, root = torch.linalg.eigh(self.moment)  # (C+1,), (C+1, C+1)
+        root.mul_(evals.clamp_min(0.0).sqrt())  # V diag(sqrt(lambda)): root root^T = moment
+        return self.am @ root  # (W, C+1)
+
+    def top_directions(self, rank: int) -> torch.Tensor:
+        """(W, rank) orthonormal columns spanning the top-`rank` eigenvectors of F F^T, from the (C+1, C+1)
+        Gram F^T F: u_i = F v_i / sqrt(lambda_i). Where F has fewer than `rank` nonzero singular values
+        (fewer calibration tokens than inputs), the metric is zero on the rest of the space and a seeded
+        random orthonormal completion is as good as any."""
+        f = self.factor()  # (W, C+1)
+        evals, evecs = torch.linalg.eigh(f.T @ f)  # ascending
+        evals, evecs = evals.flip(0), evecs.flip(-1)
+        nonzero = int((evals > 1e-12 * evals[0].clamp_min(1e-300)).sum())
+        k = min(rank, nonzero)
+        u = f @ (evecs[:, :k] / evals[:k].sqrt())  # (W, k)
+        del f, evecs
+        if k < rank:
+            g = torch.Generator().manual_seed(0)
+            u = torch.cat([u, torch.randn(u.shape[0], rank - k, generator=g, dtype=u.dtype)], 1)  # (W, r)
+        return torch.linalg.qr(u)[0]  # orthonormal; its first k columns span u's first k
 
     def weighted(self) -> torch.Tensor:
         """A J A^T (W, W), J assembled from the centred / uncentred input moments."""
         a = torch.block_diag(*self.blocks)  # (W, W)
-        nk = sum(b.shape[0] for b in self.blocks[: len(self.blocks) // 2])
-        w_k, w_v = self.w[:nk], self.w[nk:]
+        w_k, w_v = self.w_k, self.w_v
         sv = self.cov if self.v_center else self.second
         joint = torch.cat(
             [
@@ -298,14 +314,13 @@ def _attention_metric(w_k, w_v, w_q, b_q, b_v, w_o, moment, num_kv_heads) -> _Me
         )
 
     v_center = b_v is not None
-    w = torch.cat([w_k, w_v])  # (W, C)
-    shift = w @ mean  # (W,): z = W x - shift, keys always centred, values only if their bias absorbs it
-    if not v_center:
-        shift[nk:] = 0.0
-    am = torch.cat([w, -shift[:, None]], 1)  # (W, C+1): M
+    am = torch.empty(nk + nv, cov.shape[0] + 1, dtype=torch.float64)  # (W, C+1): M, then A M
+    am[:nk, :-1], am[nk:, :-1] = w_k, w_v  # [W_K; W_V], then the shift: z = W x - shift
+    am[:nk, -1] = -(w_k @ mean)  # keys always centred
+    am[nk:, -1] = -(w_v @ mean) if v_center else 0.0  # values only if their bias absorbs the mean
     row = 0
     for block in a_blocks:  # A M, block by block (A is block-diagonal)
         n = block.shape[0]
         am[row : row + n] = block @ am[row : row + n]
         row += n
-    return _Metric(a_blocks, w, am, m, cov, second, mean, v_center)
+    return _Metric(a_blocks, w_k, w_v, am, m, cov, second, mean, v_center)

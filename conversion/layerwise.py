@@ -199,6 +199,8 @@ class LayerwiseModel:
         """(mask, position_ids, (cos, sin)) of a window h (1, T, C) for `layer`, as the model builds them."""
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+        from hf_attn.models.llama_mla.modeling_llama_mla import CACHE_ARG  # the transformers version's name
+
         t, sliding = h.shape[1], is_sliding_layer(self.config, layer)
         if (t, sliding) not in cache:
             position_ids = torch.arange(t, device=self.device).unsqueeze(0)  # (1, T)
@@ -207,8 +209,8 @@ class LayerwiseModel:
                 config=self.config,
                 inputs_embeds=h,
                 attention_mask=None,
-                past_key_values=None,
                 position_ids=position_ids,
+                **{CACHE_ARG: None},
             )
             cos, sin = self.rotary(h, position_ids)  # each (1, T, D)
             cache[t, sliding] = (mask, position_ids, (cos, sin))
@@ -222,7 +224,6 @@ class LayerwiseModel:
             attention_mask=mask,
             position_ids=position_ids,
             position_embeddings=position_embeddings,
-            past_key_values=None,
             use_cache=False,
         )
 

@@ -53,6 +53,8 @@ MAX_ROPE_PAIRS_FRACTION = 0.5  # default r: at most this fraction of the d/2 pai
 ROPE_SHARE = 1 / 6  # ... and of a --kv-budget's numbers (one shared key is cheap: 2r numbers, not Hkv 2r)
 NORM_REFINE_STEPS = 15  # L-BFGS iterations on the encoder through the latent norm (see fit_latent_norm)
 _RIDGE = 1e-9
+LBFGS_HISTORY = 10  # steps of L-BFGS history in the encoder refinement ...
+LBFGS_HISTORY_BYTES = 512 * 1024**2  # ... at most this much memory of it
 
 
 def default_rope_pairs(half: int, kv_dim: int, kv_budget: float | None) -> int:
@@ -300,7 +302,10 @@ def _refine_impl(fit: LatentNorm, x, y_k, y_v, pk, pv, eps, biased, steps: int) 
         ev = (y_v - design_v @ dec_v.T).pow(2).sum() / pv
         return ek, ev, cn, up_k, dec_v
 
-    opt = torch.optim.LBFGS([down], max_iter=steps, history_size=10, line_search_fn="strong_wolfe")
+    # L-BFGS keeps 2 vectors the size of `down` per step of history: capped by bytes (a 7B layer's `down` is
+    # ~128 MB in float64), so SmolLM2 keeps all 10 steps and a 7B layer a few
+    history = max(1, min(LBFGS_HISTORY, LBFGS_HISTORY_BYTES // (2 * down.numel() * down.element_size())))
+    opt = torch.optim.LBFGS([down], max_iter=steps, history_size=history, line_search_fn="strong_wolfe")
 
     def closure():
         opt.zero_grad()

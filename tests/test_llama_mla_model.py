@@ -424,7 +424,7 @@ def test_saved_checkpoint_is_self_describing(saved_checkpoint):
         "AutoModelForCausalLM": "modeling_llama_mla.LlamaMLAForCausalLM",
     }
     assert config["rope_pair_indices"] == PAIRS_R2
-    allowed = {"__future__", "collections", "functools", "warnings", "torch", "transformers"}
+    allowed = {"__future__", "collections", "functools", "inspect", "warnings", "torch", "transformers"}
     for name in ("configuration_llama_mla.py", "modeling_llama_mla.py"):
         tree = ast.parse((path / name).read_text())
         guarded = {  # imports inside `try: ... except ImportError:` (hf_attn's optional Triton kernel)

@@ -746,3 +746,20 @@ def test_attention_pca_input_side_equals_the_square_metric(biased):
     assert square.shape == factor.shape == (hkv * (dn + d),)
     assert (square - factor).abs().max() < 1e-9 * square[0]
     assert factor[c + 1 :].abs().max() == 0  # rank <= C + 1
+
+
+def test_input_side_directions_complete_a_rank_deficient_metric():
+    """Fewer calibration tokens than inputs (a 7B layer calibrated on 256 tokens): the metric has fewer
+    nonzero eigenvalues than the rank asks for; the directions are orthonormal and contain its whole range."""
+    c, hkv, d, dn = 8, 2, 6, 4
+    _, kw = _pca_problem(
+        7, n=5, c=c, hq=4, hkv=hkv, d=d, dn=dn, biased=False, offset=0.3
+    )  # rank(moment) <= 5
+    kw.pop("b_k")
+    metric = fac._attention_metric(
+        kw["w_k"], kw["w_v"], kw["w_q"], None, None, kw["w_o"], kw["moment"], kw["num_kv_heads"]
+    )
+    weighted = metric.weighted()  # (W, W), the square form, independently assembled
+    u = metric.top_directions(12)  # more than the 5 nonzero directions
+    assert torch.allclose(u.T @ u, torch.eye(12, dtype=u.dtype), atol=1e-10)
+    assert torch.allclose(u @ (u.T @ weighted), weighted, atol=1e-9 * weighted.abs().max())

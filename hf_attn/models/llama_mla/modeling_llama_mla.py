@@ -37,6 +37,7 @@ Choice: `config.mla_attention_path` = "auto" (absorbed iff a cache is in use and
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
 from collections.abc import Callable
 
@@ -61,6 +62,11 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import capture_outputs
 
 from .configuration_llama_mla import MLA_ATTENTION_PATHS, LlamaMLAConfig
+
+# transformers 5.24 renamed the cache argument and output field `past_key_values` to `cache` (the old argument
+# stays an alias until 5.40); this file runs under both spellings
+CACHE_ARG = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 def rope_dim_indices(pairs: list[list[int]], head_dim: int) -> torch.Tensor:
@@ -154,7 +160,7 @@ class LlamaMLAAttention(nn.Module):
     def default_rope_dims(self) -> torch.Tensor:
         return rope_dim_indices(self.config.pair_indices(self.layer_idx), self.head_dim)
 
-    def use_absorbed(self, T: int, past_key_values: Cache | None, attention_mask) -> bool:
+    def use_absorbed(self, T: int, cache: Cache | None, attention_mask) -> bool:
         path = self.config.mla_attention_path
         if path not in MLA_ATTENTION_PATHS:
             raise ValueError(f"config.mla_attention_path must be one of {MLA_ATTENTION_PATHS}, got {path!r}.")
@@ -171,14 +177,14 @@ class LlamaMLAAttention(nn.Module):
             return True
         if path == "expanded":
             return False
-        return past_key_values is not None and T <= self.config.absorb_max_query_length and mask_ok
+        return cache is not None and T <= self.config.absorb_max_query_length and mask_ok
 
     def forward(
         self,
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
         attention_mask: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """
@@ -203,10 +209,11 @@ class LlamaMLAAttention(nn.Module):
             latent = self.latent_norm(latent)  # (B, T, d_c), normalised before caching
         latent = latent.unsqueeze(1)  # (B, 1, T, d_c)
 
-        if past_key_values is not None:  # -> (B, 1, S, d_c), (B, 1, S, Hr*2r)
-            latent, k_rope = past_key_values.update(latent, k_rope, self.layer_idx)
+        cache = cache if cache is not None else kwargs.pop("past_key_values", None)  # transformers < 5.24
+        if cache is not None:  # -> (B, 1, S, d_c), (B, 1, S, Hr*2r)
+            latent, k_rope = cache.update(latent, k_rope, self.layer_idx)
 
-        if self.use_absorbed(T, past_key_values, attention_mask):
+        if self.use_absorbed(T, cache, attention_mask):
             want = bool(kwargs.get("output_attentions"))  # weights wanted: the Triton kernel gives none
             out, weights = self.absorbed_attention(q_rope, q_nope, latent, k_rope, attention_mask, want)
         else:
@@ -335,7 +342,7 @@ class LlamaMLADecoderLayer(GradientCheckpointingLayer):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         use_cache: bool | None = False,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         **kwargs,
@@ -347,7 +354,7 @@ class LlamaMLADecoderLayer(GradientCheckpointingLayer):
             hidden_states=hidden_states,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             use_cache=use_cache,
             position_embeddings=position_embeddings,
             **kwargs,
@@ -364,7 +371,7 @@ class LlamaMLAPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["LlamaMLADecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["cache", "past_key_values"]
     _supports_flash_attn = False  # the absorbed path reads 4D (sdpa / eager style) masks
     _supports_sdpa = True
     _supports_flex_attn = False
@@ -402,20 +409,22 @@ class LlamaMLAModel(LlamaMLAPreTrainedModel):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
+        past_key_values: Cache | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
         """input_ids (B, T) or inputs_embeds (B, T, E) -> last_hidden_state (B, T, E)"""
+        cache = cache if cache is not None else past_key_values  # the name of transformers < 5.24
         if (input_ids is None) ^ (inputs_embeds is not None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)  # (B, T, E)
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
         if position_ids is None:
-            past_seen_tokens = past_key_values.get_seq_length() if past_key_values is not None else 0
+            past_seen_tokens = cache.get_seq_length() if cache is not None else 0
             position_ids = (
                 torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device) + past_seen_tokens
             )
@@ -426,7 +435,7 @@ class LlamaMLAModel(LlamaMLAPreTrainedModel):
                 "config": self.config,
                 "inputs_embeds": inputs_embeds,
                 "attention_mask": attention_mask,
-                "past_key_values": past_key_values,
+                CACHE_ARG: cache,
                 "position_ids": position_ids,
             }
             mask_mapping = {}
@@ -443,12 +452,12 @@ class LlamaMLAModel(LlamaMLAPreTrainedModel):
                 attention_mask=mask_mapping[self.config.layer_types[i]],
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
-                past_key_values=past_key_values,
+                cache=cache,
                 use_cache=use_cache,
                 **kwargs,
             )
         hidden_states = self.norm(hidden_states)
-        return BaseModelOutputWithPast(last_hidden_state=hidden_states, past_key_values=past_key_values)
+        return BaseModelOutputWithPast(last_hidden_state=hidden_states, **{CACHE_FIELD: cache})
 
 
 class LlamaMLAForCausalLM(LlamaMLAPreTrainedModel, GenerationMixin):
@@ -467,11 +476,12 @@ class LlamaMLAForCausalLM(LlamaMLAPreTrainedModel, GenerationMixin):
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        past_key_values: Cache | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """input_ids (B, T) -> logits (B, T or logits_to_keep, vocab)"""
@@ -479,7 +489,7 @@ class LlamaMLAForCausalLM(LlamaMLAPreTrainedModel, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache if cache is not None else past_key_values,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             **kwargs,
@@ -494,7 +504,7 @@ class LlamaMLAForCausalLM(LlamaMLAPreTrainedModel, GenerationMixin):
         return CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
+            **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
