@@ -124,3 +124,12 @@ def test_a_converter_over_the_rss_limit_is_killed_and_said_so(tmp_path):
         rss_limit=1,  # any running Python is above one byte
     )
     assert row.status.startswith("killed") and not (tmp_path / "out").exists()
+
+
+def test_refine_rows_stream_the_pooled_model_against_its_source(tmp_path):
+    src = _tiny(tmp_path, max_shard_bytes=scale.HUB_SHARD_BYTES)
+    rows = scale.refine_rows("tiny", src=src, workdir=tmp_path, device="cpu", rss_limit=None)
+    assert [r.status for r in rows] == ["ok", "ok"], [r.note for r in rows]
+    assert rows[1].converter.startswith("refine") and rows[1].peak_rss_bytes > 0
+    assert rows[1].output_bytes == rows[1].read_bytes  # same tensors, same dtypes: a refit, not a conversion
+    assert not (tmp_path / "tiny-gqa-mean").exists() and not (tmp_path / "tiny-refined").exists()

@@ -14,7 +14,9 @@
 3. Each converter runs in a child process (`python -m hf_attn.conversion.<x>`): its peak RSS is the child's
    `ru_maxrss` (`os.wait4`), its wall time is measured around it, its output size read from disk, and its
    output deleted at once. MB/s = (source bytes read + output bytes written) / wall time.
-4. The DeepSeek export runs on an MLA DeepSeek-layout conversion, after the source is deleted (at most two
+4. `refine` (the layer-local refit, `hf-attn refine`) runs on the mean-pooled model against the source, both
+   streamed layer by layer, with one Adam step per layer on 256 tokens: its memory and time, not its quality.
+5. The DeepSeek export runs on an MLA DeepSeek-layout conversion, after the source is deleted (at most two
    checkpoints exist at any time).
 
 Rows are written (JSON and markdown) after every measurement, so an interrupted run keeps what it measured.
@@ -101,6 +103,7 @@ SHAPES: dict[str, dict] = {
 HUB_SHARD_BYTES = 5_000_000_000  # the hub's max_shard_size="5GB"
 WEIGHT_STD = 0.02
 ROW_BLOCK_BYTES = 64 * 1024**2  # float32 bytes drawn at a time
+REFINE_TOKENS = 256  # calibration tokens of the refine step (one window, one Adam step per layer)
 UNK = "[UNK]"
 
 
@@ -342,6 +345,47 @@ def run_step(
     return row
 
 
+def refine_rows(shape: str, *, src: Path, workdir: Path, device: str, rss_limit: int | None) -> list[Row]:
+    """`hf-attn refine` of the mean-pooled model against the source, both streamed layer by layer: its
+    memory and time with one Adam step per layer on REFINE_TOKENS tokens (a measurement of the streaming,
+    not a quality run). The pooled input is written first (its own row) and both are deleted afterwards."""
+    dims = SHAPES[shape]
+    pooled = dims["num_key_value_heads"] // 4 if dims["num_key_value_heads"] >= 32 else 1
+    mean = workdir / f"{shape}-gqa-mean"
+    rows = [
+        run_step(
+            shape=shape,
+            converter=f"gqa mean -> {pooled} (refine's input)",
+            module="hf_attn.conversion.gqa",
+            args=["--model", str(src), "--output", str(mean), "--num-kv-heads", str(pooled)],
+            src=src,
+            dst=mean,
+            device="cpu",
+            keep=True,
+            rss_limit=rss_limit,
+        )
+    ]
+    if mean.exists():
+        dst = workdir / f"{shape}-refined"
+        args = ["--model", str(mean), "--source", str(src), "--output", str(dst), "--steps", "1"]
+        args += ["--calibration-tokens", str(REFINE_TOKENS), "--calibration-corpus", "austen", "--no-progress"]
+        rows.append(
+            run_step(
+                shape=shape,
+                converter=f"refine (1 step per layer, {REFINE_TOKENS} tokens)",
+                module="hf_attn.conversion.refine",
+                args=[*args, "--device", device],
+                src=mean,
+                dst=dst,
+                device=device,
+                keep=False,
+                rss_limit=rss_limit,
+            )
+        )
+        shutil.rmtree(mean)
+    return rows
+
+
 def copy_reference(*, shape: str, src: Path, dst: Path) -> Row:
     row = Row(
         shape=shape, converter="cp -r (disk reference)", command=f"cp -r {src.name} {dst.name}", device="-"
@@ -428,6 +472,9 @@ def run_shape(
                 rss_limit=rss_limit,
             )
         )
+    if "refine" not in skip:
+        for row in refine_rows(shape, src=src, workdir=workdir, device=device, rss_limit=rss_limit):
+            emit(row)
     if "export" in skip:
         if not keep:
             shutil.rmtree(src)
@@ -513,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
         "--skip",
         nargs="*",
         default=[],
-        choices=["cp", "expand", "gqa", "mla", "export"],
+        choices=["cp", "expand", "gqa", "mla", "refine", "export"],
         help="steps to skip",
     )
     parser.add_argument("--output", default=None, help="write FILE.json and FILE.md (FILE without suffix)")
