@@ -368,7 +368,13 @@ def refine_rows(shape: str, *, src: Path, workdir: Path, device: str, rss_limit:
     if mean.exists():
         dst = workdir / f"{shape}-refined"
         args = ["--model", str(mean), "--source", str(src), "--output", str(dst), "--steps", "1"]
-        args += ["--calibration-tokens", str(REFINE_TOKENS), "--calibration-corpus", "austen", "--no-progress"]
+        args += [
+            "--calibration-tokens",
+            str(REFINE_TOKENS),
+            "--calibration-corpus",
+            "austen",
+            "--no-progress",
+        ]
         rows.append(
             run_step(
                 shape=shape,
