@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from hf_attn.models.llama_mla.configuration_llama_mla import LlamaMLAConfig
+from hf_attn.models.llama_mla.modeling_llama_mla import CACHE_FIELD  # transformers 5.23 or 5.24
 from hf_attn.tooling.loading import dtype_name
 
 _ATTENTION_LAYERS = ("full_attention", "sliding_attention", "chunked_attention")
@@ -143,7 +144,7 @@ def _cache_after_forward(model, seq_len: int):
     ids = torch.randint(0, vocab, (1, seq_len), device=device, generator=None)
     with torch.inference_mode():
         out = model(input_ids=ids, use_cache=True)
-    return out.past_key_values
+    return getattr(out, CACHE_FIELD)
 
 
 def _growing_layers(short, long) -> int:

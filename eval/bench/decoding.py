@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from hf_attn.models.llama_mla.modeling_llama_mla import CACHE_ARG, CACHE_FIELD  # transformers 5.23 or 5.24
 from hf_attn.tooling import loading
 from hf_attn.tooling.corpus import load_corpus, tokenize
 
@@ -46,10 +47,9 @@ def prefill(model, ids: torch.Tensor, *, chunk: int = 1024, cache=None):
     """Run `ids` (B, P) into `cache` (a new one if None) in chunks; return (cache, logits (B, V) of the last
     position)."""
     for start in range(0, ids.shape[1], chunk):
-        out = model(
-            input_ids=ids[:, start : start + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1
-        )
-        cache = out.past_key_values
+        window = ids[:, start : start + chunk]
+        out = model(input_ids=window, **{CACHE_ARG: cache}, use_cache=True, logits_to_keep=1)
+        cache = getattr(out, CACHE_FIELD)
     return cache, out.logits[:, -1]  # (B, 1, V) -> (B, V)
 
 
@@ -87,8 +87,8 @@ def time_decode(model, cache, token: torch.Tensor, *, steps: int, warmup: int = 
     for step in range(warmup + steps):
         sync(device)
         start = time.perf_counter()
-        out = model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        cache = out.past_key_values
+        out = model(input_ids=token, **{CACHE_ARG: cache}, use_cache=True, logits_to_keep=1)
+        cache = getattr(out, CACHE_FIELD)
         token = out.logits[:, -1].argmax(-1, keepdim=True)  # (B, 1, V) -> (B, 1)
         sync(device)
         if step >= warmup:
