@@ -244,7 +244,9 @@ def fit_latent_norm(
     """Decoders for the normalised latent. down (d_c, C) the factorization's encoder; w_k (nk, C) and
     w_v (nv, C)
     the source's non-RoPE key rows and value rows (biases (out,) or None: with biases the decoders get one);
-    samples (N, C) calibration inputs of the layer. See the module docstring."""
+    samples (N, C) calibration inputs of the layer. See the module docstring. The encoder's refinement
+    (`refine_steps`) runs only with more samples than inputs (N > C); below that it is underdetermined, and
+    at 7B it would hold several (d_c, C) float64 copies for nothing."""
     x = samples.double()
     down = down.double()
     w_k, w_v = w_k.double(), w_v.double()
@@ -277,7 +279,7 @@ def fit_latent_norm(
         if best is None or ek + ev < best.key_error + best.value_error:
             best = fit
     assert best is not None
-    if refine_steps:
+    if refine_steps and x.shape[0] > x.shape[1]:  # fewer samples than inputs: the encoder is underdetermined
         best = _refine(best, x, y_k, y_v, pk, pv, eps, biased, refine_steps)
     return best
 
