@@ -7,15 +7,19 @@ calls `run`, which goes through the one error path (`hf_attn.tooling.cli`: one l
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from hf_attn.conversion import calibration as cal
 from hf_attn.conversion import layerwise
-from hf_attn.tooling import assets
+from hf_attn.conversion.refine import RefineSettings, refine, refine_summary
+from hf_attn.tooling import assets, loading
 from hf_attn.tooling.cli import add_deprecated_alias, add_settings_arguments, run_command
+from hf_attn.tooling.files import check_output
 
 
 def converter_parser(prog: str, doc: str, *, output_help: str) -> argparse.ArgumentParser:
@@ -60,6 +64,23 @@ def add_write_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
 
 
+def add_refine_arguments(parser: argparse.ArgumentParser) -> None:
+    """--refine-steps N (0: the closed form only) and --refine-tokens: `hf-attn refine` in one command."""
+    parser.add_argument(
+        "--refine-steps",
+        type=int,
+        default=0,
+        help="then refine every layer against the source with N Adam steps (hf-attn refine; 0: off, the "
+        f"default; hf-attn refine's default: {RefineSettings.steps}; the study's: 8)",
+    )
+    parser.add_argument(
+        "--refine-tokens",
+        type=int,
+        default=RefineSettings.calibration_tokens,
+        help=f"calibration tokens of the refinement (default {RefineSettings.calibration_tokens})",
+    )
+
+
 def calibration_options(args: argparse.Namespace) -> dict:
     """The converter keywords of `add_calibration_arguments`."""
     return {
@@ -87,9 +108,42 @@ def run(
         kwargs = dict(options)
         if kwargs.pop("calibration_corpus", None) is not None:
             kwargs["calibration_files"] = assets.calibration_corpus_files(options["calibration_corpus"])
-        out = convert(
-            src=args.model, dst=args.output, dtype=args.save_dtype, overwrite=args.overwrite, **kwargs
+        steps = getattr(args, "refine_steps", 0)
+        if steps == 0:
+            out = convert(
+                src=args.model, dst=args.output, dtype=args.save_dtype, overwrite=args.overwrite, **kwargs
+            )
+            print(f"{describe(out)} in {time.perf_counter() - start:.1f} s: {out}")
+            return
+        refine_settings = _refine_settings(args, kwargs)  # checks its values before the conversion
+        output = check_output(loading.resolve_model(args.model), args.output, overwrite=args.overwrite)
+        with tempfile.TemporaryDirectory(prefix=".hf-attn-closed-form-", dir=output.parent) as scratch:
+            closed = convert(
+                src=args.model, dst=Path(scratch) / "closed-form", dtype=args.save_dtype, **kwargs
+            )
+            summary = describe(closed)
+            record = refine(dataclasses.replace(refine_settings, model=str(closed)), progress=True)
+        print(
+            f"{summary}, refined ({refine_summary(record)}) in {time.perf_counter() - start:.1f} s: {output}"
         )
-        print(f"{describe(out)} in {time.perf_counter() - start:.1f} s: {out}")
 
     return run_command(prog, convert_and_report)
+
+
+def _refine_settings(args: argparse.Namespace, kwargs: dict):
+    """The `hf-attn refine` settings of `--refine-steps`: the conversion's calibration text, on --device."""
+    if args.refine_steps < 0:
+        raise ValueError(f"--refine-steps must be >= 0, got {args.refine_steps}")
+    if args.refine_tokens < 1:
+        raise ValueError(f"--refine-tokens must be positive, got {args.refine_tokens}")
+    files = kwargs.get("calibration_files")
+    return RefineSettings(
+        model="",  # the closed form, once written
+        output=args.output,
+        source=args.model,
+        steps=args.refine_steps,
+        calibration_tokens=args.refine_tokens,
+        calibration_text=None if files is None else [str(f) for f in files],
+        device=args.device,
+        overwrite=args.overwrite,
+    )

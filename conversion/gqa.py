@@ -598,6 +598,7 @@ def main(argv: list[str] | None = None) -> int:
         "(default: contiguous for mean, search for calibrated)",
     )
     cli.add_calibration_arguments(parser, default_tokens=cal.DEFAULT_CALIBRATION_TOKENS)
+    cli.add_refine_arguments(parser)
     cli.add_write_arguments(parser)
     args = parser.parse_args(argv)
     return cli.run(

@@ -1129,6 +1129,7 @@ def main(argv: list[str] | None = None) -> int:
         "(default: greedy with --kv-budget and the attention selection / factorization, else uniform)",
     )
     cli.add_calibration_arguments(parser, default_tokens=DEFAULT_CALIBRATION_TOKENS)
+    cli.add_refine_arguments(parser)
     cli.add_write_arguments(parser)
     args = parser.parse_args(argv)
     if args.kv_lora_rank is None and args.kv_budget is None and args.rope_pairs is None:

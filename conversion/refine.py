@@ -1,7 +1,11 @@
 """Layer-local refinement of a converted checkpoint against its source: calibration text only, no labels.
 
-    hf-attn refine --model CONVERTED --output DIR [--source SRC] [--steps 32] [--lr 1e-4]
-        [--calibration-tokens 4096] [--calibration-corpus austen|python-docs|mix] [--overwrite]
+    hf-attn refine --model CONVERTED --output DIR [--source SRC] [--steps 32] [--relative-lr 0.01 | --lr LR]
+        [--calibration-tokens 4096] [--calibration-corpus austen|python-docs|mix | --calibration-text FILE...]
+        [--overwrite]
+
+or in one command with the conversion: `hf-attn convert gqa|mla ... --refine-steps N` (the same refinement,
+`--refine-tokens` calibration tokens of the conversion's calibration text, written atomically to --output).
 
 The closed-form converters (`conversion.gqa`, `conversion.mla`) fit every layer to the SOURCE model's
 activations with a local metric, so their errors compound through the layers. This step corrects that the way
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -66,6 +71,7 @@ from hf_attn.tooling.files import check_output, checkpoint_hash
 
 PROG = "hf-attn refine"
 CONVERSION_KINDS = ("gqa", "mla")  # records whose `source` a refinement defaults to
+RELATIVE_LR = 0.01
 
 
 @dataclass(frozen=True)
@@ -80,10 +86,21 @@ class RefineSettings:
         None, help="the checkpoint it was converted from (default: the source its conversion record names)"
     )
     steps: int = setting(32, help="Adam steps per decoder layer, one calibration window each")
-    lr: float = setting(1e-4, help="Adam learning rate")
+    relative_lr: float = setting(
+        RELATIVE_LR, help="each tensor's Adam learning rate as a fraction of the tensor's RMS (scale-free)"
+    )
+    lr: float | None = setting(
+        None, help="one absolute Adam learning rate for every tensor instead (sessions 4-5: 1e-4)"
+    )
     calibration_tokens: int = setting(4096, help="calibration tokens (disjoint windows of 1,024)")
     calibration_corpus: str = setting(
-        DEFAULT_CORPUS, help="calibration text (never an evaluation text)", choices=assets.CORPORA
+        DEFAULT_CORPUS,
+        help="calibration text (never an evaluation text)",
+        choices=assets.CORPORA,
+        exclusive="calibration text",
+    )
+    calibration_text: list[str] | None = setting(
+        None, help="calibration text files instead of a corpus", metavar="FILE", exclusive="calibration text"
     )
     device: str = setting("cpu", help="where the two models' layers run (fp32)", choices=DEVICES)
     overwrite: bool = setting(False, help="replace an existing --output")
@@ -119,7 +136,8 @@ def refine_layers(
     converted: LayerwiseModel,
     windows: torch.Tensor,
     steps: int,
-    lr: float,
+    lr: float | None = None,
+    relative_lr: float | None = None,
     keep: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
     progress: bool = True,
 ) -> list[LayerFit]:
@@ -145,7 +163,7 @@ def refine_layers(
         targets = [_rms(x) for x in x_src]
         layer, kwargs = converted.load_layer(i), converted.layer_kwargs(x_conv[0], i, conv_cache)
         layer.requires_grad_(False)  # fit_layer trains self_attn alone; the gradient passes through the MLP
-        fits.append(fit_layer(i, layer, x_conv, targets, kwargs, steps=steps, lr=lr))
+        fits.append(fit_layer(i, layer, x_conv, targets, kwargs, steps=steps, lr=lr, relative_lr=relative_lr))
         if fits[-1].kept and keep is not None:
             keep(i, {k: v.detach().cpu() for k, v in layer.self_attn.state_dict().items()})
         bar.set_postfix(error=f"{fits[-1].error_before:.3g}->{fits[-1].error_after:.3g}")
@@ -156,10 +174,25 @@ def refine_layers(
 
 
 def fit_layer(
-    index: int, layer, inputs: list, targets: list, kwargs: dict, *, steps: int, lr: float
+    index: int,
+    layer,
+    inputs: list,
+    targets: list,
+    kwargs: dict,
+    *,
+    steps: int,
+    lr: float | None = None,
+    relative_lr: float | None = None,
 ) -> LayerFit:
     """Adam on `layer.self_attn`'s parameters: minimise mean |rms(layer(inputs[j])) - targets[j]|^2, one
-    window per step; the fitted weights are kept only if they lower the error over all windows."""
+    window per step; the fitted weights are kept only if they lower the error over all windows.
+
+    Learning rate: `lr` for every tensor, or `relative_lr` x each tensor's RMS (a tensor that is all zeros, a
+    bias say, takes the median RMS of the others). The relative form is what makes one setting work for
+    every conversion: an MLA layer's latent factors differ ~100x in scale (down projection RMS ~1.5, up
+    projections ~0.01), so an absolute rate fast enough for one destroys the other."""
+    if (lr is None) == (relative_lr is None):
+        raise ValueError(f"give exactly one of lr ({lr}) and relative_lr ({relative_lr})")
     attn = layer.self_attn
 
     def error(j: int) -> torch.Tensor:
@@ -173,7 +206,7 @@ def fit_layer(
     params = list(attn.parameters())
     for p in params:
         p.requires_grad_(True)
-    optimizer = torch.optim.Adam(params, lr=lr)
+    optimizer = torch.optim.Adam(_param_groups(params, lr=lr, relative_lr=relative_lr))
     with torch.enable_grad():
         for step in range(steps):
             optimizer.zero_grad(set_to_none=True)
@@ -186,6 +219,15 @@ def fit_layer(
         attn.load_state_dict(saved)
         return LayerFit(index, before, before, False)
     return LayerFit(index, before, after, True)
+
+
+def _param_groups(params: list, *, lr: float | None, relative_lr: float | None) -> list[dict]:
+    """Adam parameter groups: one rate `lr`, or `relative_lr` x each tensor's RMS (see `fit_layer`)."""
+    if lr is not None:
+        return [{"params": params, "lr": lr}]
+    rms = [float(p.detach().pow(2).mean().sqrt()) for p in params]
+    fallback = statistics.median([r for r in rms if r > 0] or [1.0])
+    return [{"params": [p], "lr": relative_lr * (r or fallback)} for p, r in zip(params, rms, strict=True)]
 
 
 # --------------------------------------------------------------------------------------------- command
@@ -206,8 +248,10 @@ def refine(settings: RefineSettings, *, progress: bool = True) -> dict:
     check_choices(s)
     if s.steps < 0:
         raise ValueError(f"--steps must be >= 0, got {s.steps}")
-    if not s.lr > 0:
+    if s.lr is not None and not s.lr > 0:
         raise ValueError(f"--lr must be positive, got {s.lr}")
+    if not s.relative_lr > 0:
+        raise ValueError(f"--relative-lr must be positive, got {s.relative_lr}")
     if s.calibration_tokens < 1:
         raise ValueError(f"--calibration-tokens must be positive, got {s.calibration_tokens}")
     model_dir = loading.resolve_model(s.model)
@@ -231,7 +275,10 @@ def refine(settings: RefineSettings, *, progress: bool = True) -> dict:
                 f"{name} differs: source {getattr(cs, name)}, converted {getattr(cc, name)}; "
                 "pass the --source this checkpoint was converted from"
             )
-    files = assets.calibration_corpus_files(s.calibration_corpus)
+    if s.calibration_text:
+        files = [Path(f) for f in s.calibration_text]
+    else:
+        files = assets.calibration_corpus_files(s.calibration_corpus)
     tokenizer = loading.load_tokenizer(model_dir)
     ids = calibration_ids(tokenizer, files, tokens=s.calibration_tokens)
     n = max(1, len(ids) // DEFAULT_WINDOW)
@@ -246,6 +293,7 @@ def refine(settings: RefineSettings, *, progress: bool = True) -> dict:
             windows=windows,
             steps=s.steps,
             lr=s.lr,
+            relative_lr=None if s.lr is not None else s.relative_lr,
             keep=refitted.__setitem__,
             progress=progress,
         )
@@ -296,14 +344,19 @@ def main(argv: list[str] | None = None) -> int:
         record = refine(settings_from_args(RefineSettings, args), progress=not args.no_progress)
     except USER_ERRORS as err:
         return error(PROG, err)
+    print(
+        f"refined {record['source']} -> {args.output}: {refine_summary(record)} in {record['seconds']:.0f} s"
+    )
+    return 0
+
+
+def refine_summary(record: dict) -> str:
+    """'K/L layers changed, mean layer error a -> b' of a refinement record."""
     layers = record["layers"]
     before = sum(f["error_before"] for f in layers) / len(layers)
     after = sum(f["error_after"] for f in layers) / len(layers)
-    print(
-        f"refined {record['source']} -> {args.output}: {sum(f['kept'] for f in layers)}/{len(layers)} layers "
-        f"changed, mean layer error {before:.4g} -> {after:.4g} in {record['seconds']:.0f} s"
-    )
-    return 0
+    kept = sum(f["kept"] for f in layers)
+    return f"{kept}/{len(layers)} layers changed, mean layer error {before:.4g} -> {after:.4g}"
 
 
 if __name__ == "__main__":

@@ -164,6 +164,14 @@ def _resumed_note(record: dict) -> str:
     return f" ({resumed} of {len(record['rows'])} rows resumed from an earlier run, their time not included)"
 
 
+def _refinement_note(record: dict) -> str:
+    if not any((r.get("options") or {}).get("refine") for r in record["rows"]):
+        return ""
+    from hf_attn.eval.study import Settings
+
+    return f"Rows marked refined: {Settings(**record['settings']).refinement}; counted in Convert s. "
+
+
 def write_report(record: dict, results: Path) -> None:
     results.mkdir(parents=True, exist_ok=True)
     (results / "results.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
@@ -178,6 +186,7 @@ def write_report(record: dict, results: Path) -> None:
         f"{s['calibration_tokens']} tokens of the `{CALIBRATION_CORPUS}` corpus "
         f"({CORPUS_TEXTS[CALIBRATION_CORPUS]}; "
         "one pass shared by the MLA variants, counted in the first one's Convert s). "
+        f"{_refinement_note(record)}"
         f"KV bytes per token are measured from a real cache (fp32, all 30 layers), except for deepseek_v3 "
         "exports: what an MLA engine (vLLM, SGLang) caches, from the config (transformers' DeepseekV3 caches "
         "expanded per-head K/V). Decode: tokens/s of "

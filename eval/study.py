@@ -33,6 +33,8 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+from hf_attn.conversion.calibration import DEFAULT_CORPUS
+from hf_attn.conversion.refine import RELATIVE_LR
 from hf_attn.eval.rows import RowStore
 from hf_attn.eval.rows import row_key as _key
 from hf_attn.tooling import assets
@@ -61,6 +63,8 @@ class Settings:
     heal_trainable: str
     task_items: int  # first N items of the local last-word task (eval/tasks), for the accuracy column
     second_corpus_tokens: int = 0  # > 0: also the first N tokens of the Python FAQ (`hf-attn cross-domain`)
+    refine_steps: int = 0  # variants with `refine = true`: `hf-attn refine --steps` after the closed form
+    refine_tokens: int = 0  # ... and its `--calibration-tokens` (the default `mix` corpus)
 
     @property
     def protocol(self) -> str:
@@ -73,6 +77,15 @@ class Settings:
             f"; second corpus: the Python 3.11 FAQ, first {self.second_corpus_tokens} tokens, same windows"
             if self.second_corpus_tokens
             else ""
+        )
+
+    @property
+    def refinement(self) -> str:
+        """How rows marked refined were refined (one home for the report and the README)."""
+        return (
+            f"`hf-attn refine` after the closed form: {self.refine_steps} Adam steps per layer on "
+            f"{self.refine_tokens} calibration tokens ({DEFAULT_CORPUS} corpus), learning rate {RELATIVE_LR} "
+            "x each tensor's RMS, layer-local, no labels"
         )
 
     def key(self) -> dict:
@@ -171,26 +184,35 @@ def convert(
 ) -> None:
     """Write the converted checkpoint of `variant` to `dst` (atomically, by the converter).
 
-    `shared` (a dict kept across calls) holds the MLA calibration pass, which does not depend on the ranks:
-    every MLA variant of a study reuses it."""
+    The pipeline: the closed-form conversion, then `refine = true`: the layer-local refinement, then
+    `export = "deepseek_v3"`: the export (what gets measured); intermediate stages are written beside `dst`
+    and deleted. `shared` (a dict kept across calls) holds the MLA calibration pass, which does not depend on
+    the ranks: every MLA variant of a study reuses it."""
     opts = dict(variant.options)
-    export_to = opts.pop("export", None)
-    if export_to is not None:  # convert beside dst, then write dst as the export (what gets measured)
-        from hf_attn.conversion.export import export_checkpoint
-
-        inner = dst.with_name(dst.name + ".llama_mla")
-        shutil.rmtree(inner, ignore_errors=True)
+    export_to, refine = opts.pop("export", None), bool(opts.pop("refine", False))
+    if export_to is not None or refine:
+        closed_form, refined = (dst.with_name(f"{dst.name}.{stage}") for stage in ("closed-form", "refined"))
+        for stage in (closed_form, refined):
+            shutil.rmtree(stage, ignore_errors=True)
         try:
             convert(
                 dataclasses.replace(variant, options=opts),
                 source=source,
-                dst=inner,
+                dst=closed_form,
                 settings=settings,
                 shared=shared,
             )
-            export_checkpoint(src=inner, dst=dst, to=export_to)
+            last = closed_form
+            if refine:
+                last = dst if export_to is None else refined
+                refine_checkpoint(closed_form, last, settings)
+            if export_to is not None:
+                from hf_attn.conversion.export import export_checkpoint
+
+                export_checkpoint(src=last, dst=dst, to=export_to)
         finally:
-            shutil.rmtree(inner, ignore_errors=True)
+            for stage in (closed_form, refined):
+                shutil.rmtree(stage, ignore_errors=True)
         return
     if variant.kind == "expand":
         from hf_attn.conversion.expand import expand_checkpoint
@@ -224,6 +246,23 @@ def convert(
         mla.write_conversion(mla.plan_conversion(src=source, calibration=shared[key], **opts), dst)
     else:  # pragma: no cover - load_config validates kinds
         raise AssertionError(variant.kind)
+
+
+def refine_checkpoint(src: Path, dst: Path, settings: Settings) -> dict:
+    from hf_attn.conversion.refine import RefineSettings, refine
+
+    if settings.refine_steps < 1 or settings.refine_tokens < 1:
+        raise ValueError(
+            f"a variant with refine = true needs refine_steps and refine_tokens >= 1 in the profile, got "
+            f"{settings.refine_steps} and {settings.refine_tokens}"
+        )
+    recipe = RefineSettings(
+        model=str(src),
+        output=str(dst),
+        steps=settings.refine_steps,
+        calibration_tokens=settings.refine_tokens,
+    )
+    return refine(recipe, progress=False)
 
 
 def heal(src: Path, dst: Path, settings: Settings) -> dict:
@@ -382,6 +421,7 @@ class Study:
             v.kind,
             v.options,
             s.calibration_tokens if v.kind != "source" else 0,
+            (s.refine_steps, s.refine_tokens) if v.options.get("refine") else None,
         )
         heal_key = _key(
             conv_key, s.heal_minutes, s.heal_seq_len, s.heal_batch_size, s.heal_lr, s.heal_trainable

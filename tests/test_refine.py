@@ -53,7 +53,8 @@ def refine_saved(tmp_path, source, converted, windows, **options):
     return fits, streams, refined
 
 
-def test_refinement_lowers_the_error_and_leaves_an_exact_conversion_alone(tmp_path):
+@pytest.mark.parametrize("rate", [{"lr": 3e-3}, {"relative_lr": 0.05}], ids=["absolute", "relative"])
+def test_refinement_lowers_the_error_and_leaves_an_exact_conversion_alone(tmp_path, rate):
     source = tiny_llama(0)
     pooled = tiny_llama(0)
     with torch.no_grad():  # a lossy "conversion": mean-pool the two KV heads' weights into both (by hand)
@@ -63,14 +64,14 @@ def test_refinement_lowers_the_error_and_leaves_an_exact_conversion_alone(tmp_pa
                 proj.weight.copy_(w.mean(0, keepdim=True).expand_as(w).reshape_as(proj.weight))
     windows = torch.randint(3, SRC_TINY["vocab_size"], (3, 24))
     before = last_hidden_error(source, pooled, windows)
-    fits, streams, refined = refine_saved(tmp_path / "lossy", source, pooled, windows, steps=60, lr=3e-3)
+    fits, streams, refined = refine_saved(tmp_path / "lossy", source, pooled, windows, steps=60, **rate)
     assert len(fits) == TINY_SHAPE["num_hidden_layers"] and all(f.kept for f in fits)
     assert all(f.error_after < f.error_before for f in fits)
     assert last_hidden_error(source, refined, windows) < 0.5 * before  # the refined model's own forward
     assert [s.max_layers_loaded for s in streams] == [1, 1], "one decoder layer of each model at a time"
 
     exact = tiny_llama(0)
-    fits, _, refined = refine_saved(tmp_path / "exact", source, exact, windows, steps=5, lr=3e-3)
+    fits, _, refined = refine_saved(tmp_path / "exact", source, exact, windows, steps=5, **rate)
     assert not any(f.kept for f in fits)
     assert all(torch.equal(v, exact.state_dict()[k]) for k, v in refined.state_dict().items())
 
@@ -148,7 +149,30 @@ def test_refusals_exit_2_and_write_nothing(converted_pair, tmp_path, capsys):
     assert "pass --source" in capsys.readouterr().err
     assert exit_status(refine.main, [*base, "--steps", "-1"]) == 2
     assert "--steps" in capsys.readouterr().err
+    assert exit_status(refine.main, [*base, "--relative-lr", "0"]) == 2
+    assert "--relative-lr" in capsys.readouterr().err
     if not torch.cuda.is_available():
         assert exit_status(refine.main, [*base, "--device", "cuda"]) == 2
         assert "cuda" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_convert_with_refine_steps_is_convert_then_refine(converted_pair, tmp_path, capsys):
+    src, conv = converted_pair
+    refined = tmp_path / "two-commands"
+    options = ["--calibration-corpus", "austen"]
+    argv = ["--model", str(conv), "--output", str(refined), "--calibration-tokens", "64", "--steps", "4"]
+    assert exit_status(refine.main, [*argv, *options, "--no-progress"]) == 0
+    one = tmp_path / "one" / "command"
+    one.parent.mkdir()
+    base = ["--model", str(src), "--output", str(one), "--num-kv-heads", "1", *options]
+    assert exit_status(gqa.main, [*base, "--refine-steps", "-1"]) == 2
+    assert "--refine-steps" in capsys.readouterr().err and not one.exists()
+    assert exit_status(gqa.main, [*base, "--refine-steps", "4", "--refine-tokens", "64"]) == 0
+    assert [p.name for p in one.parent.iterdir()] == ["command"], "scratch left beside the output"
+    kinds = [r["kind"] for r in json.loads((one / "config.json").read_text())["hf_attn"]["history"]]
+    assert kinds == ["gqa", "refine"]
+    a, b = tensor_index(refined), tensor_index(one)
+    assert set(a) == set(b)
+    for name in a:
+        assert torch.equal(read_tensor(a[name]), read_tensor(b[name])), name

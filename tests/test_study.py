@@ -17,6 +17,8 @@ TINY = {
     "heal_seq_len": 64,
     "heal_batch_size": 1,
     "task_items": 2,
+    "refine_steps": 1,
+    "refine_tokens": 128,
 }
 
 
