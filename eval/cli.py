@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from hf_attn.tooling.cli import exit_cleanly_on_sigterm
+
 # subcommand -> (module with main(argv) -> int, one-line description)
 COMMANDS: dict[str, tuple[str, str]] = {
     "convert gqa": ("hf_attn.conversion.gqa", "MHA/GQA -> GQA/MQA by mean or calibrated pooling"),
@@ -84,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     name, rest = found
+    exit_cleanly_on_sigterm()  # every subcommand: SIGTERM cleans up its temporary directories
     module = importlib.import_module(COMMANDS[name][0])
     return module.main(rest)
 

@@ -3,6 +3,11 @@ source is refused, and an existing output needs overwrite; the streamed converte
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from test_gqa import file_hashes, make_tiny
 
@@ -42,3 +47,29 @@ def test_streamed_converters_never_write_into_their_source(tmp_path, convert):
             else:
                 expand.expand_checkpoint(src=src, dst=dst, overwrite=True)
     assert file_hashes(src) == before and not (src / "converted").exists()
+
+
+CHILD = """
+import sys, tempfile, time
+from hf_attn.tooling.cli import exit_cleanly_on_sigterm
+if sys.argv[2] == "handled":
+    exit_cleanly_on_sigterm()
+with tempfile.TemporaryDirectory(prefix="scratch-", dir=sys.argv[1]) as scratch:
+    print(scratch, flush=True)
+    time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("mode", ["handled", "default"])
+def test_sigterm_cleans_up_temporary_directories(tmp_path, mode):
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(tmp_path), mode], stdout=subprocess.PIPE, text=True
+    )
+    scratch = child.stdout.readline().strip()  # the child is inside the `with` block now
+    assert scratch and Path(scratch).is_dir()
+    child.send_signal(signal.SIGTERM)
+    status = child.wait(timeout=60)
+    if mode == "handled":  # SystemExit(143): the `with` block's cleanup ran
+        assert status == 143 and not Path(scratch).exists()
+    else:  # the reference: Python's default SIGTERM action leaves the directory behind
+        assert status == -signal.SIGTERM and Path(scratch).exists()

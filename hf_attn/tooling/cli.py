@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 import sys
+import threading
 import types
 import typing
 from collections.abc import Callable
@@ -31,8 +33,21 @@ def error(prog: str, err: BaseException | str) -> int:
     return 2
 
 
+def exit_cleanly_on_sigterm() -> None:
+    """Make SIGTERM (what `kill`, `timeout` and job schedulers send) raise SystemExit(143) in the main thread,
+    so `finally` blocks and temporary directories are cleaned up as after Ctrl-C: a terminated converter
+    leaves no statistics scratch (gigabytes at 7B) and no half-written output. SIGKILL cannot be caught."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)
+
+
+def _terminate(signum: int, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def run_command(prog: str, fn: Callable[[], Any]) -> int:
     """0 after `fn()`, or 2 with one line on stderr for a user mistake (USER_ERRORS)."""
+    exit_cleanly_on_sigterm()
     try:
         fn()
     except USER_ERRORS as err:
