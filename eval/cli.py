@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from hf_attn.tooling.cli import exit_cleanly_on_sigterm
+from hf_attn.tooling.cli import sigterm_exits_cleanly
 
 # subcommand -> (module with main(argv) -> int, one-line description)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -86,9 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     name, rest = found
-    exit_cleanly_on_sigterm()  # every subcommand: SIGTERM cleans up its temporary directories
     module = importlib.import_module(COMMANDS[name][0])
-    return module.main(rest)
+    with sigterm_exits_cleanly():  # every subcommand: SIGTERM cleans up its temporary directories
+        return module.main(rest)
 
 
 if __name__ == "__main__":

@@ -3,15 +3,18 @@ source is refused, and an existing output needs overwrite; the streamed converte
 
 from __future__ import annotations
 
+import multiprocessing
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from test_gqa import file_hashes, make_tiny
 
 from hf_attn.conversion import expand, gqa
+from hf_attn.tooling.cli import sigterm_exits_cleanly
 from hf_attn.tooling.files import check_output
 
 
@@ -51,12 +54,12 @@ def test_streamed_converters_never_write_into_their_source(tmp_path, convert):
 
 CHILD = """
 import sys, tempfile, time
-from hf_attn.tooling.cli import exit_cleanly_on_sigterm
-if sys.argv[2] == "handled":
-    exit_cleanly_on_sigterm()
-with tempfile.TemporaryDirectory(prefix="scratch-", dir=sys.argv[1]) as scratch:
-    print(scratch, flush=True)
-    time.sleep(120)
+import contextlib
+from hf_attn.tooling.cli import sigterm_exits_cleanly
+with sigterm_exits_cleanly() if sys.argv[2] == "handled" else contextlib.nullcontext():
+    with tempfile.TemporaryDirectory(prefix="scratch-", dir=sys.argv[1]) as scratch:
+        print(scratch, flush=True)
+        time.sleep(120)
 """
 
 
@@ -73,3 +76,23 @@ def test_sigterm_cleans_up_temporary_directories(tmp_path, mode):
         assert status == 143 and not Path(scratch).exists()
     else:  # the reference: Python's default SIGTERM action leaves the directory behind
         assert status == -signal.SIGTERM and Path(scratch).exists()
+
+
+def _sleep() -> None:
+    time.sleep(120)
+
+
+def test_sigterm_handler_is_scoped_and_a_forked_child_takes_the_default_action():
+    """A caller's own handler comes back after a command, and a process forked during one (lm-eval's bootstrap
+    pool: `Pool.terminate` sends SIGTERM) dies of the signal as without the handler, instead of unwinding
+    its parent's stack copy (which hung pool shutdowns)."""
+    before = signal.getsignal(signal.SIGTERM)
+    with sigterm_exits_cleanly():
+        assert signal.getsignal(signal.SIGTERM) is not before
+        child = multiprocessing.get_context("fork").Process(target=_sleep)
+        child.start()
+        time.sleep(0.5)
+        child.terminate()  # SIGTERM
+        child.join(timeout=60)
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert child.exitcode == -signal.SIGTERM  # the default action's status; 143 would mean SystemExit

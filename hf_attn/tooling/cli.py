@@ -9,13 +9,15 @@ results; only commands print.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import os
 import signal
 import sys
 import threading
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 USER_ERRORS = (ValueError, OSError, KeyError)
@@ -33,23 +35,39 @@ def error(prog: str, err: BaseException | str) -> int:
     return 2
 
 
-def exit_cleanly_on_sigterm() -> None:
-    """Make SIGTERM (what `kill`, `timeout` and job schedulers send) raise SystemExit(143) in the main thread,
-    so `finally` blocks and temporary directories are cleaned up as after Ctrl-C: a terminated converter
-    leaves no statistics scratch (gigabytes at 7B) and no half-written output. SIGKILL cannot be caught."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _terminate)
+@contextlib.contextmanager
+def sigterm_exits_cleanly() -> Iterator[None]:
+    """While inside: SIGTERM (what `kill`, `timeout` and job schedulers send) raises SystemExit(143) in the
+    main thread, so `finally` blocks and temporary directories are cleaned up as after Ctrl-C: a terminated
+    converter leaves no statistics scratch (gigabytes at 7B) and no half-written output. SIGKILL cannot be
+    caught. The previous handler comes back on exit, so a caller's process (a test run, a notebook) keeps its
+    own; a process forked meanwhile (a multiprocessing pool worker, which `Pool.terminate` stops with SIGTERM)
+    takes the default action at once, as it would without this handler."""
+    if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
+        yield
+        return
+    owner = os.getpid()
 
+    def terminate(signum: int, frame) -> None:
+        if os.getpid() != owner:  # inherited through fork: die now, never unwind someone else's stack
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        raise SystemExit(128 + signum)
 
-def _terminate(signum: int, frame) -> None:
-    raise SystemExit(128 + signum)
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def run_command(prog: str, fn: Callable[[], Any]) -> int:
-    """0 after `fn()`, or 2 with one line on stderr for a user mistake (USER_ERRORS)."""
-    exit_cleanly_on_sigterm()
+    """0 after `fn()`, or 2 with one line on stderr for a user mistake (USER_ERRORS); SIGTERM during `fn`
+    exits through its cleanup (`sigterm_exits_cleanly`)."""
     try:
-        fn()
+        with sigterm_exits_cleanly():
+            fn()
     except USER_ERRORS as err:
         return error(prog, err)
     return 0
