@@ -64,6 +64,9 @@ def add_write_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
 
 
+CLOSED_FORM_SOURCE = "the closed form of the record before (not kept)"  # `--refine-steps`: refine's `source`
+
+
 def add_refine_arguments(parser: argparse.ArgumentParser) -> None:
     """--refine-steps N (0: the closed form only) and --refine-tokens: `hf-attn refine` in one command."""
     parser.add_argument(
@@ -122,7 +125,11 @@ def run(
                 src=args.model, dst=Path(scratch) / "closed-form", dtype=args.save_dtype, **kwargs
             )
             summary = describe(closed)
-            record = refine(dataclasses.replace(refine_settings, model=str(closed)), progress=True)
+            record = refine(
+                dataclasses.replace(refine_settings, model=str(closed)),
+                progress=True,
+                source_name=CLOSED_FORM_SOURCE,
+            )
         print(
             f"{summary}, refined ({refine_summary(record)}) in {time.perf_counter() - start:.1f} s: {output}"
         )

@@ -242,8 +242,10 @@ def recorded_source(model_dir: Path) -> tuple[Path, str]:
     return Path(records[-1]["source"]), records[-1]["source_hash"]
 
 
-def refine(settings: RefineSettings, *, progress: bool = True) -> dict:
-    """Refine `settings.model` into `settings.output`; returns the record appended to its history."""
+def refine(settings: RefineSettings, *, progress: bool = True, source_name: str | None = None) -> dict:
+    """Refine `settings.model` into `settings.output`; returns the record appended to its history, whose
+    `source` is `source_name` if given (a model that is not kept, e.g. a closed form in a scratch directory),
+    else the model's path."""
     s = settings
     check_choices(s)
     if s.steps < 0:
@@ -300,7 +302,7 @@ def refine(settings: RefineSettings, *, progress: bool = True) -> dict:
         seconds = time.perf_counter() - start
         record = conversion_record(
             kind="refine",
-            source=str(model_dir),
+            source=source_name or str(model_dir),
             source_hash=checkpoint_hash(model_dir),
             settings={k: v for k, v in asdict(s).items() if k not in ("model", "output", "overwrite")},
             reference=str(source_dir),

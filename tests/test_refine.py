@@ -15,7 +15,7 @@ from conftest import TINY_SHAPE, exit_status
 from test_export import SRC_TINY, deepseek_layout_model, randomize_
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from hf_attn.conversion import export, gqa, refine
+from hf_attn.conversion import cli, export, gqa, refine
 from hf_attn.conversion.checkpoint import read_tensor, tensor_index
 from hf_attn.conversion.layerwise import LayerwiseModel
 
@@ -170,8 +170,11 @@ def test_convert_with_refine_steps_is_convert_then_refine(converted_pair, tmp_pa
     assert "--refine-steps" in capsys.readouterr().err and not one.exists()
     assert exit_status(gqa.main, [*base, "--refine-steps", "4", "--refine-tokens", "64"]) == 0
     assert [p.name for p in one.parent.iterdir()] == ["command"], "scratch left beside the output"
-    kinds = [r["kind"] for r in json.loads((one / "config.json").read_text())["hf_attn"]["history"]]
-    assert kinds == ["gqa", "refine"]
+    history = json.loads((one / "config.json").read_text())["hf_attn"]["history"]
+    assert [r["kind"] for r in history] == ["gqa", "refine"]
+    assert history[0]["source"] == str(src) and history[1]["source"] == cli.CLOSED_FORM_SOURCE  # not scratch
+    refined_record = json.loads((refined / "config.json").read_text())["hf_attn"]["history"][-1]
+    assert history[1]["source_hash"] == refined_record["source_hash"]  # the same closed form was refined
     a, b = tensor_index(refined), tensor_index(one)
     assert set(a) == set(b)
     for name in a:
