@@ -30,7 +30,7 @@ Code: `HealSettings` (every option; the command line is built from it) -> `load_
 `find_resume_point` / `build_train_state` (`TrainState.save` / `restore`) -> `train_steps` (with the
 `held_out_evaluation` hook) -> `write_output`; `heal()` strings them together.
 
-    hf-attn heal --model SRC --output DST [--train-text FILE ... | --dataset NAME ...]
+    hf-attn heal --model SRC --output DST [--train-text FILE ... | --train-corpus mix | --dataset NAME ...]
         [--max-steps N | --max-tokens N | --max-minutes M [--budget-clock wall|cpu]] [--seq-len 512]
         [--batch-size 1] [--grad-accum 1]
         [--lr 1e-4] [--warmup-steps 0] [--schedule cosine|constant] [--trainable all|attention]
@@ -86,7 +86,7 @@ from hf_attn.conversion.train_data import (
     load_train_corpus,
     make_loader,
 )
-from hf_attn.tooling import loading
+from hf_attn.tooling import assets, loading
 from hf_attn.tooling.cli import (
     USER_ERRORS,
     add_settings_arguments,
@@ -345,7 +345,14 @@ class HealSettings:
     output: str = setting(help="directory of the healed checkpoint", required=True)
     model: str | None = setting(None, "checkpoint directory or hub id (default: the embedded SmolLM2)")
     train_text: list[str] | None = setting(
-        None, "default: the 5 non-eval novels", metavar="FILE", exclusive="train source"
+        None, "training text files (default: --train-corpus austen)", metavar="FILE", exclusive="train source"
+    )
+    train_corpus: str | None = setting(
+        None,
+        "an embedded training corpus: austen (the five non-eval novels, the default), python-docs (five "
+        "sections, not the FAQ) or mix (both)",
+        choices=assets.CORPORA,
+        exclusive="train source",
     )
     dataset: str | None = setting(
         None, "datasets id of the training text, e.g. wikitext", exclusive="train source"
@@ -447,8 +454,9 @@ def load_data(settings: HealSettings, source: Path, *, num_processes: int) -> He
     """Tokenize the training text once (cut into `seq_len` chunks) and the held-out text; they must not
     overlap (`train_data.check_disjoint`)."""
     s = settings
+    files = assets.calibration_corpus_files(s.train_corpus) if s.train_corpus else s.train_text
     train_corpus, train_files = load_train_corpus(
-        s.train_text,
+        files,
         dataset=s.dataset,
         dataset_config=s.dataset_config,
         split=s.dataset_split,
