@@ -182,7 +182,7 @@ def write_report(record: dict, results: Path) -> None:
         "",
         f"Protocol: {record['protocol']}. Healing: {s['heal_minutes']} min per variant, sequences of "
         f"{s['heal_seq_len']} tokens, batch {s['heal_batch_size']}, lr {s['heal_lr']}, trainable "
-        f"{s['heal_trainable']}, on the five other novels. Calibration: "
+        f"{s['heal_trainable']}, on {CORPUS_TEXTS[s.get('heal_corpus', 'austen')]}. Calibration: "
         f"{s['calibration_tokens']} tokens of the `{CALIBRATION_CORPUS}` corpus "
         f"({CORPUS_TEXTS[CALIBRATION_CORPUS]}; "
         "one pass shared by the MLA variants, counted in the first one's Convert s). "

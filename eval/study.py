@@ -65,6 +65,7 @@ class Settings:
     second_corpus_tokens: int = 0  # > 0: also the first N tokens of the Python FAQ (`hf-attn cross-domain`)
     refine_steps: int = 0  # variants with `refine = true`: `hf-attn refine --steps` after the closed form
     refine_tokens: int = 0  # ... and its `--calibration-tokens` (the default `mix` corpus)
+    heal_corpus: str = "austen"  # `hf-attn heal --train-corpus`: austen | python-docs | mix
 
     @property
     def protocol(self) -> str:
@@ -119,6 +120,11 @@ def load_config(path: str | Path, profile: str) -> tuple[Settings, list[Variant]
             f"unknown settings {sorted(unknown)} in [{profile}] of {path}; known: {sorted(fields)}"
         )
     settings = Settings(**raw[profile])
+    if settings.heal_corpus not in assets.CORPORA:
+        raise ValueError(
+            f"unknown heal_corpus {settings.heal_corpus!r} in [{profile}] of {path}; choose one of "
+            f"{list(assets.CORPORA)}"
+        )
     variants = []
     for entry in raw.get("variants", []):
         entry = dict(entry)
@@ -277,6 +283,7 @@ def heal(src: Path, dst: Path, settings: Settings) -> dict:
         batch_size=settings.heal_batch_size,
         lr=settings.heal_lr,
         trainable=settings.heal_trainable,
+        train_corpus=settings.heal_corpus,
         eval_tokens=0,  # the study measures every checkpoint itself, with one protocol
     )
     return heal_checkpoint(recipe, progress=False)
@@ -424,8 +431,9 @@ class Study:
             (s.refine_steps, s.refine_tokens) if v.options.get("refine") else None,
         )
         heal_key = _key(
-            conv_key, s.heal_minutes, s.heal_seq_len, s.heal_batch_size, s.heal_lr, s.heal_trainable
-        )
+            conv_key, s.heal_minutes, s.heal_seq_len, s.heal_batch_size, s.heal_lr, s.heal_trainable,
+            s.heal_corpus,
+        )  # fmt: skip
         built: dict[str, tuple[Path, float, bool]] = {}  # this run's checkpoints: (path, seconds, cached)
 
         def build_converted(dst: Path) -> None:

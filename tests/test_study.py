@@ -126,3 +126,12 @@ def test_code_hash_follows_the_source(tmp_path, monkeypatch):
     assert code_hash(("hashed_pkg",)) == before
     (pkg / "sub" / "mod.py").write_text("X = 2\n")  # a nested file of the package counts
     assert code_hash(("hashed_pkg",)) != before
+
+
+def test_an_unknown_heal_corpus_is_refused(tmp_path):
+    config = tmp_path / "study.toml"
+    text = DEFAULT_CONFIG.read_text()
+    assert 'heal_corpus = "mix"' in text
+    config.write_text(text.replace('heal_corpus = "mix"', 'heal_corpus = "wikipedia"'))
+    with pytest.raises(ValueError, match="heal_corpus 'wikipedia'.*austen"):
+        load_config(config, "default")
