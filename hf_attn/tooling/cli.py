@@ -58,8 +58,8 @@ def sigterm_exits_cleanly() -> Iterator[None]:
     previous = signal.signal(signal.SIGTERM, terminate)
     try:
         yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    finally:  # None: the previous handler was not set from Python; the default action is the best guess
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def run_command(prog: str, fn: Callable[[], Any]) -> int:
