@@ -1,8 +1,9 @@
 """Calibration text and attention-layer inputs, shared by the calibrated converters (GQA pooling, MLA).
 
-- `calibration_ids(tokenizer, files=None, tokens=N)`: N token ids taken in equal shares from the start of each
-  file (default: the `mix` corpus, the five Austen novels other than *Persuasion* and five sections of the
-  Python 3.11 documentation other than its FAQ; *Persuasion* and the FAQ are kept for evaluation).
+- `calibration_ids(tokenizer, files=None, tokens=N)`: N token ids taken from the start of each file in equal
+  shares, a file listed k times giving k shares (default: the `mix` corpus, the five Austen novels other than
+  *Persuasion* and five sections of the Python 3.11 documentation other than its FAQ; *Persuasion* and the FAQ
+  are kept for evaluation).
 - `corpus_record(files, tokens)`: what a conversion record says about the calibration text.
 - `for_each_attention_input(model, ids, fn, window=...)`: runs the model over disjoint windows and calls
   `fn(layer, hidden_states, position_embeddings)` with the input of every `self_attn` (the post-norm hidden
@@ -47,21 +48,35 @@ def default_calibration_files() -> list[Path]:
     return files
 
 
+def file_shares(files: list[Path], tokens: int) -> dict[Path, int]:
+    """How many of `tokens` each distinct file gives: shares proportional to how often the file is listed
+    (equal shares for a list without repeats), the remainder one token each to the first files listed."""
+    counts: dict[Path, int] = {}
+    for f in files:
+        counts[f] = counts.get(f, 0) + 1
+    total = len(files)
+    shares = {f: tokens * c // total for f, c in counts.items()}
+    for f in list(counts)[: tokens - sum(shares.values())]:
+        shares[f] += 1
+    return shares
+
+
 def calibration_ids(
     tokenizer, files: Iterable[str | os.PathLike] | None = None, tokens: int = DEFAULT_CALIBRATION_TOKENS
 ) -> torch.LongTensor:
-    """`tokens` ids, (tokens,), in equal shares from the start of each file (no special tokens added)."""
+    """`tokens` ids, (tokens,), from the start of each distinct file in the shares of `file_shares` (a file
+    listed k times gives k shares, contiguous; no special tokens added)."""
     files = default_calibration_files() if files is None else [Path(f) for f in files]
     if not files:
         raise ValueError("No calibration text files given.")
     if tokens <= 0:
         raise ValueError(f"--calibration-tokens must be positive, got {tokens}")
-    missing = [str(f) for f in files if not Path(f).is_file()]
+    missing = sorted({str(f) for f in files if not Path(f).is_file()})
     if missing:
         raise FileNotFoundError(f"Calibration text not found: {missing}")
-    shares = [tokens // len(files) + (k < tokens % len(files)) for k in range(len(files))]
+    shares = file_shares(files, tokens)
     pieces, available = [], 0
-    for path, share in zip(files, shares):
+    for path, share in shares.items():
         text = Path(path).read_text(encoding="utf-8")
         ids = tokenizer(text[: share * _CHARS_PER_TOKEN_GUESS], add_special_tokens=False)["input_ids"]
         if len(ids) < share:
@@ -71,8 +86,8 @@ def calibration_ids(
     out = torch.cat(pieces)
     if len(out) < tokens:
         raise ValueError(
-            f"The calibration text has too few tokens: asked for {tokens}, the {len(files)} file(s) give "
-            f"{len(out)} in equal shares ({available} in all); pass fewer --calibration-tokens or more text."
+            f"The calibration text has too few tokens: asked for {tokens}, the {len(shares)} file(s) give "
+            f"{len(out)} in their shares ({available} in all); pass fewer --calibration-tokens or more text."
         )
     return out
 

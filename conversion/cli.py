@@ -39,7 +39,8 @@ def add_calibration_arguments(parser: argparse.ArgumentParser, *, default_tokens
         nargs="+",
         default=None,
         metavar="FILE",
-        help="calibration text files (default: --calibration-corpus mix)",
+        help="calibration text files, equal token shares, a file listed k times k shares (default: "
+        "--calibration-corpus mix)",
     )
     text.add_argument(
         "--calibration-corpus",

@@ -100,7 +100,10 @@ class RefineSettings:
         exclusive="calibration text",
     )
     calibration_text: list[str] | None = setting(
-        None, help="calibration text files instead of a corpus", metavar="FILE", exclusive="calibration text"
+        None,
+        help="calibration text files instead of a corpus (a file listed k times: k shares)",
+        metavar="FILE",
+        exclusive="calibration text",
     )
     device: str = setting("cpu", help="where the two models' layers run (fp32)", choices=DEVICES)
     overwrite: bool = setting(False, help="replace an existing --output")

@@ -2,11 +2,12 @@
 
 The matrix: every calibration corpus (`austen`: five novels; `python-docs`: five sections of the Python 3.11
 docs; `mix`: equal token shares of both) x every conversion of the embedded SmolLM2 (MQA calibrated with
-8,192 calibration tokens; MLA at KV budgets 0.5 and 0.3 with their default calibration) is scored, with the
-original model, on both embedded evaluation texts (*Persuasion*, the Python FAQ) under the README protocol
-(first 8,192 tokens, disjoint 1,024-token windows, fp32). Per evaluation text it reports the ratio
-converted / original perplexity, and the check: on the Python FAQ every row's ratio is at most
-`TOLERANCE` x its ratio on *Persuasion*.
+8,192 calibration tokens; MLA at KV budgets 0.5, 0.3, 0.25 and 0.125 with their default calibration), each
+then refined against the source on the same corpus (`--refine-steps`, default `hf-attn refine`'s 32; 0: the
+closed form), is scored, with the original model, on both embedded evaluation texts (*Persuasion*, the
+Python FAQ) under the README protocol (first 8,192 tokens, disjoint 1,024-token windows, fp32). Per evaluation
+text it reports the ratio converted / original perplexity, and the check: on the Python FAQ every row's ratio
+is at most `TOLERANCE` x its ratio on *Persuasion*.
 
 Rows are stored in `RESULTS/rows/` (`eval.rows.RowStore`): an interrupted run resumes; each converted
 checkpoint is deleted once scored. The table goes to `RESULTS/cross_domain.md` and `.json`.
@@ -19,7 +20,7 @@ import json
 import math
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -36,20 +37,45 @@ CORPORA = ("austen", "python-docs", "mix")
 
 
 @dataclass(frozen=True)
+class Refinement:
+    """`hf-attn refine` after each conversion, on the conversion's corpus (steps 0: none)."""
+
+    steps: int = 32
+    tokens: int = 4096
+
+    def flags(self) -> str:
+        return f" --refine-steps {self.steps} --refine-tokens {self.tokens}" if self.steps else ""
+
+
+@dataclass(frozen=True)
 class Conversion:
     name: str
     kind: str  # "gqa" | "mla"
     options: dict
     command: str  # the equivalent command line, for the report
 
-    def convert(self, dst: Path, files: list[Path]) -> Path:
+    def convert(self, dst: Path, files: list[Path], *, refine: Refinement) -> Path:
+        """The closed form on `files` at `dst`, or (refine.steps > 0) its refinement there."""
         if self.kind == "gqa":
-            from hf_attn.conversion.gqa import convert_gqa
+            from hf_attn.conversion.gqa import convert_gqa as convert
+        else:
+            from hf_attn.conversion.mla import convert_to_mla as convert
+        if refine.steps == 0:
+            return convert(src=None, dst=dst, calibration_files=files, **self.options)
+        from hf_attn.conversion.refine import RefineSettings
+        from hf_attn.conversion.refine import refine as run_refine
 
-            return convert_gqa(src=None, dst=dst, calibration_files=files, **self.options)
-        from hf_attn.conversion.mla import convert_to_mla
-
-        return convert_to_mla(src=None, dst=dst, calibration_files=files, **self.options)
+        closed = convert(src=None, dst=dst.with_name(f"{dst.name}.closed-form"), calibration_files=files,
+                         **self.options)  # fmt: skip
+        settings = RefineSettings(
+            model=str(closed),
+            output=str(dst),
+            steps=refine.steps,
+            calibration_tokens=refine.tokens,
+            calibration_text=[str(f) for f in files],
+        )
+        run_refine(settings, progress=False)
+        return dst
 
 
 CONVERSIONS = (
@@ -61,6 +87,8 @@ CONVERSIONS = (
     ),
     Conversion("mla-0.5", "mla", {"kv_budget": 0.5}, "hf-attn convert mla --kv-budget 0.5"),
     Conversion("mla-0.3", "mla", {"kv_budget": 0.3}, "hf-attn convert mla --kv-budget 0.3"),
+    Conversion("mla-0.25", "mla", {"kv_budget": 0.25}, "hf-attn convert mla --kv-budget 0.25"),
+    Conversion("mla-0.125", "mla", {"kv_budget": 0.125}, "hf-attn convert mla --kv-budget 0.125"),
 )
 
 
@@ -108,6 +136,7 @@ def run_matrix(
     *,
     conversions=CONVERSIONS,
     corpora=CORPORA,
+    refine: Refinement = Refinement(),
     max_tokens: int = 8192,
     context: int = 1024,
     fresh: bool = False,
@@ -127,15 +156,16 @@ def run_matrix(
     jobs = [(c, corpus) for c in conversions for corpus in corpora]
     for conversion, corpus in tqdm(jobs, desc="cross-domain", unit="conversion"):
         files = assets.calibration_corpus_files(corpus)
-        name = f"{conversion.name}.{corpus}"
+        name = f"{conversion.name}.{corpus}" + (f".refined{refine.steps}" if refine.steps else "")
         key = row_key(
-            name, conversion.options, [sha256_file(f) for f in files], source_hash, text_sums, protocol
-        )
+            name, conversion.options, [sha256_file(f) for f in files], source_hash, text_sums, protocol,
+            *([asdict(refine)] if refine.steps else []),
+        )  # fmt: skip
         row = store.get(name, key)
         if row is None:
             tmp = Path(tempfile.mkdtemp(prefix="hf-attn-cross-domain-"))
             try:
-                out = conversion.convert(tmp / "model", files)
+                out = conversion.convert(tmp / "model", files, refine=refine)
                 row = store.put(name, key, {"ppl": score(out)})
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)  # converted checkpoints are deleted once scored
@@ -143,7 +173,7 @@ def run_matrix(
         ratio = {t: ppl[t] / original["ppl"][t] for t in EVAL_TEXTS}
         row = {
             "conversion": conversion.name,
-            "command": f"{conversion.command} --calibration-corpus {corpus}",
+            "command": f"{conversion.command} --calibration-corpus {corpus}{refine.flags()}",
             "corpus": corpus,
             "ppl": ppl,
             "ratio": ratio,
@@ -152,6 +182,7 @@ def run_matrix(
         rows.append(row)
     summary = {
         "protocol": protocol,
+        "refine": asdict(refine),
         "eval_texts": {t: {"file": p.name, "sha256": text_sums[t]} for t, p in texts.items()},
         "original": original["ppl"],
         "rows": rows,
@@ -193,6 +224,15 @@ def main(argv: list[str] | None = None) -> int:
         choices=[c.name for c in CONVERSIONS],
         default=[c.name for c in CONVERSIONS],
     )
+    parser.add_argument(
+        "--refine-steps",
+        type=int,
+        default=Refinement.steps,
+        help=f"hf-attn refine steps after each conversion (default {Refinement.steps}; 0: the closed form)",
+    )
+    parser.add_argument(
+        "--refine-tokens", type=int, default=Refinement.tokens, help="calibration tokens of the refinement"
+    )
     parser.add_argument("--max-tokens", type=int, default=8192, help="first N tokens of each evaluation text")
     parser.add_argument("--context-length", type=int, default=1024)
     parser.add_argument("--fresh", action="store_true", help="re-measure every row")
@@ -203,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.results),
             conversions=[c for c in CONVERSIONS if c.name in args.conversions],
             corpora=args.corpora,
+            refine=Refinement(args.refine_steps, args.refine_tokens),
             max_tokens=args.max_tokens,
             context=args.context_length,
             fresh=args.fresh,

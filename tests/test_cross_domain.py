@@ -51,6 +51,26 @@ def test_mix_is_equal_shares_of_both_corpora():
     assert len(assets.train_text_files()) == len(assets.python_docs_calibration_files())  # equal shares
 
 
+def test_calibration_ids_weight_a_file_by_how_often_it_is_listed(tmp_path, smollm2_path):
+    """Shares from the start of each file, equal per listing: [a, b, b] gives a a third of the tokens and b
+    two thirds, contiguous (not the same start twice); the reference: the tokenizer run on each text here."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    a, b = assets.austen_file("emma"), assets.python_docs_calibration_files()[0]
+
+    def start(path, n):
+        return tok(path.read_text()[:20_000], add_special_tokens=False)["input_ids"][:n]
+
+    assert cal.calibration_ids(tok, [a, b, b], 30).tolist() == start(a, 10) + start(b, 20)
+    assert cal.calibration_ids(tok, [a, b], 31).tolist() == start(a, 16) + start(b, 15)  # remainder: first
+    assert cal.calibration_ids(tok, [b, a, b], 31).tolist() == start(b, 21) + start(a, 10)
+    short = tmp_path / "short.txt"
+    short.write_text("A few words only.")
+    with pytest.raises(ValueError, match="asked for 40, the 2 file"):
+        cal.calibration_ids(tok, [short, a, a, short], 40)
+
+
 def test_strip_rest_on_a_hand_checked_example():
     source = (
         "Title\n=====\n\n.. index:: single: foo\n   pair: bar; baz\n\n"
