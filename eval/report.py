@@ -69,6 +69,35 @@ def format_table(record: dict) -> str:
     return "\n".join(lines)
 
 
+def cross_domain_table(record: dict) -> str | None:
+    """The quality issue's cross-domain check per row: perplexity ratio to the untouched source on each
+    evaluation text, and the FAQ ratio over the *Persuasion* ratio against `cross_domain.TOLERANCE` (None
+    without the FAQ column or the source row)."""
+    from hf_attn.eval.cross_domain import TOLERANCE, check_row
+
+    ok = [r for r in record["rows"] if "error" not in r and r.get(SECOND_CORPUS[0])]
+    source = next((r for r in ok if r["name"] == "source"), None)
+    if source is None:
+        return None
+    lines = [
+        "| Variant | Healed | Persuasion ratio | FAQ ratio | "
+        f"FAQ ratio / Persuasion ratio (<= {TOLERANCE}) |",
+        "|---|---|---:|---:|---|",
+    ]
+    for r in ok:
+        if r is source:
+            continue
+        ratio = {
+            "persuasion": r["perplexity"] / source["perplexity"],  # = cross_domain.EVAL_TEXTS
+            "python-faq": r[SECOND_CORPUS[0]] / source[SECOND_CORPUS[0]],
+        }
+        p, q = ratio["persuasion"], ratio["python-faq"]
+        verdict = "pass" if check_row({"ratio": ratio}) else "no"
+        healed = "yes" if r["healed"] else "no"
+        lines.append(f"| {r['label']} | {healed} | {p:,.3f} | {q:,.3f} | {q / p:.3f} {verdict} |")
+    return "\n".join(lines)
+
+
 def reading(record: dict) -> list[str]:
     """A few plain-language sentences drawn from the numbers (nothing here is hand-written per run)."""
     ok = [r for r in record["rows"] if "error" not in r]
@@ -91,8 +120,8 @@ def reading(record: dict) -> list[str]:
     if src and control:
         out.append(
             f"Healing the unconverted model with the same recipe moves it from {src['perplexity']:.2f} to "
-            f"{control['perplexity']:.2f}: that much of any healed variant's gain is adaptation to Austen's "
-            "prose, not repair, so compare healed rows with this control."
+            f"{control['perplexity']:.2f}: that much of any healed variant's gain is adaptation to the "
+            "healing text, not repair, so compare healed rows with this control."
         )
     for r in ok:
         if r["kind"] in ("gqa", "mla") and not r["healed"]:
@@ -172,6 +201,22 @@ def _refinement_note(record: dict) -> str:
     return f"Rows marked refined: {Settings(**record['settings']).refinement}; counted in Convert s. "
 
 
+def _cross_domain_section(record: dict) -> list[str]:
+    table = cross_domain_table(record)
+    if table is None:
+        return []
+    return [
+        "## Cross-domain check",
+        "",
+        "Perplexity over the untouched source's on each evaluation text (*Persuasion*; the Python FAQ, whose "
+        "genre is half of the calibration text and none of *Persuasion*'s); a conversion that held only on "
+        "its calibration genre would lose more on one text than on the other.",
+        "",
+        table,
+        "",
+    ]
+
+
 def write_report(record: dict, results: Path) -> None:
     results.mkdir(parents=True, exist_ok=True)
     (results / "results.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
@@ -195,6 +240,7 @@ def write_report(record: dict, results: Path) -> None:
         "",
         format_table(record),
         "",
+        *_cross_domain_section(record),
         "## Reading",
         "",
         *[f"- {line}" for line in reading(record)],

@@ -190,3 +190,19 @@ def test_study_second_corpus_column_is_opt_in_and_keeps_earlier_row_keys():
     cells = [c.strip() for c in table[2].strip("|").split("|")]
     assert header[header.index("Perplexity") + 1] == "PPL Python FAQ"
     assert cells[header.index("PPL Python FAQ")] == "16.25" and len(cells) == len(header)
+
+
+def test_study_report_states_the_cross_domain_check_per_row():
+    """Ratios to the untouched source on each text, by hand: 60 / 30 = 2 and 37.5 / 15 = 2.5 (2.5 / 2 = 1.25,
+    the tolerance: passes); 37.6 / 15 (1.2533) does not; without the FAQ column there is no table."""
+    from hf_attn.eval import report
+
+    def row(name, healed, p, q):
+        return {"name": name, "label": name, "healed": healed, "perplexity": p, "perplexity_python_faq": q}
+
+    rows = [row("source", False, 30.0, 15.0), row("a", False, 60.0, 37.5), row("a+healed", True, 60.0, 37.6)]
+    lines = report.cross_domain_table({"rows": rows}).splitlines()
+    assert "<= 1.25" in lines[0] and len(lines) == 4  # header, rule, two rows: not the source itself
+    assert lines[2] == "| a | no | 2.000 | 2.500 | 1.250 pass |"
+    assert lines[3] == "| a+healed | yes | 2.000 | 2.507 | 1.253 no |"
+    assert report.cross_domain_table({"rows": [{**r, "perplexity_python_faq": None} for r in rows]}) is None
