@@ -33,7 +33,8 @@ Code: `HealSettings` (every option; the command line is built from it) -> `load_
     hf-attn heal --model SRC --output DST [--train-text FILE ... | --train-corpus mix | --dataset NAME ...]
         [--max-steps N | --max-tokens N | --max-minutes M [--budget-clock wall|cpu]] [--seq-len 512]
         [--batch-size 1] [--grad-accum 1]
-        [--lr 1e-4] [--warmup-steps 0] [--schedule cosine|constant] [--trainable all|attention]
+        [--lr 1e-4 | --relative-lr R] [--warmup-steps 0] [--schedule cosine|constant]
+        [--trainable all|attention]
         [--autocast-dtype float32|bfloat16|float16] [--eval-text FILE ...] [--eval-every S]
         [--eval-tokens 8192] [--checkpoint-every N] [--resume] [--seed 0] [--gradient-checkpointing]
         [--overwrite]
@@ -78,6 +79,7 @@ from hf_attn.conversion.checkpoint import (
     read_config,
     write_config,
 )
+from hf_attn.conversion.refine import param_groups
 from hf_attn.conversion.train_data import (
     check_disjoint,
     check_not_embedded_eval,
@@ -128,6 +130,7 @@ class HealRecipe:
     grad_accum: int
     num_processes: int
     lr: float
+    relative_lr: float | None  # set: each tensor's peak lr is this x its RMS, and `lr` is unused
     warmup_steps: int
     schedule: str
     total_steps: int | None  # None: a time budget only (then the schedule is constant)
@@ -372,7 +375,13 @@ class HealSettings:
     seq_len: int = setting(512)
     batch_size: int = setting(1, "chunks per process per micro-step")
     grad_accum: int = setting(1)
-    lr: float = setting(1e-4)
+    lr: float = setting(1e-4, "peak learning rate of every tensor", exclusive="learning rate")
+    relative_lr: float | None = setting(
+        None,
+        "each tensor's peak lr as this fraction of its RMS at the start, instead of one --lr (as hf-attn "
+        "refine: a converted model's latent factors differ a hundredfold in scale)",
+        exclusive="learning rate",
+    )
     warmup_steps: int = setting(0)
     schedule: str | None = setting(
         None, "default: cosine with a step budget, else constant", choices=SCHEDULES
@@ -405,7 +414,7 @@ class HealSettings:
         check_choices(self)
         for name in ("seq_len", "batch_size", "grad_accum", "lr"):
             _positive(name, getattr(self, name))
-        for name in ("max_steps", "max_tokens", "max_minutes"):
+        for name in ("max_steps", "max_tokens", "max_minutes", "relative_lr"):
             _positive(name, getattr(self, name), allow_none=True)
         for name in ("warmup_steps", "eval_every", "eval_tokens", "checkpoint_every", "weight_decay"):
             _positive(name, getattr(self, name), allow_zero=True)
@@ -494,6 +503,7 @@ def make_recipe(
         grad_accum=s.grad_accum,
         num_processes=num_processes,
         lr=s.lr,
+        relative_lr=s.relative_lr,
         warmup_steps=s.warmup_steps,
         schedule=resolve_schedule(s.schedule, total_steps),
         total_steps=total_steps,
@@ -708,9 +718,15 @@ def build_train_state(
     if sharded and not accelerator.is_fsdp2:  # FSDP1: the optimizer must see the wrapped (flat) parameters
         net = accelerator.prepare(net)
     params = [p for p in net.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        params, lr=settings.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=settings.weight_decay
+    if recipe.relative_lr is not None and sharded and not accelerator.is_fsdp2:
+        raise ValueError(
+            f"--relative-lr {recipe.relative_lr} needs each tensor whole, and FSDP1 flattens them; use FSDP2 "
+            "(the shipped heal_fsdp.yaml) or --lr"
+        )
+    groups = param_groups(
+        params, lr=None if recipe.relative_lr is not None else recipe.lr, relative_lr=recipe.relative_lr
     )
+    optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.95), eps=1e-8, weight_decay=settings.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, recipe.lr_factor)
     state = TrainState(net, optimizer, scheduler, params, loader=None)
     if saved is not None:
@@ -872,7 +888,7 @@ def train_steps(
                 state.optimizer.step()
                 state.optimizer.zero_grad(set_to_none=True)
             step_loss += loss.detach() / s.grad_accum
-        lr_now = state.scheduler.get_last_lr()[0]
+        lr_now = recipe.lr_factor(state.step) * (recipe.relative_lr or recipe.lr)  # relative: x each RMS
         state.scheduler.step()
         loss_value = accelerator.reduce(step_loss, reduction="mean").item()
         seconds = time.perf_counter() - start

@@ -209,7 +209,7 @@ def fit_layer(
     params = list(attn.parameters())
     for p in params:
         p.requires_grad_(True)
-    optimizer = torch.optim.Adam(_param_groups(params, lr=lr, relative_lr=relative_lr))
+    optimizer = torch.optim.Adam(param_groups(params, lr=lr, relative_lr=relative_lr))
     with torch.enable_grad():
         for step in range(steps):
             optimizer.zero_grad(set_to_none=True)
@@ -224,8 +224,9 @@ def fit_layer(
     return LayerFit(index, before, after, True)
 
 
-def _param_groups(params: list, *, lr: float | None, relative_lr: float | None) -> list[dict]:
-    """Adam parameter groups: one rate `lr`, or `relative_lr` x each tensor's RMS (see `fit_layer`)."""
+def param_groups(params: list, *, lr: float | None, relative_lr: float | None) -> list[dict]:
+    """Adam parameter groups: one rate `lr`, or `relative_lr` x each tensor's RMS (see `fit_layer`; an
+    all-zero tensor gets the median tensor's rate). Healing's `--relative-lr` uses it too."""
     if lr is not None:
         return [{"params": params, "lr": lr}]
     rms = [float(p.detach().pow(2).mean().sqrt()) for p in params]

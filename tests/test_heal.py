@@ -191,6 +191,20 @@ def test_gradient_checkpointing_changes_nothing_and_max_tokens_rounds_up_to_whol
     assert list(lb) == [1, 2, 3] and list(lb.values()) == pytest.approx(list(la.values()), rel=1e-5)
 
 
+def test_relative_lr_moves_each_tensor_by_its_own_scale(tiny, tmp_path):
+    """Adam's first step moves every element with a gradient by the group's lr (bias-corrected, |g| >> eps):
+    with --relative-lr R each tensor's largest move is R x its RMS before the step (the norms' ones and the
+    linear weights' N(0, 0.02) draws differ 50x); with --lr, lr for every tensor."""
+    before = load_file(tiny[0] / "model.safetensors")
+    for name, kwargs in (("relative", {"relative_lr": 1e-2}), ("absolute", {"lr": 1e-3})):
+        _run(tiny, tmp_path / name, max_steps=1, eval_tokens=0, **kwargs)
+        after = load_file(tmp_path / name / "model.safetensors")
+        for key, w in before.items():
+            moved = (after[key].double() - w.double()).abs().max().item()
+            expected = 1e-2 * w.double().pow(2).mean().sqrt().item() if name == "relative" else 1e-3
+            assert moved == pytest.approx(expected, rel=1e-3), (name, key)
+
+
 @pytest.fixture(scope="module")
 def tiny_mla(tiny, tmp_path_factory):
     """The tiny model's tokenizer with a random `llama_mla` model (latent rank 48, 8 of 16 RoPE pairs)."""
@@ -360,6 +374,10 @@ def test_bad_inputs_give_one_line_errors(tiny, tmp_path, capsys):
         capsys, [*base, *out, "--train-text", str(train), "--max-minutes", "1", "--schedule", "cosine"]
     )
     assert "step budget" in err
+    err = _fails(capsys, [*base, *out, "--train-text", str(train), "--relative-lr", "0"])
+    assert "--relative-lr must be positive, got 0.0" in err
+    assert "not allowed with" in _fails(capsys, [*base, *out, "--lr", "1e-4", "--relative-lr", "1e-3"])
+    assert not (tmp_path / "out").exists()
 
 
 def test_cli_error_is_one_line_without_traceback(tiny, tmp_path):
