@@ -202,15 +202,19 @@ def _refinement_note(record: dict) -> str:
 
 
 def _cross_domain_section(record: dict) -> list[str]:
+    from hf_attn.eval.cross_domain import TOLERANCE
+
     table = cross_domain_table(record)
     if table is None:
         return []
     return [
         "## Cross-domain check",
         "",
-        "Perplexity over the untouched source's on each evaluation text (*Persuasion*; the Python FAQ, whose "
-        "genre is half of the calibration text and none of *Persuasion*'s); a conversion that held only on "
-        "its calibration genre would lose more on one text than on the other.",
+        "Perplexity over the untouched source's on each evaluation text (*Persuasion*, a novel; the Python "
+        "FAQ, technical questions and answers with code; neither is calibration or healing text). A "
+        "conversion that held only on one genre would lose more on the other text; the check asks the FAQ "
+        "ratio to be "
+        f"at most {TOLERANCE} times the *Persuasion* ratio.",
         "",
         table,
         "",
