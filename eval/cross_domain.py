@@ -141,6 +141,11 @@ def run_matrix(
     context: int = 1024,
     fresh: bool = False,
 ) -> dict:
+    if refine.steps < 0 or refine.tokens < 1:
+        raise ValueError(
+            f"--refine-steps must be >= 0 and --refine-tokens positive, got {refine.steps} and "
+            f"{refine.tokens}"
+        )
     store = RowStore(Path(results) / "rows", fresh=fresh)
     texts = eval_files()
     text_sums = {t: sha256_file(p) for t, p in texts.items()}

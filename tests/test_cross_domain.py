@@ -169,6 +169,14 @@ def test_cross_domain_check_and_default_rule():
     assert rule["best"] == "b" and rule["scores"]["a"] == pytest.approx(4.0)
 
 
+def test_cross_domain_refuses_bad_refinement_settings_before_any_work(tmp_path, capsys):
+    argv = ["--results", str(tmp_path / "r"), "--refine-steps", "-1"]
+    assert exit_status(cross_domain.main, argv) == 2
+    err = capsys.readouterr().err
+    assert "--refine-steps must be >= 0 and --refine-tokens positive, got -1 and 4096" in err
+    assert not (tmp_path / "r").exists()
+
+
 def test_study_second_corpus_column_is_opt_in_and_keeps_earlier_row_keys():
     import dataclasses
 
