@@ -75,6 +75,7 @@ class Conversion:
             calibration_text=[str(f) for f in files],
         )
         run_refine(settings, progress=False)
+        shutil.rmtree(closed)  # one checkpoint on disk once refined
         return dst
 
 
