@@ -130,7 +130,6 @@ class HealRecipe:
     grad_accum: int
     num_processes: int
     lr: float
-    relative_lr: float | None  # set: each tensor's peak lr is this x its RMS, and `lr` is unused
     warmup_steps: int
     schedule: str
     total_steps: int | None  # None: a time budget only (then the schedule is constant)
@@ -141,6 +140,7 @@ class HealRecipe:
     seed: int
     train_sha256: str
     source_hash: str
+    relative_lr: float | None = None  # set: each tensor's peak lr is this x its RMS, and `lr` is unused
 
     @property
     def global_batch(self) -> int:
