@@ -65,8 +65,8 @@ class Conversion:
         from hf_attn.conversion.refine import RefineSettings
         from hf_attn.conversion.refine import refine as run_refine
 
-        closed = convert(src=None, dst=dst.with_name(f"{dst.name}.closed-form"), calibration_files=files,
-                         **self.options)  # fmt: skip
+        closed_dir = dst.with_name(f"{dst.name}.closed-form")
+        closed = convert(src=None, dst=closed_dir, calibration_files=files, **self.options)
         settings = RefineSettings(
             model=str(closed),
             output=str(dst),
@@ -162,11 +162,10 @@ def run_matrix(
     jobs = [(c, corpus) for c in conversions for corpus in corpora]
     for conversion, corpus in tqdm(jobs, desc="cross-domain", unit="conversion"):
         files = assets.calibration_corpus_files(corpus)
+        refined = [asdict(refine)] if refine.steps else []  # closed-form rows keep their earlier keys
         name = f"{conversion.name}.{corpus}" + (f".refined{refine.steps}" if refine.steps else "")
-        key = row_key(
-            name, conversion.options, [sha256_file(f) for f in files], source_hash, text_sums, protocol,
-            *([asdict(refine)] if refine.steps else []),
-        )  # fmt: skip
+        sums = [sha256_file(f) for f in files]
+        key = row_key(name, conversion.options, sums, source_hash, text_sums, protocol, *refined)
         row = store.get(name, key)
         if row is None:
             tmp = Path(tempfile.mkdtemp(prefix="hf-attn-cross-domain-"))
