@@ -169,6 +169,20 @@ def test_cross_domain_check_and_default_rule():
     assert rule["best"] == "b" and rule["scores"]["a"] == pytest.approx(4.0)
 
 
+def test_in_genre_bound_and_cost_from_hand_computed_rows():
+    def row(name, corpus, p, q):  # original perplexities 10 (Persuasion) and 4 (FAQ)
+        return {"conversion": name, "corpus": corpus, "ppl": {"persuasion": p, "python-faq": q},
+                "ratio": {"persuasion": p / 10, "python-faq": q / 4}}  # fmt: skip
+
+    rows = [row("a", "austen", 15, 40), row("a", "python-docs", 60, 8), row("a", "mix", 18, 9)]
+    rows += [row("b", "austen", 12, 30), row("b", "mix", 13, 5)]  # no python-docs row: no in-genre entry
+    (a,) = cross_domain.in_genre(rows, "mix")
+    assert a["conversion"] == "a" and a["ratio"] == {"persuasion": 1.5, "python-faq": 2.0}
+    assert a["bound"] == pytest.approx(2.0 / 1.5)  # FAQ by the docs row, Persuasion by the novels row
+    assert a["cost"] == pytest.approx({"persuasion": 18 / 15, "python-faq": 9 / 8})
+    assert "cost" not in cross_domain.in_genre(rows, "other")[0]
+
+
 def test_cross_domain_refuses_bad_refinement_settings_before_any_work(tmp_path, capsys):
     argv = ["--results", str(tmp_path / "r"), "--refine-steps", "-1"]
     assert exit_status(cross_domain.main, argv) == 2
