@@ -7,8 +7,8 @@ then refined against the source on the same corpus (`--refine-steps`, default `h
 closed form), is scored, with the original model, on both embedded evaluation texts (*Persuasion*, the
 Python FAQ) under the README protocol (first 8,192 tokens, disjoint 1,024-token windows, fp32). Per evaluation
 text it reports the ratio converted / original perplexity, and the check: on the Python FAQ every row's ratio
-is at most `TOLERANCE` x its ratio on *Persuasion*. To tell a genre fit from a genre's own sensitivity, it also
-reports the check's quotient with each text scored by the conversion calibrated on that text's genre
+is at most `TOLERANCE` x its ratio on *Persuasion*. To tell a genre fit from a genre's own sensitivity, it
+also reports the check's quotient with each text scored by the conversion calibrated on that text's genre
 (`in_genre`), and what the default corpus costs against that on each text.
 
 Rows are stored in `RESULTS/rows/` (`eval.rows.RowStore`): an interrupted run resumes; each converted
