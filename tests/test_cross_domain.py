@@ -181,6 +181,9 @@ def test_in_genre_bound_and_cost_from_hand_computed_rows():
     assert a["bound"] == pytest.approx(2.0 / 1.5)  # FAQ by the docs row, Persuasion by the novels row
     assert a["cost"] == pytest.approx({"persuasion": 18 / 15, "python-faq": 9 / 8})
     assert "cost" not in cross_domain.in_genre(rows, "other")[0]
+    summary = {"original": {"persuasion": 10, "python-faq": 4}, "rows": [], "in_genre": [a]}
+    summary["default_rule"] = {"scores": {"mix": 1.0}, "best": "mix"}
+    assert "| a | 1.500 | 2.000 | 1.333 | 1.200 | 1.125 |" in cross_domain.markdown(summary)
 
 
 def test_cross_domain_refuses_bad_refinement_settings_before_any_work(tmp_path, capsys):
