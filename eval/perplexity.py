@@ -18,14 +18,16 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
 
 from hf_attn.eval.kv_cache import kv_bytes_per_token, measured_kv_bytes_per_token
-from hf_attn.tooling import loading
+from hf_attn.tooling import assets, loading
 from hf_attn.tooling.cli import add_settings_arguments, run_command, setting, settings_from_args
 from hf_attn.tooling.corpus import load_corpus, tokenize
+from hf_attn.tooling.files import sha256_file
 from hf_attn.tooling.perplexity import check_window, evaluate_perplexity
 
 PROG = "hf-attn perplexity"
@@ -59,6 +61,19 @@ class PerplexitySettings:
     progress: bool = setting(True, help="no progress bar")
 
 
+def calibrated_on(history: list[dict], files: list[Path]) -> list[str]:
+    """Which of the scored `files` a step of a checkpoint's conversion history (`config.json["hf_attn"]
+    ["history"]`) calibrated on, by sha256, as "NAME (STEP)": a perplexity on them is not held out."""
+    digests = {sha256_file(f): Path(f).name for f in files}
+    hits = {
+        f"{digests[entry['sha256']]} ({step.get('kind', '?')})"
+        for step in history
+        for entry in (step.get("calibration") or {}).get("files", [])
+        if entry.get("sha256") in digests
+    }
+    return sorted(hits)
+
+
 def run(settings: PerplexitySettings, *, accelerator=None) -> dict:
     """Load model and corpus, evaluate; return the JSON record (written to `output` by the main process)."""
     s = settings
@@ -77,6 +92,8 @@ def run(settings: PerplexitySettings, *, accelerator=None) -> dict:
             f"context length {context_length} exceeds the model's maximum positions ({limit}); "
             f"use --context-length <= {limit}"
         )
+    scored_files = [] if s.dataset else [Path(f) for f in s.texts] if s.texts else assets.eval_text_files()
+    leaks = calibrated_on((getattr(config, "hf_attn", None) or {}).get("history", []), scored_files)
     tokenizer = loading.load_tokenizer(model_path)
     input_ids = tokenize(tokenizer, corpus)
     n_tokens = min(input_ids.numel(), max_tokens or input_ids.numel())
@@ -135,8 +152,15 @@ def run(settings: PerplexitySettings, *, accelerator=None) -> dict:
         "device": str(accelerator.device) if s.device_map is None else f"device_map={s.device_map}",
         "kv_bytes_per_token": kv,
         "kv_bytes_per_token_measured": measured_kv_bytes_per_token(lm).to_dict(),
+        "calibrated_on_scored_text": leaks,
         "versions": loading.library_versions(),
     }
+    if leaks and accelerator.is_main_process:
+        print(
+            f"{PROG}: warning: {model_path} was calibrated on the text it is scored on ({', '.join(leaks)}): "
+            "this perplexity is not a held-out measurement",
+            file=sys.stderr,
+        )
     if s.output is not None and accelerator.is_main_process:
         write_json(record, s.output)
     return record

@@ -1,6 +1,7 @@
 """Perplexity evaluation on the real SmolLM2 and the first tokens of *Persuasion*, checked against an
 independent loop written here (the Transformers perplexity guide, loss from the model's `labels=` path)."""
 
+import hashlib
 import json
 import os
 import subprocess
@@ -138,6 +139,25 @@ def test_cli_equals_reference_disjoint(cli_disjoint, sdpa_model, ids, persuasion
     assert rel(cli_disjoint["perplexity"], torch.tensor(nll / count).exp().item()) < 1e-4
     assert (cli_disjoint["context_length"], cli_disjoint["stride"]) == (CONTEXT, CONTEXT)
     assert cli_disjoint["corpus"] == "persuasion.txt"
+    assert cli_disjoint["calibrated_on_scored_text"] == []  # the shipped model was not calibrated at all
+
+
+def test_calibrated_on_names_scored_files_a_conversion_step_read(tmp_path):
+    scored, other = tmp_path / "scored.txt", tmp_path / "other.txt"
+    scored.write_text("the evaluation text\n")
+    other.write_text("calibration text\n")
+    copy = tmp_path / "copy.txt"
+    copy.write_text("the evaluation text\n")  # same content under another name: still the scored text
+    digest = lambda f: hashlib.sha256(f.read_bytes()).hexdigest()  # noqa: E731
+    files = lambda *fs: {"files": [{"name": f.name, "sha256": digest(f)} for f in fs]}  # noqa: E731
+    history = [
+        {"kind": "mla", "calibration": files(other, copy)},
+        {"kind": "refine", "calibration": files(other)},
+        {"kind": "heal", "settings": {}},  # no calibration entry
+    ]
+    assert perplexity.calibrated_on(history, [scored]) == ["scored.txt (mla)"]
+    assert perplexity.calibrated_on(history, [other]) == ["other.txt (mla)", "other.txt (refine)"]
+    assert perplexity.calibrated_on([], [scored]) == []
 
 
 @pytest.fixture(scope="module")
