@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +18,7 @@ from hf_attn.conversion import layerwise
 from hf_attn.conversion.refine import RefineSettings, refine, refine_summary
 from hf_attn.tooling import assets, loading
 from hf_attn.tooling.cli import add_deprecated_alias, add_settings_arguments, run_command
-from hf_attn.tooling.files import check_output
+from hf_attn.tooling.files import check_output, scratch_directory
 
 
 def converter_parser(prog: str, doc: str, *, output_help: str) -> argparse.ArgumentParser:
@@ -121,7 +120,7 @@ def run(
             return
         refine_settings = _refine_settings(args, kwargs)  # checks its values before the conversion
         output = check_output(loading.resolve_model(args.model), args.output, overwrite=args.overwrite)
-        with tempfile.TemporaryDirectory(prefix=".hf-attn-closed-form-", dir=output.parent) as scratch:
+        with scratch_directory(".hf-attn-closed-form-", dir=output.parent) as scratch:
             closed = convert(
                 src=args.model, dst=Path(scratch) / "closed-form", dtype=args.save_dtype, **kwargs
             )

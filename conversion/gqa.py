@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import tempfile
 from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +47,7 @@ from hf_attn.conversion.checkpoint import (
     read_tensor,
     save_streamed,
 )
-from hf_attn.tooling.files import checkpoint_hash
+from hf_attn.tooling.files import checkpoint_hash, scratch_directory
 
 PROG = "hf-attn convert gqa"
 
@@ -548,7 +547,7 @@ def convert_gqa(
         # the fitted tensors go to a scratch directory beside dst, one file per layer, until the save
         parent = Path(dst).resolve().parent
         spill = stack.enter_context(
-            tempfile.TemporaryDirectory(prefix=".hf-attn-gqa-fit-", dir=parent if parent.is_dir() else None)
+            scratch_directory(".hf-attn-gqa-fit-", dir=parent if parent.is_dir() else None)
         )
         calibrated = calibrate(
             src_dir=src_dir,

@@ -24,7 +24,6 @@ import dataclasses
 import math
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -56,7 +55,7 @@ from hf_attn.conversion.checkpoint import (
 )
 from hf_attn.models.llama_mla.configuration_llama_mla import LlamaMLAConfig
 from hf_attn.models.llama_mla.modeling_llama_mla import rope_dim_indices
-from hf_attn.tooling.files import check_output, checkpoint_hash
+from hf_attn.tooling.files import check_output, checkpoint_hash, scratch_directory
 
 PROG = "hf-attn convert mla"
 
@@ -504,7 +503,7 @@ def calibrate(
     spill = moments or shared is not None or sample_stride > 0
     scratch = None
     if spill and scratch_dir is None:
-        scratch = tempfile.TemporaryDirectory(prefix="hf-attn-mla-statistics-")
+        scratch = scratch_directory("hf-attn-mla-statistics-")
     spill_dir = Path(scratch.name) if scratch is not None else scratch_dir
     if spill and scratch_dir is not None:
         spill_dir.mkdir(parents=True, exist_ok=True)

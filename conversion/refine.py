@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import re
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -67,7 +66,7 @@ from hf_attn.tooling.cli import (
     setting,
     settings_from_args,
 )
-from hf_attn.tooling.files import check_output, checkpoint_hash
+from hf_attn.tooling.files import check_output, checkpoint_hash, scratch_directory
 
 PROG = "hf-attn refine"
 CONVERSION_KINDS = ("gqa", "mla")  # records whose `source` a refinement defaults to
@@ -290,7 +289,7 @@ def refine(settings: RefineSettings, *, progress: bool = True, source_name: str 
     n = max(1, len(ids) // DEFAULT_WINDOW)
     windows = ids[: n * DEFAULT_WINDOW].view(n, -1) if len(ids) >= DEFAULT_WINDOW else ids[None]  # (N, T)
     torch.manual_seed(0)
-    with tempfile.TemporaryDirectory(prefix="hf-attn-refine-") as scratch:
+    with scratch_directory("hf-attn-refine-") as scratch:
         refitted = SpilledLayers(Path(scratch), converted.index)
         start = time.perf_counter()
         fits = refine_layers(

@@ -21,7 +21,6 @@ import argparse
 import json
 import math
 import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from tqdm.auto import tqdm
 from hf_attn.eval.rows import RowStore, row_key
 from hf_attn.tooling import assets
 from hf_attn.tooling.cli import run_command
-from hf_attn.tooling.files import sha256_file
+from hf_attn.tooling.files import scratch_directory, sha256_file
 
 PROG = "hf-attn cross-domain"
 TOLERANCE = 1.25  # the check: ratio on the second corpus <= TOLERANCE x ratio on Persuasion
@@ -193,12 +192,9 @@ def run_matrix(
         key = row_key(name, conversion.options, sums, source_hash, text_sums, protocol, *refined)
         row = store.get(name, key)
         if row is None:
-            tmp = Path(tempfile.mkdtemp(prefix="hf-attn-cross-domain-"))
-            try:
-                out = conversion.convert(tmp / "model", files, refine=refine)
+            with scratch_directory("hf-attn-cross-domain-") as tmp:  # deleted once scored
+                out = conversion.convert(Path(tmp) / "model", files, refine=refine)
                 row = store.put(name, key, {"ppl": score(out)})
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)  # converted checkpoints are deleted once scored
         ppl = row["ppl"]
         ratio = {t: ppl[t] / original["ppl"][t] for t in EVAL_TEXTS}
         row = {

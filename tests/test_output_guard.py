@@ -1,10 +1,13 @@
 """The one output guard (`hf_attn.tooling.files.check_output`): an output that is, lies inside or contains its
-source is refused, and an existing output needs overwrite; the streamed converters go through it too."""
+source is refused, and an existing output needs overwrite; the streamed converters go through it too. Scratch
+and half-written outputs of killed processes are swept by the next run."""
 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,7 +18,7 @@ from test_gqa import file_hashes, make_tiny
 
 from hf_attn.conversion import expand, gqa
 from hf_attn.tooling.cli import sigterm_exits_cleanly
-from hf_attn.tooling.files import check_output
+from hf_attn.tooling.files import atomic_directory, check_output, scratch_directory
 
 
 def test_check_output_refuses_the_source_its_inside_and_its_parents(tmp_path):
@@ -96,3 +99,36 @@ def test_sigterm_handler_is_scoped_and_a_forked_child_takes_the_default_action()
         child.join(timeout=60)
     assert signal.getsignal(signal.SIGTERM) is before
     assert child.exitcode == -signal.SIGTERM  # the default action's status; 143 would mean SystemExit
+
+
+KILLED_WRITER = """
+import os, signal, sys
+from pathlib import Path
+from hf_attn.tooling.files import atomic_directory, scratch_directory
+where = Path(sys.argv[1])
+scratch = scratch_directory("hf-attn-test-", dir=where)
+(Path(scratch.name) / "statistics.pt").write_bytes(b"x" * 1000)
+with atomic_directory(where / "out") as tmp:
+    (tmp / "model.safetensors").write_bytes(b"x" * 1000)
+    os.kill(os.getpid(), signal.SIGKILL)  # no cleanup of any kind runs
+"""
+
+
+def test_what_a_killed_process_left_is_swept_by_the_next_one(tmp_path):
+    res = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(tmp_path)], capture_output=True, text=True)
+    assert res.returncode == -signal.SIGKILL, res.stderr[-2000:]
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert len(left) == 2 and left[0].startswith(".out.") and left[1].startswith("hf-attn-test-"), left
+    keep = [  # a running process's (this one's), another host's, and an untagged directory
+        f"hf-attn-test-{socket.gethostname()}-{os.getpid()}-mine",
+        "hf-attn-test-some-other-host-1-theirs",
+        "hf-attn-test-untagged",
+        f".out.{socket.gethostname()}-{os.getpid()}-mine.tmp",
+    ]
+    for name in keep:
+        (tmp_path / name).mkdir()
+    with scratch_directory("hf-attn-test-", dir=tmp_path) as fresh:
+        with atomic_directory(tmp_path / "out") as tmp:
+            (tmp / "model.safetensors").write_bytes(b"y")
+        now = sorted(p.name for p in tmp_path.iterdir())
+        assert now == sorted([*keep, "out", Path(fresh).name]), now  # both leftovers gone, the rest kept

@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,11 +41,54 @@ def checkpoint_hash(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+def _owner_tag() -> str:
+    """What the scratch names of this process carry: `HOST-PID-`."""
+    return f"{socket.gethostname()}-{os.getpid()}-"
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def sweep_stale(directory: str | os.PathLike, prefix: str, suffix: str = "") -> list[Path]:
+    """Remove the directories in `directory` named PREFIX + HOST-PID- ... + SUFFIX that a process of this
+    host, no longer running, left behind (SIGKILL skips every cleanup). Other hosts' and running processes'
+    entries, and names without the tag, are kept. Returns what was removed."""
+    pattern = re.compile(
+        re.escape(prefix) + re.escape(socket.gethostname()) + r"-(\d+)-.*" + re.escape(suffix)
+    )
+    try:
+        entries = list(Path(directory).iterdir())
+    except OSError:
+        return []
+    removed = []
+    for path in entries:
+        match = pattern.fullmatch(path.name)
+        if match and path.is_dir() and not _running(int(match.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def scratch_directory(prefix: str, dir: str | os.PathLike | None = None) -> tempfile.TemporaryDirectory:
+    """`tempfile.TemporaryDirectory` named PREFIX + HOST-PID-..., in `dir` (default: the system's temporary
+    directory), after sweeping what killed processes of this host left there under the same prefix."""
+    sweep_stale(tempfile.gettempdir() if dir is None else dir, prefix)
+    return tempfile.TemporaryDirectory(prefix=prefix + _owner_tag(), dir=dir)
+
+
 @contextlib.contextmanager
 def atomic_directory(final: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary directory beside `final`; rename it to `final` only if the block completes.
 
-    A failure or interruption leaves `final` untouched (no half-written output). An existing `final` is
+    A failure or interruption leaves `final` untouched (no half-written output); what a killed writer of this
+    host left beside it is removed by the next call (`sweep_stale`). An existing `final` is
     an error unless `overwrite=True`, in which case it is replaced only once the new one is complete.
     """
     final = Path(final).resolve()
@@ -54,7 +99,8 @@ def atomic_directory(final: str | os.PathLike, *, overwrite: bool = False) -> It
     final.parent.mkdir(parents=True, exist_ok=True)
     if not os.access(final.parent, os.W_OK):
         raise PermissionError(f"Output directory {final.parent} is not writable; choose another --output.")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    sweep_stale(final.parent, f".{final.name}.", ".tmp")  # a killed writer's leftovers
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.{_owner_tag()}", suffix=".tmp", dir=final.parent))
     try:
         yield tmp
         tmp.chmod(0o755)
