@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,6 +25,7 @@ from hf_attn.conversion.checkpoint import open_source
 from hf_attn.eval.mla_curve import calibration_files, evaluate_checkpoint
 from hf_attn.tooling import loading
 from hf_attn.tooling.corpus import load_corpus, tokenize
+from hf_attn.tooling.files import scratch_directory
 from hf_attn.tooling.loading import resolve_model
 
 PROG = "hf-attn allocation"
@@ -74,12 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         for variant in args.variants.split(","):
             start = time.perf_counter()
             plan = plan_variant(src_dir, budget, variant, calibration, args.rope_pairs)
-            tmp = Path(tempfile.mkdtemp(prefix="mla_alloc_"))
-            try:
+            with scratch_directory("mla_alloc_") as scratch:
+                tmp = Path(scratch)
                 path = mla.write_conversion(plan, tmp / "ckpt", start=start)
                 result = evaluate_checkpoint(path, ids, args.context_length)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
             shapes = plan.layer_shapes or [plan.shape] * geometry.num_layers
             numbers = sum(s.cache_numbers for s in shapes)
             row = {

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -44,6 +42,7 @@ from hf_attn.eval.study import CONVERSION_CODE, code_hash
 from hf_attn.tooling import assets, loading
 from hf_attn.tooling.cli import error
 from hf_attn.tooling.corpus import load_corpus, tokenize
+from hf_attn.tooling.files import scratch_directory
 from hf_attn.tooling.loading import resolve_model
 
 PROG = "hf-attn curve"
@@ -245,13 +244,11 @@ def measure_point(p: dict, src_dir, calibration, ids: torch.Tensor, context_leng
         calibration=calibration,
         allocation="uniform",  # the curve measures one r and d_c in every layer (eval.mla_allocation: greedy)
     )
-    tmp = Path(tempfile.mkdtemp(prefix="mla_curve_", dir=work))
-    try:
+    with scratch_directory("mla_curve_", dir=work) as scratch:
+        tmp = Path(scratch)
         path = mla.write_conversion(plan, tmp / "ckpt", start=start)
         convert_seconds = round(time.perf_counter() - start, 1)
         result = evaluate_checkpoint(path, ids, context_length)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     shape = plan.shape
     return {
         **p,

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,6 +30,7 @@ from hf_attn.conversion.checkpoint import AttentionGeometry, read_config
 from hf_attn.eval.mla_curve import calibration_files, evaluate_checkpoint
 from hf_attn.tooling import loading
 from hf_attn.tooling.corpus import load_corpus, tokenize
+from hf_attn.tooling.files import scratch_directory
 from hf_attn.tooling.loading import resolve_model
 
 
@@ -92,8 +91,8 @@ def run(
     for layout, budget, rope_pairs, do_heal in todo:
         start = time.perf_counter()
         plan = _plan(src_dir, layout, budget, rope_pairs, calibration)
-        tmp = Path(tempfile.mkdtemp(prefix="mla_layouts_", dir=output_dir))
-        try:
+        with scratch_directory("mla_layouts_", dir=output_dir) as scratch:
+            tmp = Path(scratch)
             path = mla.write_conversion(plan, tmp / "ckpt", start=start)
             convert_seconds = round(time.perf_counter() - start, 1)
             before = None if do_heal and skip_before_heal else evaluate_checkpoint(path, ids, context_length)
@@ -111,8 +110,6 @@ def run(
                     progress=False,
                 )
                 after = evaluate_checkpoint(tmp / "healed", ids, context_length)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
         shape = plan.shape
         row = {
             "key": _key(layout, budget, rope_pairs, do_heal),
