@@ -64,6 +64,8 @@ class PerplexitySettings:
 def calibrated_on(history: list[dict], files: list[Path]) -> list[str]:
     """Which of the scored `files` a step of a checkpoint's conversion history (`config.json["hf_attn"]
     ["history"]`) calibrated on, by sha256, as "NAME (STEP)": a perplexity on them is not held out."""
+    if not history:
+        return []
     digests = {sha256_file(f): Path(f).name for f in files}
     hits = {
         f"{digests[entry['sha256']]} ({step.get('kind', '?')})"

@@ -51,8 +51,8 @@ def _running(pid: int) -> bool:
         os.kill(pid, 0)  # signal 0: only asks whether the process exists
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's process
-        return True
+    except PermissionError:  # another user's process: it exists
+        pass
     return True
 
 
