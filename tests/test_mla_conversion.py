@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 from transformers.models.llama.modeling_llama import rotate_half
 
 from hf_attn.conversion import factorization as fac
-from hf_attn.conversion import mla
+from hf_attn.conversion import mla, mla_plan
 from hf_attn.conversion import rope_selection as rs
 from hf_attn.conversion.calibration import calibration_ids
 from hf_attn.conversion.checkpoint import AttentionGeometry
@@ -411,7 +411,7 @@ def test_failure_leaves_no_output(tiny_root, tmp_path, monkeypatch):
     def boom(**kwargs):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(mla, "convert_layer", boom)
+    monkeypatch.setattr(mla_plan, "convert_layer", boom)  # where the planned conversion calls it
     with pytest.raises(RuntimeError, match="disk full"):
         mla.convert_to_mla(src=tiny_root / "llama", dst=tmp_path / "mla")
     assert list(tmp_path.iterdir()) == []

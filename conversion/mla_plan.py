@@ -1,0 +1,481 @@
+"""MLA conversion, planning: validate the options, calibrate when they need it, choose the RoPE pairs and the
+per-layer ranks (`plan_conversion`), and the planned conversion (`MLAConversion`): its config.json, its
+record and its tensors streamed layer by layer."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from hf_attn.conversion import allocation as alloc
+from hf_attn.conversion import calibration as cal
+from hf_attn.conversion import factorization as fac
+from hf_attn.conversion import rope_selection as rs
+from hf_attn.conversion import shared_rope as sr
+from hf_attn.conversion.checkpoint import (
+    AttentionGeometry,
+    Source,
+    TensorInfo,
+    conversion_record,
+    dtype_name,
+    layer_attn_keys,
+    names_in_file_order,
+    open_source,
+    parse_attn_key,
+    read_tensor,
+)
+from hf_attn.conversion.mla_calibration import DEFAULT_CALIBRATION_TOKENS, Calibration, calibrate
+from hf_attn.conversion.mla_layer import (
+    DEFAULT_FACTORIZATION,
+    DEFAULT_ROPE_SELECTION,
+    MLAShape,
+    _Moments,
+    convert_layer,
+    default_rope_pairs,
+    plan_shape,
+)
+from hf_attn.tooling.files import checkpoint_hash
+
+_MLA_PROJ = ("q_proj", "k_rope_proj", "kv_down_proj", "latent_norm", "k_up_proj", "v_up_proj", "o_proj")
+
+
+# --------------------------------------------------------------------------------------------- checkpoint
+
+
+def _mla_name(layer: int, key: str) -> str:
+    return f"model.layers.{layer}.self_attn.{key}"
+
+
+def _check_biases(index: dict[str, TensorInfo], geometry: AttentionGeometry) -> tuple[bool, bool]:
+    """(qkv_bias, o_bias) from the tensors present; ValueError if q/k/v disagree or layers differ."""
+    seen = set()
+    for layer in range(geometry.num_layers):
+        names = layer_attn_keys(layer)
+        qkv = {p: names[f"{p}.bias"] in index for p in ("q_proj", "k_proj", "v_proj")}
+        if len(set(qkv.values())) != 1:
+            raise ValueError(
+                f"Layer {layer} has biases on {[p for p, b in qkv.items() if b]} only; llama_mla supports "
+                "biases on all of q/k/v (Qwen2, Llama attention_bias) or none."
+            )
+        seen.add((qkv["q_proj"], names["o_proj.bias"] in index))
+    if len(seen) != 1:
+        raise ValueError("Layers disagree on which attention projections have biases; unsupported layout.")
+    return seen.pop()
+
+
+def mla_config(
+    src_dir: Path,
+    *,
+    shape: MLAShape,
+    pairs: list[list[list[int]]] | None,
+    qkv_bias: bool,
+    o_bias: bool,
+    latent_norm: bool = True,
+    layer_ranks: tuple[list[int], list[int]] | None = None,
+) -> dict:
+    """(shape.shared_rope: the DeepSeek layout, `pairs` [num_layers][1][r], rope_layout "shared" and the
+    latent norm.)"""
+    """config.json of the converted checkpoint: the source's (normalised by its config class) plus the MLA
+    fields, validated by LlamaMLAConfig; `auto_map` and `architectures` point at the llama_mla classes."""
+    from transformers import AutoConfig
+
+    from hf_attn.models.llama_mla import LlamaMLAConfig, LlamaMLAForCausalLM
+
+    source = AutoConfig.from_pretrained(src_dir)
+    fields = {
+        k: v
+        for k, v in source.to_dict().items()
+        if k not in ("model_type", "architectures", "transformers_version", "auto_map")
+    }
+    if shape.shared_rope:
+        fields.update(rope_layout="shared", latent_norm=latent_norm)
+    if layer_ranks is not None:  # (layer_rope_pairs, layer_kv_lora_ranks): ragged (conversion.allocation)
+        fields.update(layer_rope_pairs=layer_ranks[0], layer_kv_lora_ranks=layer_ranks[1])
+    config = LlamaMLAConfig(
+        **fields,
+        kv_lora_rank=shape.kv_lora_rank,
+        rope_pairs=shape.rope_pairs,
+        rope_pair_indices=pairs,
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        source_model_type=source.model_type,
+    )
+    out = config.to_dict()
+    out["architectures"] = [LlamaMLAForCausalLM.__name__]
+    name = lambda cls: f"{cls.__module__.rsplit('.', 1)[-1]}.{cls.__name__}"  # noqa: E731
+    out["auto_map"] = {"AutoConfig": name(LlamaMLAConfig), "AutoModelForCausalLM": name(LlamaMLAForCausalLM)}
+    return out
+
+
+def copy_model_code(directory: Path) -> list[str]:
+    """Copy the llama_mla configuration/modeling files (and their relative imports) for trust_remote_code."""
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    from hf_attn.models.llama_mla import LlamaMLAConfig, LlamaMLAForCausalLM
+
+    copied = []
+    for cls in (LlamaMLAConfig, LlamaMLAForCausalLM):
+        module_file = Path(sys.modules[cls.__module__].__file__)
+        for path in [module_file, *map(Path, get_relative_import_files(module_file))]:
+            if path.name not in copied:
+                shutil.copy(path, directory / path.name)
+                copied.append(path.name)
+    return copied
+
+
+# --------------------------------------------------------------------------------------------- conversion
+
+
+@dataclass
+class MLAConversion:
+    """A planned conversion: everything decided (ranks, pairs, calibration), nothing written yet."""
+
+    src_dir: Path
+    index: dict[str, TensorInfo]
+    shape: MLAShape
+    selection: str
+    factorization: str  # "full-rank" when the latent keeps everything
+    pairs: list[list[list[int]]]  # [layer][Hkv][r]
+    qkv_bias: bool
+    o_bias: bool
+    kv_budget: float | None
+    calibration: Calibration | None
+    layout: str = "per-head"
+    rope_stride: int | None = None  # DeepSeek layout: the kept pairs are 0, s, ..., (r - 1) s
+    shared_keys: dict[int, sr.SharedKey] | None = None  # DeepSeek layout: layer -> fitted shared key
+    norm_eps: float | None = None  # DeepSeek layout: the latent norm's eps (the source's rms_norm_eps)
+    norm_refine_steps: int = 0  # DeepSeek layout: L-BFGS steps on the encoder through the norm (sr._refine)
+    layer_shapes: list[MLAShape] | None = None  # per-layer ranks (conversion.allocation); None: `shape`
+    allocation: dict | None = None  # the allocation's record (per-layer lists); None: uniform
+
+    def layer_shape(self, layer: int) -> MLAShape:
+        """The ranks of layer `layer`: its own (`--allocation greedy`) or the shared `shape`."""
+        return self.shape if self.layer_shapes is None else self.layer_shapes[layer]
+
+    def query_fit(self, layer: int) -> torch.Tensor | None:
+        """The `attention` selection's query refit of the dropped pairs of `layer` (None otherwise)."""
+        if self.selection != "attention" or self.calibration is None:
+            return None
+        return self.calibration.query_fit[layer]
+
+    def record(self) -> dict:
+        s = self.shape
+        return conversion_record(
+            kind="mla",
+            source=self.src_dir,
+            source_hash=checkpoint_hash(self.src_dir),
+            settings={
+                "kv_budget": self.kv_budget,
+                "rope_selection": self.selection,
+                "factorization": self.factorization,
+                "layout": self.layout,
+                **self._forward_settings(),
+            },
+            kv_lora_rank=s.kv_lora_rank,
+            rope_pairs=s.rope_pairs,
+            query_fit=self.selection == "attention",
+            kv_numbers_per_token_per_layer={"source": s.source_cache_numbers, "mla": self._mean_numbers()},
+            kv_fraction=self._mean_numbers() / s.source_cache_numbers,
+            **({} if self.allocation is None else {"allocation": self.allocation}),
+            calibration=None if self.calibration is None else self.calibration.record,
+            **self._deepseek_record(),
+        )
+
+    def _forward_settings(self) -> dict:
+        """device / forward_dtype of the calibration forward (None: no calibration ran)."""
+        record = {} if self.calibration is None else self.calibration.record
+        return {key: record.get(key) for key in ("device", "forward_dtype")}
+
+    def _mean_numbers(self) -> int | float:
+        """Numbers cached per token and layer (the mean over layers when they differ)."""
+        if self.layer_shapes is None:
+            return self.shape.cache_numbers
+        total, layers = sum(s.cache_numbers for s in self.layer_shapes), len(self.layer_shapes)
+        return total // layers if total % layers == 0 else total / layers
+
+    def _deepseek_record(self) -> dict:
+        if self.layout != "deepseek":
+            return {}
+        residual = [float(k.residual.mean()) if len(k.pairs) else 0.0 for k in self.shared_keys.values()]
+        return {
+            "rope_pair_stride": self.rope_stride,
+            "rope_pairs_kept": self.pairs[0][0],
+            "latent_norm": self.norm_eps is not None,
+            "shared_key_residual_per_layer": [round(v, 6) for v in residual],
+        }
+
+    def config(self, dtype: torch.dtype | None = None) -> dict:
+        """config.json without the record (see `record`)."""
+        pairs = None if self.selection == "high" and self.layout == "per-head" else self.pairs
+        if self.layout == "deepseek":
+            pairs = [[layer[0]] for layer in self.pairs]  # [num_layers][1][r]: one shared RoPE key
+        out = mla_config(
+            self.src_dir,
+            shape=self.shape,
+            pairs=pairs,
+            qkv_bias=self.qkv_bias,
+            o_bias=self.o_bias,
+            latent_norm=self.norm_eps is not None,
+            layer_ranks=None
+            if self.layer_shapes is None
+            else ([s.rope_pairs for s in self.layer_shapes], [s.kv_lora_rank for s in self.layer_shapes]),
+        )
+        if dtype is not None:
+            out["dtype"] = dtype_name(dtype)
+            out.pop("torch_dtype", None)
+        return out
+
+    def tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """The converted tensors in source file order; one layer's attention in memory at a time."""
+        index = self.index
+        names = names_in_file_order(index)
+        num_layers = self.shape.geometry.num_layers
+        done: set[int] = set()
+        for name in tqdm(names, desc="mla", unit="tensor"):
+            parsed = parse_attn_key(name)
+            if parsed is None:
+                tensor = read_tensor(index[name])
+                yield name, tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+                continue
+            layer = parsed[0]
+            if layer in done:
+                continue
+            done.add(layer)
+            weights = {
+                k: read_tensor(index[n]) if n in index else None for k, n in layer_attn_keys(layer).items()
+            }
+            new = convert_layer(
+                weights={k: (w.double() if w is not None else None) for k, w in weights.items()},
+                pairs=self.pairs[layer],
+                shape=self.layer_shape(layer),
+                factorization=self.factorization,
+                statistics=None if self.calibration is None else self.calibration.statistics[layer],
+                query_fit=self.query_fit(layer),
+                shared_key=None if self.shared_keys is None else self.shared_keys[layer],
+                norm_eps=self.norm_eps,
+                norm_refine_steps=self.norm_refine_steps,
+            )
+            out_dtype = dtype or weights["q_proj.weight"].dtype
+            for key in sorted(new, key=lambda k: (_MLA_PROJ.index(k.split(".")[0]), k)):
+                yield _mla_name(layer, key), new[key].to(out_dtype).contiguous()
+        assert done == set(range(num_layers)), sorted(set(range(num_layers)) - done)
+
+
+def plan_conversion(
+    *,
+    src: str | Path | Source | None,
+    kv_lora_rank: int | None = None,
+    kv_budget: float | None = None,
+    rope_pairs: int | None = None,
+    rope_selection: str = DEFAULT_ROPE_SELECTION,
+    factorization: str = DEFAULT_FACTORIZATION,
+    calibration_files: list[str | Path] | None = None,
+    calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS,
+    calibration_window: int = cal.DEFAULT_WINDOW,
+    calibration: Calibration | None = None,
+    layout: str = "per-head",
+    device: str = "cpu",
+    forward_dtype: str = "float32",
+    allocation: str | None = None,
+    allocation_normalization: str = alloc.DEFAULT_NORMALIZATION,
+) -> MLAConversion:
+    """Validate everything, calibrate if the options need it (or reuse `calibration`), choose the pairs.
+    layout "deepseek": one RoPE key per layer shared by all heads on the pairs 0, s, ..., (r-1) s of every
+    layer, and a latent RMSNorm (conversion.shared_rope); selections `attention` (s by its pair scores, and
+    its query refit of the dropped pairs) or `high` (s = 1).
+    allocation (conversion.allocation): "uniform", "greedy" or "greedy-ranks"; None: "greedy" where it applies
+    (a --kv-budget without --rope-pairs / --kv-lora-rank, the per-head layout, the `attention` selection and
+    factorization), else "uniform"."""
+    if layout not in sr.LAYOUTS:
+        raise ValueError(f"Unknown --layout {layout!r}; choose one of {', '.join(sr.LAYOUTS)}.")
+    if layout == "deepseek" and rope_selection not in sr.DEEPSEEK_SELECTIONS:
+        raise ValueError(
+            f"--rope-selection {rope_selection} picks pairs per KV head; --layout deepseek keeps the same "
+            f"progression 0, s, 2s, ... in every layer: use --rope-selection "
+            f"{' or '.join(sr.DEEPSEEK_SELECTIONS)}."
+        )
+    if rope_selection not in rs.SELECTIONS:
+        raise ValueError(
+            f"Unknown --rope-selection {rope_selection!r}; choose one of {', '.join(rs.SELECTIONS)}."
+        )
+    if factorization not in fac.FACTORIZATIONS:
+        raise ValueError(
+            f"Unknown --factorization {factorization!r}; choose one of {', '.join(fac.FACTORIZATIONS)}."
+        )
+    if allocation is None:
+        allocation = alloc.default_allocation(
+            kv_budget=kv_budget,
+            given_ranks=rope_pairs is not None or kv_lora_rank is not None,
+            layout=layout,
+            selection=rope_selection,
+            factorization=factorization,
+        )
+    _check_allocation(allocation, layout=layout, selection=rope_selection, factorization=factorization)
+    source = src if isinstance(src, Source) else open_source(src)
+    src_dir, geometry, index, config = source.dir, source.geometry, source.index, source.config
+    if geometry.head_dim % 2:
+        raise ValueError(f"head_dim {geometry.head_dim} is odd; RoPE pairs need an even head_dim.")
+    qkv_bias, o_bias = _check_biases(index, geometry)
+    if allocation != "uniform" and rope_pairs is None and kv_budget is not None and layout == "per-head":
+        rope_pairs = alloc.default_rope_pairs(geometry, kv_budget, default_rope_pairs)
+    shape = plan_shape(
+        geometry,
+        kv_lora_rank=kv_lora_rank,
+        kv_budget=kv_budget,
+        rope_pairs=rope_pairs,
+        rope_selection=rope_selection,
+        layout=layout,
+    )
+    selection = "high" if shape.rope_pairs in (0, geometry.head_dim // 2) else rope_selection  # no choice
+    if shape.is_full_rank:
+        factorization = "full-rank"
+    need_moments = factorization in fac.CALIBRATED_FACTORIZATIONS
+    need_scores = selection in rs.CALIBRATED_SELECTIONS
+    deepseek = layout == "deepseek"  # needs the shared-key statistics and input samples: always calibrates
+    if deepseek and calibration is not None and not _has_deepseek_statistics(calibration, need_moments):
+        raise ValueError(
+            "The given calibration lacks what --layout deepseek needs; calibrate with shared_keys=True, "
+            "sample_stride > 0 (and moments / attention_pairs for the chosen options)."
+        )
+    if selection == "attention" and calibration is None and calibration_window <= rs.QUERY_STRIDE:
+        raise ValueError(  # one query per window: zero score variance, a 0/0 query fit (NaN or ~1e12 weights)
+            f"--calibration-window {calibration_window} is too short for --rope-selection attention, whose "
+            f"statistics use every {rs.QUERY_STRIDE}th query of a window; use a window > {rs.QUERY_STRIDE}."
+        )
+    if (need_moments or need_scores or deepseek) and calibration is None:
+        calibration = calibrate(
+            src_dir=src_dir,
+            geometry=geometry,
+            moments=need_moments,
+            pair_norms=selection == "2norm",
+            attention_pairs=selection == "attention",
+            files=None if calibration_files is None else [Path(f) for f in calibration_files],
+            tokens=calibration_tokens,
+            window=calibration_window,
+            shared_keys=deepseek and shape.rope_pairs > 0,
+            sample_stride=sr.SAMPLE_STRIDE if deepseek else 0,
+            device=device,
+            forward_dtype=forward_dtype,
+        )
+    elif not (need_moments or need_scores or deepseek):
+        calibration = None
+    if deepseek:
+        return _plan_deepseek(
+            src_dir, index, shape, selection, factorization, qkv_bias, o_bias, kv_budget, calibration, config
+        )
+    pairs = rs.select_rope_pairs(
+        selection,
+        num_layers=geometry.num_layers,
+        num_kv_heads=geometry.num_kv_heads,
+        head_dim=geometry.head_dim,
+        rope_pairs=shape.rope_pairs,
+        scores=None if calibration is None else calibration.pair_scores.get(selection),
+    )
+    plan = MLAConversion(
+        src_dir, index, shape, selection, factorization, pairs, qkv_bias, o_bias, kv_budget, calibration
+    )
+    if allocation != "uniform" and not shape.is_full_rank:
+        plan = _allocate(plan, allocation_normalization, allocate_latent=allocation == "greedy-ranks")
+    return plan
+
+
+def _check_allocation(allocation: str, *, layout: str, selection: str, factorization: str) -> None:
+    """ValueError unless `--allocation` can run with these options."""
+    if allocation not in alloc.ALLOCATIONS:
+        choices = ", ".join(alloc.ALLOCATIONS)
+        raise ValueError(f"Unknown --allocation {allocation!r}; choose one of {choices}.")
+    if allocation == "uniform":
+        return
+    if layout == "deepseek":
+        raise ValueError(
+            f"--allocation {allocation} gives layers different ranks, but the DeepSeek layout (and "
+            "deepseek_v3) has one kv_lora_rank and one qk_rope_head_dim for every layer; "
+            "use --allocation uniform."
+        )
+    if selection != "attention" or factorization != "attention":
+        raise ValueError(
+            f"--allocation greedy reads the `attention` selection's pair scores and the `attention` "
+            f"factorization's spectrum, got --rope-selection {selection} --factorization {factorization}; "
+            "use both `attention` (the defaults) or --allocation uniform."
+        )
+
+
+def _allocate(
+    plan: MLAConversion, normalization: str, *, allocate_rope: bool = True, allocate_latent: bool = True
+) -> MLAConversion:
+    """`plan` with per-layer ranks (conversion.allocation) under the same total cache."""
+    geo, s = plan.shape.geometry, plan.shape
+    cal_ = plan.calibration
+
+    def read_layer(i: int) -> dict[str, torch.Tensor | None]:
+        names = layer_attn_keys(i)
+        return {k: read_tensor(plan.index[n]).double() if n in plan.index else None for k, n in names.items()}
+
+    chosen, record = alloc.plan_allocation(
+        geometry=geo,
+        read_layer=read_layer,
+        pair_scores=cal_.pair_scores["attention"],
+        query_fit=cal_.query_fit,
+        moments=_Moments(cal_.statistics),  # read layer by layer
+        rope_pairs=s.rope_pairs,
+        kv_lora_rank=s.kv_lora_rank,
+        normalization=normalization,
+        allocate_rope=allocate_rope,
+        allocate_latent=allocate_latent,
+    )
+    shapes = [MLAShape(geo, r, c) for r, c in zip(chosen.rope_pairs, chosen.kv_lora_ranks)]
+    assert sum(x.cache_numbers for x in shapes) <= geo.num_layers * s.cache_numbers, "over the budget"
+    widest = MLAShape(geo, max(chosen.rope_pairs), max(chosen.kv_lora_ranks))
+    return dataclasses.replace(plan, shape=widest, pairs=chosen.pairs, layer_shapes=shapes, allocation=record)
+
+
+def _has_deepseek_statistics(calibration: Calibration, need_moments: bool) -> bool:
+    first = calibration.statistics[0]
+    return first.has("samples") and (first.has("moment") or not need_moments)
+
+
+def _plan_deepseek(
+    src_dir, index, shape, selection, factorization, qkv_bias, o_bias, kv_budget, calibration, config
+) -> MLAConversion:
+    """The DeepSeek layout's pairs (one progression for every layer and head) and shared-key fits."""
+    geo = shape.geometry
+    half, r = geo.head_dim // 2, shape.rope_pairs
+    scores = None
+    if selection == "attention":
+        per_layer = calibration.pair_scores.get("attention")
+        if per_layer is None:
+            raise ValueError(
+                "The given calibration lacks the attention pair scores; calibrate attention_pairs."
+            )
+        scores = sum(per_layer[i].double().sum(0) for i in range(geo.num_layers))  # (d/2,)
+    stride = sr.choose_stride(scores, half=half, rope_pairs=r)
+    kept = sr.progression_pairs(r, stride)
+    pairs = [[list(kept) for _ in range(geo.num_kv_heads)] for _ in range(geo.num_layers)]
+    if r and not calibration.statistics[0].has("shared_keys"):
+        raise ValueError("The given calibration lacks the shared-key statistics; calibrate shared_keys=True.")
+    keys = {i: sr.fit_shared_key(calibration.statistics[i].shared_keys, kept) for i in range(geo.num_layers)}
+    eps = float(config.get("rms_norm_eps", 1e-6))
+    return MLAConversion(
+        src_dir,
+        index,
+        shape,
+        selection,
+        factorization,
+        pairs,
+        qkv_bias,
+        o_bias,
+        kv_budget,
+        calibration,
+        layout="deepseek",
+        rope_stride=stride,
+        shared_keys=keys,
+        norm_eps=eps,
+        norm_refine_steps=sr.NORM_REFINE_STEPS,
+    )

@@ -1,0 +1,216 @@
+"""Healing, the settings and the data: `HealSettings` (every option; the command line is built from it),
+the tokenized training chunks and held-out evaluation text (`load_data`) and the recipe they give
+(`make_recipe`)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from hf_attn.conversion.train_data import (
+    check_disjoint,
+    check_not_embedded_eval,
+    chunk_tokens,
+    load_eval_corpus,
+    load_train_corpus,
+)
+from hf_attn.conversion.training.recipe import (
+    CLOCKS,
+    DEFAULT_MAX_STEPS,
+    PRECISIONS,
+    SCHEDULES,
+    TRAINABLE,
+    HealRecipe,
+    _positive,
+    default_state_dir,
+    plan_budget,
+    resolve_schedule,
+)
+from hf_attn.tooling import assets, loading
+from hf_attn.tooling.cli import (
+    check_choices,
+    setting,
+)
+from hf_attn.tooling.corpus import Corpus, tokenize
+from hf_attn.tooling.perplexity import check_window
+
+# --------------------------------------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True)
+class HealSettings:
+    """Every option of a healing run; `hf-attn heal`'s flags are built from these fields (`--field-name`)."""
+
+    output: str = setting(help="directory of the healed checkpoint", required=True)
+    model: str | None = setting(None, "checkpoint directory or hub id (default: the embedded SmolLM2)")
+    train_text: list[str] | None = setting(
+        None, "training text files (default: --train-corpus austen)", metavar="FILE", exclusive="train source"
+    )
+    train_corpus: str | None = setting(
+        None,
+        "an embedded training corpus: austen (the five non-eval novels, the default), python-docs (five "
+        "sections, not the FAQ) or mix (both)",
+        choices=assets.CORPORA,
+        exclusive="train source",
+    )
+    dataset: str | None = setting(
+        None, "datasets id of the training text, e.g. wikitext", exclusive="train source"
+    )
+    dataset_config: str | None = setting(None)
+    dataset_split: str = setting("train")
+    text_column: str = setting("text")
+    eval_text: list[str] | None = setting(None, "default: Persuasion", metavar="FILE")
+    max_steps: int | None = setting(None, f"default {DEFAULT_MAX_STEPS} if no budget is given")
+    max_tokens: int | None = setting(None, "training tokens (rounded up to whole steps)")
+    max_minutes: float | None = setting(None, "training time, evaluation excluded")
+    budget_clock: str = setting(
+        "wall",
+        "what --max-minutes counts: wall (default) or cpu (process CPU time: fair on a shared machine)",
+        choices=CLOCKS,
+    )
+    seq_len: int = setting(512)
+    batch_size: int = setting(1, "chunks per process per micro-step")
+    grad_accum: int = setting(1)
+    lr: float = setting(1e-4, "peak learning rate of every tensor", exclusive="learning rate")
+    relative_lr: float | None = setting(
+        None,
+        "each tensor's peak lr as this fraction of its RMS at the start, instead of one --lr (as hf-attn "
+        "refine: a converted model's latent factors differ a hundredfold in scale)",
+        exclusive="learning rate",
+    )
+    warmup_steps: int = setting(0)
+    schedule: str | None = setting(
+        None, "default: cosine with a step budget, else constant", choices=SCHEDULES
+    )
+    weight_decay: float = setting(0.0)
+    max_grad_norm: float | None = setting(1.0, "0 disables clipping")
+    trainable: str = setting("all", "attention: only *.self_attn.* parameters", choices=TRAINABLE)
+    autocast_dtype: str = setting(
+        "float32",
+        "training compute precision (autocast; master weights stay float32, the output keeps the input's "
+        "dtype)",
+        choices=tuple(PRECISIONS),
+        deprecated_flags=("--dtype",),
+    )
+    attn_implementation: str | None = setting(None)
+    trust_remote_code: bool = setting(False)
+    eval_every: int = setting(0, "held-out perplexity every S steps (0: off)")
+    eval_tokens: int = setting(8192, "first N tokens of the eval text (0: no eval)")
+    eval_context: int = setting(1024, "window length (disjoint windows)")
+    checkpoint_every: int = setting(0, "atomic resumable checkpoint every N steps")
+    state_dir: str | None = setting(None, "checkpoints + log.jsonl (default: OUTPUT.heal)")
+    keep_checkpoints: bool = setting(False, "end with a checkpoint (resume later with a larger budget)")
+    resume: bool = setting(False, "continue from the newest checkpoint in the state dir")
+    seed: int = setting(0)
+    gradient_checkpointing: bool = setting(False)
+    overwrite: bool = setting(False)
+
+    def validate(self) -> None:
+        """ValueError for a bad value (cheap: before any loading)."""
+        check_choices(self)
+        for name in ("seq_len", "batch_size", "grad_accum", "lr"):
+            _positive(name, getattr(self, name))
+        for name in ("max_steps", "max_tokens", "max_minutes", "relative_lr"):
+            _positive(name, getattr(self, name), allow_none=True)
+        for name in ("warmup_steps", "eval_every", "eval_tokens", "checkpoint_every", "weight_decay"):
+            _positive(name, getattr(self, name), allow_zero=True)
+        if self.eval_tokens:
+            check_window(self.eval_context, None)
+
+    def paths(self) -> tuple[Path, Path]:
+        """(output, state dir) as absolute paths."""
+        output = Path(self.output).expanduser().absolute()
+        state = Path(self.state_dir).expanduser().absolute() if self.state_dir else default_state_dir(output)
+        return output, state
+
+    def record(self) -> dict:
+        """The settings as JSON values (paths as strings), for the conversion record."""
+        return {k: _jsonable(v) for k, v in asdict(self).items()}
+
+
+def _jsonable(value):
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return str(value) if isinstance(value, os.PathLike) else value
+
+
+# --------------------------------------------------------------------------------------------- data
+
+
+@dataclass(frozen=True)
+class HealData:
+    """The tokenized training chunks and held-out ids (None: no evaluation), with their corpora."""
+
+    train_corpus: Corpus
+    train_tokens: int
+    chunks: torch.Tensor  # (N, seq_len)
+    eval_corpus: Corpus
+    eval_ids: torch.Tensor | None  # (eval_tokens,)
+
+    def record(self) -> dict:
+        return {
+            "corpus": self.train_corpus.name,
+            "sha256": self.train_corpus.sha256,
+            "tokens": self.train_tokens,
+        }
+
+
+def load_data(settings: HealSettings, source: Path, *, num_processes: int) -> HealData:
+    """Tokenize the training text once (cut into `seq_len` chunks) and the held-out text; they must not
+    overlap (`train_data.check_disjoint`)."""
+    s = settings
+    files = assets.calibration_corpus_files(s.train_corpus) if s.train_corpus else s.train_text
+    train_corpus, train_files = load_train_corpus(
+        files,
+        dataset=s.dataset,
+        dataset_config=s.dataset_config,
+        split=s.dataset_split,
+        text_column=s.text_column,
+    )
+    eval_corpus, eval_files = load_eval_corpus(s.eval_text)
+    check_disjoint(train_corpus, train_files, eval_corpus, eval_files)
+    check_not_embedded_eval(train_corpus, train_files)
+    tokenizer = loading.load_tokenizer(source)
+    train_ids = tokenize(tokenizer, train_corpus)
+    chunks = chunk_tokens(train_ids, s.seq_len, min_chunks=s.batch_size * num_processes * s.grad_accum)
+    eval_ids = tokenize(tokenizer, eval_corpus)[: s.eval_tokens] if s.eval_tokens else None
+    if eval_ids is not None and eval_ids.numel() < s.eval_context:
+        raise ValueError(
+            f"The evaluation text {eval_corpus.name} has {eval_ids.numel()} tokens (--eval-tokens "
+            f"{s.eval_tokens}), fewer than one window of {s.eval_context}; give a longer --eval-text or "
+            "lower --eval-tokens / --eval-context"
+        )
+    return HealData(train_corpus, int(train_ids.numel()), chunks, eval_corpus, eval_ids)
+
+
+def make_recipe(
+    settings: HealSettings, data: HealData, *, num_processes: int, source_hash: str
+) -> HealRecipe:
+    s = settings
+    total_steps = plan_budget(
+        max_steps=s.max_steps,
+        max_tokens=s.max_tokens,
+        max_minutes=s.max_minutes,
+        tokens_per_step=s.batch_size * num_processes * s.grad_accum * s.seq_len,
+    )
+    return HealRecipe(
+        seq_len=s.seq_len,
+        batch_size=s.batch_size,
+        grad_accum=s.grad_accum,
+        num_processes=num_processes,
+        lr=s.lr,
+        relative_lr=s.relative_lr,
+        warmup_steps=s.warmup_steps,
+        schedule=resolve_schedule(s.schedule, total_steps),
+        total_steps=total_steps,
+        weight_decay=s.weight_decay,
+        max_grad_norm=s.max_grad_norm or None,
+        trainable=s.trainable,
+        autocast_dtype=s.autocast_dtype,
+        seed=s.seed,
+        train_sha256=data.train_corpus.sha256,
+        source_hash=source_hash,
+    )
