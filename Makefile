@@ -33,3 +33,8 @@ test: $(ASSETS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+
+# Wheels, text and SmolLM2's config for an offline GPU machine (docs/gpu.md): .gpu/bundle, checked against 64 MiB
+.PHONY: gpu-wheels
+gpu-wheels: $(ASSETS)
+	$(VENV)/bin/hf-attn bench gpu --fetch

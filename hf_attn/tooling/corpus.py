@@ -52,12 +52,14 @@ def _quiet_datasets():
 
 
 def _read_file(path: Path) -> str:
-    from datasets import load_dataset
-
     if not path.is_file():
         raise ValueError(f"Text file {path} does not exist (or is not a file); check the --text path")
     if path.stat().st_size == 0:
         raise ValueError(f"Text file {path} is empty; give a file that contains text")
+    try:
+        from datasets import load_dataset
+    except ImportError:  # offline GPU machines may lack datasets (and pyarrow): the same text, read directly
+        return path.read_text(encoding="utf-8")
     with _quiet_datasets():
         ds = load_dataset("text", data_files=str(path), sample_by="document", split="train")
     return "".join(ds["text"])  # one row: the whole document

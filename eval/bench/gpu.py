@@ -1,0 +1,317 @@
+"""`hf-attn bench gpu`: every GPU measurement of the project, each part in its own child process with its own
+time limit, written to one JSON file and one markdown file; a failing or timed-out part is recorded with what
+it measured so far, and the next part runs.
+
+    hf-attn bench gpu [--parts PART ...] [--output DIR] [--set PART.KEY=JSON ...] [--limit PART=SECONDS ...]
+                      [--budget-s 570] [--dry-run]
+    hf-attn bench gpu --fetch        the wheels and assets an offline GPU machine needs (`make gpu-wheels`)
+    hf-attn bench gpu --list         the parts and the three commands that run them all
+
+From a checkout on a GPU machine without hf-attn installed, `python -m eval.bench.gpu ...` is the same
+command: it installs the carried wheels (.gpu/bundle, see `eval/bench/gpu_bundle.py`) and runs the parts
+against the checkout. `--dry-run` goes through every part's setup on any machine (settings, shapes, files,
+imports, argument lists, output schema, the wheel list) and fails when a part cannot be set up.
+Output: DIR/results.json (every part's settings, rows, meta, status, environment, log tail) and
+DIR/results.md;
+an existing DIR written by this command gets the new parts merged in (a part run again replaces its entry).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# Relative imports: from a checkout on the GPU machine this runs as `eval.bench.gpu`, before the wheels that
+# make `hf_attn.eval` importable are set up (standard library only until the parts' child processes).
+from . import gpu_bundle
+from .gpu_parts import COMMANDS, PARTS, render_table
+
+PROG = "hf-attn bench gpu"
+NAME = "hf-attn bench gpu"  # the JSON's "benchmark": marks an output directory as this command's
+MIN_PART_S = 30  # a part is not started with less of the budget left
+PROBE = """
+import importlib, json, platform, torch
+out = dict(python=platform.python_version(), torch=torch.__version__, cuda=torch.version.cuda,
+           gpus=torch.cuda.device_count(),
+           device=torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+for name in ("transformers", "triton", "accelerate", "huggingface_hub", "tokenizers", "hf_attn"):
+    try:
+        out[name] = getattr(importlib.import_module(name), "__version__", "?")
+    except Exception as err:
+        out[name] = f"not importable: {type(err).__name__}: {err}"
+print(json.dumps(out))
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p.add_argument("--parts", nargs="+", choices=list(PARTS), default=list(PARTS), help="default: all")
+    p.add_argument("--output", default="results/gpu", help="directory of results.json and results.md")
+    p.add_argument("--set", action="append", default=[], metavar="PART.KEY=JSON", help="change a setting")
+    p.add_argument("--limit", action="append", default=[], metavar="PART=SECONDS", help="a part's time limit")
+    p.add_argument("--budget-s", type=float, default=570.0, help="time for all parts of this command")
+    p.add_argument("--dry-run", action="store_true", help="set every part up without a GPU; write nothing")
+    p.add_argument(
+        "--fetch", action="store_true", help="download the wheels, copy the assets (make gpu-wheels)"
+    )
+    p.add_argument("--list", action="store_true", help="list the parts and the commands that run them all")
+    return p
+
+
+def parse_sets(items: list[str]) -> dict[str, dict]:
+    """--set PART.KEY=JSON -> {part: {key: value}}; ValueError for a bad item."""
+    out: dict[str, dict] = {}
+    for item in items:
+        target, sep, text = item.partition("=")
+        part, dot, key = target.partition(".")
+        if not sep or not dot or part not in PARTS:
+            raise ValueError(f"--set {item!r}: expected PART.KEY=JSON with PART one of {list(PARTS)}")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text  # a bare string
+        out.setdefault(part, {})[key] = value
+    return out
+
+
+def parse_limits(items: list[str]) -> dict[str, float]:
+    out = {}
+    for item in items:
+        part, sep, text = item.partition("=")
+        try:
+            seconds = float(text)
+        except ValueError:
+            seconds = -1.0
+        if not sep or part not in PARTS or seconds <= 0:
+            raise ValueError(f"--limit {item!r}: expected PART=SECONDS (> 0) with PART one of {list(PARTS)}")
+        out[part] = seconds
+    return out
+
+
+def load_existing(output: Path) -> dict:
+    """The results.json of an earlier run into `output`, or a new record; ValueError for a foreign folder."""
+    path = output / "results.json"
+    if path.is_file():
+        record = json.loads(path.read_text())
+        if record.get("benchmark") == NAME:
+            return record
+    elif not output.exists() or not any(output.iterdir()):
+        return {"benchmark": NAME, "parts": {}}
+    raise ValueError(f"--output {output} holds files this command did not write; choose a new directory")
+
+
+def render(record: dict) -> str:
+    """results.md: a status table, then each part's table with its settings and meta."""
+    parts = [name for name in PARTS if name in record["parts"]]
+    status_rows = [dict(part=n, **{k: record["parts"][n].get(k) for k in ("status", "seconds", "date")},
+                        rows=len(record["parts"][n]["rows"]),
+                        device=record["parts"][n]["environment"].get("device"))
+                   for n in parts]  # fmt: skip
+    columns = (("part", "part", ""), ("status", "status", ""), ("s", "seconds", ".0f"), ("rows", "rows", "d"),
+               ("device", "device", ""), ("date", "date", ""))  # fmt: skip
+    lines = [f"# {NAME}", "", render_table(columns, status_rows)]
+    for name in parts:
+        p = record["parts"][name]
+        lines += ["", f"## {name}: {PARTS[name].about}", ""]
+        lines += [f"`{p['command']}` on {p['environment'].get('device')}, {p['date']}: {p['status']}", ""]
+        if p["rows"]:
+            lines += [render_table(p["columns"], p["rows"]), ""]
+        if p["meta"]:
+            lines += ["meta: " + json.dumps(p["meta"], default=str), ""]
+        lines += ["settings: " + json.dumps(p["settings"]), ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write(record: dict, output: Path) -> None:
+    """results.json + results.md, each replaced atomically."""
+    output.mkdir(parents=True, exist_ok=True)
+    for name, text in (
+        ("results.json", json.dumps(record, indent=1, default=str) + "\n"),
+        ("results.md", render(record)),
+    ):
+        tmp = output / f".{name}.{os.getpid()}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, output / name)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the part's process group (its cleanup runs), SIGKILL after 30 s."""
+    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def read_rows(path: Path) -> dict:
+    out = {"rows": [], "meta": {}, "columns": [], "settings": {}}
+    if not path.is_file():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a kill
+        if "row" in item:
+            out["rows"].append(item["row"])
+        if "meta" in item:
+            out["meta"].update(item["meta"])
+        if "columns" in item:
+            out["columns"], out["settings"] = item["columns"], item["settings"]
+    return out
+
+
+def run_part(name: str, overrides: dict, limit: float, env: dict, workdir: Path) -> dict:
+    """Run one part in its own process group with a time limit; its record (status, rows, log tail)."""
+    rows_file, log_file = workdir / f"{name}.jsonl", workdir / f"{name}.log"
+    argv = [
+        sys.executable,
+        "-m",
+        "hf_attn.eval.bench.gpu_parts",
+        "run",
+        name,
+        json.dumps(overrides),
+        str(rows_file),
+    ]
+    start = time.monotonic()
+    with open(log_file, "w") as log:
+        proc = subprocess.Popen(argv, cwd=gpu_bundle.ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+        try:
+            code = proc.wait(timeout=limit)
+            status = "ok" if code == 0 else f"failed (exit {code})"
+        except subprocess.TimeoutExpired:
+            status = f"timed out after {limit:.0f} s"
+        finally:
+            if proc.poll() is None:
+                _stop(proc)
+    tail = log_file.read_text(errors="replace").splitlines()[-40:]
+    if status.startswith("failed") and tail:
+        status += ": " + tail[-1][:200]
+    return dict(status=status, seconds=round(time.monotonic() - start, 1), limit_s=limit, log_tail=tail,
+                **read_rows(rows_file))  # fmt: skip
+
+
+def dry_run(parts: list[str], overrides: dict, env: dict) -> int:
+    """Every part's setup in one child process, plus the wheel list; 0 if all can be set up, else 1."""
+    problems = gpu_bundle.check_wheel_list()
+    bundle = gpu_bundle.bundle_dir()
+    bundle_note = "not fetched (make gpu-wheels)"
+    if bundle.exists():
+        problems += gpu_bundle.check_bundle(bundle)
+        manifest = (
+            json.loads((bundle / "manifest.json").read_text()) if (bundle / "manifest.json").is_file() else {}
+        )
+        bundle_note = f"{manifest.get('total_bytes', 0) / 2**20:.1f} MiB with the working tree"
+    wheels = ", ".join(f"{n}=={v}" for n, v, _ in gpu_bundle.WHEELS)
+    print(f"wheels: {wheels}; bundle {bundle_note}" + "".join(f"\n  PROBLEM {p}" for p in problems))
+    argv = [sys.executable, "-m", "hf_attn.eval.bench.gpu_parts", "dry-run",
+            json.dumps({name: overrides.get(name, {}) for name in parts})]  # fmt: skip
+    proc = subprocess.run(argv, cwd=gpu_bundle.ROOT, env=env, capture_output=True, text=True, timeout=600)
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or len(results) != len(parts):
+        print(f"{PROG}: the dry-run child failed (exit {proc.returncode}): {proc.stderr.strip()[-800:]}")
+        return 1
+    for r in results:
+        if r["ok"]:
+            print(f"{r['part']}: ok" + "".join(f"\n  {line}" for line in r["plan"]))
+        else:
+            print(f"{r['part']}: CANNOT BE SET UP: {r['error']}")
+    return 0 if not problems and all(r["ok"] for r in results) else 1
+
+
+def run_all(args, overrides: dict, limits: dict) -> int:
+    """Probe the machine, then every part with its limit within --budget-s; results after every part."""
+    output = Path(args.output)
+    record = load_existing(output)
+    env = gpu_bundle.child_env()
+    probe = subprocess.run(
+        [sys.executable, "-c", PROBE], cwd=gpu_bundle.ROOT, env=env, capture_output=True, text=True
+    )
+    if probe.returncode != 0:
+        raise OSError(f"the environment probe failed: {probe.stderr.strip()[-300:]}")
+    environment = json.loads(probe.stdout.strip().splitlines()[-1])
+    if not environment["device"]:
+        raise ValueError(
+            "no CUDA GPU here (torch.cuda.is_available() is False); use --dry-run to check the setup"
+        )
+    print(f"environment: {json.dumps(environment)}", flush=True)
+    deadline = time.monotonic() + args.budget_s
+    any_bad = False
+    with tempfile.TemporaryDirectory(prefix="hf-attn-bench-gpu-") as tmp:
+        for name in args.parts:
+            left = deadline - time.monotonic()
+            command = f"{PROG} --parts {name}" + "".join(
+                f" --set {name}.{k}={json.dumps(v)}" for k, v in overrides.get(name, {}).items()
+            )
+            base = dict(date=datetime.date.today().isoformat(), command=command, environment=environment)
+            if left < MIN_PART_S:
+                result = dict(status="not started: the command's --budget-s is spent", seconds=0, rows=[],
+                              meta={}, columns=[], settings={}, log_tail=[])  # fmt: skip
+            else:
+                limit = min(limits.get(name, PARTS[name].limit_s), left)
+                print(f"{name}: running (limit {limit:.0f} s)", flush=True)
+                result = run_part(name, overrides.get(name, {}), limit, env, Path(tmp))
+            any_bad |= result["status"] != "ok"
+            record["parts"][name] = {**base, **result}
+            write(record, output)
+            print(
+                f"{name}: {result['status']} ({result['seconds']:.0f} s, {len(result['rows'])} rows)",
+                flush=True,
+            )
+    print(render(record))
+    print(f"written: {output / 'results.json'}, {output / 'results.md'}")
+    return 1 if any_bad else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        overrides, limits = parse_sets(args.set), parse_limits(args.limit)
+        if args.budget_s <= 0:
+            raise ValueError(f"--budget-s must be positive, got {args.budget_s}")
+        if args.list:
+            for part in PARTS.values():
+                print(f"{part.name:<13} {part.limit_s:>4} s  {part.about}")
+            for group in COMMANDS:
+                print(f"{PROG} --parts {' '.join(group)}")
+            return 0
+        if args.fetch:
+            manifest = gpu_bundle.fetch()
+            for w in manifest["wheels"]:
+                print(f"{w['file']}  {w['bytes'] / 2**20:.2f} MiB")
+            mib = {
+                k: manifest[k] / 2**20 for k in ("wheel_bytes", "asset_bytes", "tree_bytes", "total_bytes")
+            }
+            print(
+                f"wheels {mib['wheel_bytes']:.1f} MiB + assets {mib['asset_bytes']:.1f} MiB + tracked files "
+                f"{mib['tree_bytes']:.1f} MiB = {mib['total_bytes']:.1f} MiB of 64 MiB in {gpu_bundle.BUNDLE}"
+            )
+            for top, size in sorted(manifest["untracked_bytes"].items(), key=lambda kv: -kv[1])[:5]:
+                print(
+                    f"warning: untracked {top} ({size / 2**20:.1f} MiB) travels too unless ignored or removed"
+                )
+            return 0
+        if args.dry_run:
+            return dry_run(args.parts, overrides, gpu_bundle.child_env(install=False))
+        return run_all(args, overrides, limits)
+    except (ValueError, OSError) as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
