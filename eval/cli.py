@@ -47,6 +47,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "every converter on Llama-2-7B / Llama-3-8B-shaped checkpoints",
     ),
     "bench stream": ("hf_attn.eval.bench.stream", "peak memory of the streamed mean-pooling conversion"),
+    "bench gpu": ("hf_attn.eval.bench.gpu", "every GPU measurement, each part with its own time limit"),
 }
 PROG = "hf-attn"
 
