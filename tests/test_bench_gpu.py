@@ -116,3 +116,14 @@ def test_results_merge_and_markdown(tmp_path):
     text = (tmp_path / "results.md").read_text()
     assert "| command | value |\n|---|---|\n| a | 1.00 |\n| b | n/a |" in text
     assert "| engine | ok | 1 | 2 | GPU X | 2026-11-25 |" in text
+
+
+def test_kernel_goals_per_row():
+    from hf_attn.eval.bench.gpu_kernel import goals
+
+    row = dict(context=16384, tuned_copy_pct=65.0, vs_torch=2.5, vs_gqa=1.2)
+    assert goals(row) == "MISSED bandwidth"
+    assert goals({**row, "context": 4096}) == "met"  # bandwidth counts from 8k context on
+    slow = {**row, "tuned_copy_pct": 71.0, "vs_torch": 1.9, "vs_gqa": 1.0}
+    assert goals(slow) == "MISSED 2x PyTorch, vs GQA"
+    assert goals({**row, "context": 1024, "vs_gqa": 0.5, "tuned_copy_pct": None}) == "met"  # GQA from 4k on

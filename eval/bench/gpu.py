@@ -235,6 +235,7 @@ def dry_run(parts: list[str], overrides: dict, env: dict) -> int:
 
 def run_all(args, overrides: dict, limits: dict) -> int:
     """Probe the machine, then every part with its limit within --budget-s; results after every part."""
+    deadline = time.monotonic() + args.budget_s  # setting up the wheels and the probe count too
     output = Path(args.output)
     record = load_existing(output)
     env = gpu_bundle.child_env()
@@ -249,7 +250,6 @@ def run_all(args, overrides: dict, limits: dict) -> int:
             "no CUDA GPU here (torch.cuda.is_available() is False); use --dry-run to check the setup"
         )
     print(f"environment: {json.dumps(environment)}", flush=True)
-    deadline = time.monotonic() + args.budget_s
     any_bad = False
     with tempfile.TemporaryDirectory(prefix="hf-attn-bench-gpu-") as tmp:
         for name in args.parts:

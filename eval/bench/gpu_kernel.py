@@ -9,7 +9,7 @@ GQA measurements of one case) and adds per case (shape, dtype, batch B, context 
 Shapes: SmolLM2's MLA ranks at 50% and 25% of its cache (d_c 120, r 12 and d_c 48, r 8, per-head RoPE keys;
 README's curve) with SmolLM2's GQA as the source, and 512 + 64 (one shared 64-wide RoPE key, FlashMLA's
 layout) on Llama-3-8B's heads with Llama-3-8B's GQA as the source.
-Targets: the tuned kernel at >= 70% of the copy bandwidth from 8k context; the layer through the kernel >= 2x
+Goals: the tuned kernel at >= 70% of the copy bandwidth from 8k context; the layer through the kernel >= 2x
 faster than through the PyTorch absorbed path; from 4k context faster than the source's GQA decode attention
 (the faster of sdpa and hf_attn_grouped).
 """
@@ -178,12 +178,12 @@ def case_row(name, dtype_name, B, S, settings, flush, copy_gbps) -> dict:
         tuned_warps=got.get("tuned_warps"), tuned_splits=got.get("tuned_splits"),
         tune_failed=got.get("tune_failed"), error="; ".join(errors) or None,
     )  # fmt: skip
-    row["targets"] = targets(row)
+    row["goals"] = goals(row)
     return row
 
 
-def targets(row: dict) -> str:
-    """'met', or the targets this row misses (bandwidth from 8k, 2x PyTorch, faster than GQA from 4k)."""
+def goals(row: dict) -> str:
+    """'met', or the goals this row misses (bandwidth from 8k, 2x PyTorch, faster than GQA from 4k)."""
     missed = []
     if (
         row["context"] >= mk.TARGET_FROM_CONTEXT
@@ -221,7 +221,7 @@ COLUMNS = (
     ("PyTorch absorbed us", "torch_us", ".1f"), ("x PyTorch", "vs_torch", ".2f"),
     ("expanded us", "expanded_us", ".1f"), ("x expanded", "vs_expanded", ".2f"),
     ("GQA sdpa us", "sdpa_us", ".1f"),
-    ("GQA grouped us", "grouped_us", ".1f"), ("x GQA", "vs_gqa", ".2f"), ("targets", "targets", ""),
+    ("GQA grouped us", "grouped_us", ".1f"), ("x GQA", "vs_gqa", ".2f"), ("goals", "goals", ""),
 )  # fmt: skip
 ADAPTERS = {
     "mla-kernel": Adapter(

@@ -127,7 +127,10 @@ def fsdp_argv(settings: dict, *, model: str, output: str, state: str, text: str,
 
 
 def plan_heal(settings: dict) -> list[str]:
+    import inspect
+
     from hf_attn.conversion import heal
+    from hf_attn.eval.bench import heal as bench_heal
     from hf_attn.tooling import assets
 
     if min(settings["steps"], settings["seq_len"], settings["batch_size"]) < 1 or settings["steps"] <= 2:
@@ -138,6 +141,9 @@ def plan_heal(settings: dict) -> list[str]:
     text = assets.austen_file("northangerabbey")
     argv = fsdp_argv(settings, model="M", output="O", state="S", text=str(text), processes=1)
     heal.build_parser().parse_args(argv[argv.index("hf_attn.conversion.heal") + 1 :])  # flags still exist
+    wanted = {"model", "steps", "rounds", "seq_len", "batch_size"}
+    if wanted - set(inspect.signature(bench_heal.throughput).parameters):
+        raise ValueError(f"eval/bench/heal.throughput no longer takes {sorted(wanted)}")
     if not Path(heal.FSDP_CONFIG).is_file():
         raise OSError(f"{heal.FSDP_CONFIG} is missing")
     return [f"1 GPU: heal vs bare loop, {settings['steps']} steps of {settings['batch_size']} x "
@@ -167,6 +173,7 @@ def _heal_row(mode: str, seconds: float, tokens: int, flops: float, peak: float 
 
 
 def run_heal(settings: dict, emit) -> None:
+    from hf_attn.conversion.heal import LOG_FILE
     from hf_attn.eval.bench import heal as bench_heal
     from hf_attn.tooling import assets
 
@@ -189,7 +196,7 @@ def run_heal(settings: dict, emit) -> None:
         argv = fsdp_argv(s, model=str(model), output=str(out), state=str(state), text=text, processes=n)
         proc = subprocess.run(argv, capture_output=True, text=True)
         steps = (
-            [json.loads(x) for x in (state / "log.jsonl").read_text().splitlines()]
+            [json.loads(x) for x in (state / LOG_FILE).read_text().splitlines()]
             if proc.returncode == 0
             else []
         )
