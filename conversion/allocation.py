@@ -17,7 +17,7 @@ numbers times the number of layers, so the whole cache is never larger) and move
    (non-increasing: greedy is optimal). Layers are made comparable by dividing each layer's eigenvalues by
    their sum, the layer's attention energy in that metric (its error at rank 0): the allocation minimises
    the sum of the layers' relative errors (`normalization="raw"`: the absolute errors).
-   docs/mla-allocation.md measures both against `greedy`: moving latent rank did not pay on SmolLM2.
+   docs/research/mla-allocation.md measures both against `greedy`: moving latent rank did not pay on SmolLM2.
 
 Pure functions on tensors (`greedy_allocate`, `allocate_pairs`, `allocate_ranks`) and one planner
 (`plan_allocation`) that reads a conversion's weights and calibration.
@@ -118,7 +118,7 @@ def default_allocation(
 ) -> str:
     """`greedy` where it applies and the user left the ranks to the budget (per-head layout, `attention`
     selection and factorization, no --rope-pairs / --kv-lora-rank); `uniform` otherwise. `greedy` is at
-    least as good as `uniform` at every budget measured (docs/mla-allocation.md)."""
+    least as good as `uniform` at every budget measured (docs/research/mla-allocation.md)."""
     ok = kv_budget is not None and not given_ranks and layout == "per-head"
     return "greedy" if ok and selection == "attention" and factorization == "attention" else "uniform"
 
@@ -126,7 +126,7 @@ def default_allocation(
 def default_rope_pairs(geometry, kv_budget: float, uniform_rule) -> int:
     """r (the mean over layers) for `greedy` when --rope-pairs is not given: GREEDY_ROPE_SHARE of the
     budget's numbers, capped like the uniform rule (`uniform_rule` = mla.default_rope_pairs). Placing the
-    pairs where they count makes fewer of them suffice (docs/mla-allocation.md measures the share)."""
+    pairs where they count makes fewer of them suffice (docs/research/mla-allocation.md measures it)."""
     shared = uniform_rule(geometry, kv_budget, GREEDY_ROPE_SHARE)
     return min(shared, uniform_rule(geometry, kv_budget))
 

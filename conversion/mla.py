@@ -12,7 +12,7 @@ stacked [k_nope; v] of all KV heads becomes up (down x) with the cached latent o
 copied. The cache then holds d_c + Hkv 2r numbers per token and layer (`LlamaMLAConfig.cache_numbers`).
 `--kv-budget F` picks d_c and r for at most F of the source's cache (default 0.5 when no rank option is
 given); `--rope-pairs d/2` alone is exact. Calibration runs only when an option needs it. The construction is
-in docs/mla.md, the measured curve in the README. `--layout deepseek` (`conversion.shared_rope`) writes
+in docs/mla.md, the measured curve in docs/research/. `--layout deepseek` (`conversion.shared_rope`) writes
 DeepSeek-V2/V3's layout instead: one RoPE key per layer shared by all heads on the pairs 0, s, ..., (r - 1) s
 of every layer, and an RMSNorm on the cached latent (cache d_c + 2r); `hf-attn export` then writes it as an
 exact deepseek_v3 checkpoint.

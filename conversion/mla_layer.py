@@ -88,7 +88,7 @@ def default_rope_pairs(
     the budget to the latent.
 
     The default (`share=None`) is DEFAULT_ROPE_SHARE, capped for the `attention` selection at
-    MAX_ROPE_FRACTION of the d/2 pairs; docs/mla.md says why (the README's allocation sweep measures it)."""
+    MAX_ROPE_FRACTION of the d/2 pairs; docs/mla.md says why (docs/results/mla-allocation.md measures it)."""
     half = geometry.head_dim // 2
     if kv_budget is None:
         return half
@@ -379,7 +379,7 @@ def _deepseek_layer(out, low, stack_w, stack_b, shape, shared_key, statistics, n
     if qkv_bias:
         out["q_proj.bias"] = q[..., -1].reshape(hq * d)
         out["k_rope_proj.bias"] = k_shared[:, -1]
-    if norm_eps is None:  # no latent norm (a control of eval/mla_layouts.py; DeepSeek-V3 always has one)
+    if norm_eps is None:  # no latent norm (an experiment's control; DeepSeek-V3 always has one)
         out["kv_down_proj.weight"], out["up"] = low.down, low.up
         if low.up_bias is not None:
             out["up_bias"] = low.up_bias

@@ -2,7 +2,7 @@
 it runs; the documented `python -m ...` module commands are the same functions.
 
     hf-attn convert gqa|mla|expand ...   hf-attn heal|refine ...  hf-attn perplexity ...
-    hf-attn study ...                    hf-attn curve ...       hf-attn assets
+    hf-attn study ...                    hf-attn assets
     hf-attn bench attention|decode|heal|mla-decode|perplexity|stream ...
 """
 
@@ -27,9 +27,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "perplexity": ("hf_attn.eval.perplexity", "corpus perplexity with sliding windows (accelerate)"),
     "harness": ("hf_attn.eval.harness", "lm-eval-harness on any checkpoint (local or hub tasks)"),
     "study": ("hf_attn.eval.study", "convert, evaluate, heal every variant and write the report"),
-    "curve": ("hf_attn.eval.mla_curve", "the MLA KV-fraction / perplexity curve"),
-    "allocation": ("hf_attn.eval.mla_allocation", "uniform vs greedy per-layer MLA ranks at each budget"),
-    "cross-domain": ("hf_attn.eval.cross_domain", "calibration corpus x conversion on both evaluation texts"),
     "assets": ("hf_attn.tooling.assets", "fetch the embedded default (SmolLM2, Austen, the Python docs)"),
     "bench attention": (
         "hf_attn.eval.bench.attention",
@@ -39,7 +36,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench heal": ("hf_attn.eval.bench.heal", "healing throughput and quality-vs-time curves"),
     "bench mla-decode": ("hf_attn.eval.bench.mla_decode", "MLA absorbed vs expanded decode"),
     "bench perplexity": ("hf_attn.eval.bench.perplexity", "perplexity evaluation vs a bare forward loop"),
-    "bench deepseek-export": ("hf_attn.eval.deepseek_export_check", "an export vs its source on real text"),
     "bench mla-kernel": ("hf_attn.eval.bench.mla_kernel", "the Triton MLA decode kernel (GPU)"),
     "bench mla-kernel-registers": ("hf_attn.eval.bench.mla_kernel_registers", "the kernel's sm_90 registers"),
     "bench scale": (

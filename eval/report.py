@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import json
-import math
 import textwrap
 from pathlib import Path
 
 from hf_attn.conversion.calibration import DEFAULT_CORPUS as CALIBRATION_CORPUS
 from hf_attn.tooling.assets import CORPUS_TEXTS
+from hf_attn.tooling.tables import cell, markdown_table
 
 COLUMNS = (
     ("variant", "Variant"),
@@ -24,11 +24,8 @@ COLUMNS = (
 )
 
 
-def _fmt(x, spec: str) -> str:
-    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
-
-
 SECOND_CORPUS = ("perplexity_python_faq", "PPL Python FAQ")  # a column only when the study measured it
+TOLERANCE = 1.25  # the cross-domain check: FAQ ratio <= TOLERANCE x Persuasion ratio (`check_row`)
 
 
 def _columns(record: dict) -> tuple:
@@ -46,56 +43,60 @@ def _cells(row: dict, columns: tuple = COLUMNS) -> list[str]:
     cells = [
         row["label"],
         "yes" if row["healed"] else "no",
-        _fmt(row.get("kv_bytes_per_token"), ",.0f"),
-        _fmt(row.get("kv_fraction") and 100 * row["kv_fraction"], ".1f") + "%",
-        _fmt(row.get("perplexity"), ",.2f"),
-        _fmt(row.get("lastword_acc"), ".3f"),
-        _fmt(row.get("decode_tokens_per_second"), ".1f"),
-        _fmt(row.get("convert_seconds"), ".0f"),
-        _fmt(row.get("heal_seconds"), ".0f") if row["healed"] else "",
+        cell(row.get("kv_bytes_per_token"), ",.0f"),
+        cell(row.get("kv_fraction") and 100 * row["kv_fraction"], ".1f") + "%",
+        cell(row.get("perplexity"), ",.2f"),
+        cell(row.get("lastword_acc"), ".3f"),
+        cell(row.get("decode_tokens_per_second"), ".1f"),
+        cell(row.get("convert_seconds"), ".0f"),
+        cell(row.get("heal_seconds"), ".0f") if row["healed"] else "",
     ]
     if SECOND_CORPUS in columns:
-        cells.insert(columns.index(SECOND_CORPUS), _fmt(row.get(SECOND_CORPUS[0]), ",.2f"))
+        cells.insert(columns.index(SECOND_CORPUS), cell(row.get(SECOND_CORPUS[0]), ",.2f"))
     return cells
 
 
 def format_table(record: dict) -> str:
     columns = _columns(record)
-    lines = [
-        "| " + " | ".join(title for _, title in columns) + " |",
-        "|" + "|".join("---" if i < 2 else "---:" for i in range(len(columns))) + "|",
-    ]
-    lines += ["| " + " | ".join(_cells(r, columns)) + " |" for r in record["rows"]]
-    return "\n".join(lines)
+    rows = [_cells(r, columns) for r in record["rows"]]
+    return markdown_table([title for _, title in columns], rows, align="ll" + "r" * (len(columns) - 2))
+
+
+def check_row(row: dict) -> bool:
+    """The cross-domain check: perplexity ratio to the source on the Python FAQ <= TOLERANCE x the ratio on
+    *Persuasion* (`row["ratio"]` maps "persuasion" and "python-faq" to converted / source perplexity)."""
+    return row["ratio"]["python-faq"] <= TOLERANCE * row["ratio"]["persuasion"]
 
 
 def cross_domain_table(record: dict) -> str | None:
-    """The quality issue's cross-domain check per row: perplexity ratio to the untouched source on each
-    evaluation text, and the FAQ ratio over the *Persuasion* ratio against `cross_domain.TOLERANCE` (None
-    without the FAQ column or the source row)."""
-    from hf_attn.eval.cross_domain import TOLERANCE, check_row
-
+    """The cross-domain check per row: perplexity ratio to the untouched source on each evaluation text,
+    and the FAQ ratio over the *Persuasion* ratio against TOLERANCE (None without the FAQ column or the
+    source row)."""
     ok = [r for r in record["rows"] if "error" not in r and r.get(SECOND_CORPUS[0])]
     source = next((r for r in ok if r["name"] == "source"), None)
     if source is None:
         return None
-    lines = [
-        "| Variant | Healed | Persuasion ratio | FAQ ratio | "
-        f"FAQ ratio / Persuasion ratio (<= {TOLERANCE}) |",
-        "|---|---|---:|---:|---|",
-    ]
+    rows = []
     for r in ok:
         if r is source:
             continue
         ratio = {
-            "persuasion": r["perplexity"] / source["perplexity"],  # = cross_domain.EVAL_TEXTS
+            "persuasion": r["perplexity"] / source["perplexity"],
             "python-faq": r[SECOND_CORPUS[0]] / source[SECOND_CORPUS[0]],
         }
         p, q = ratio["persuasion"], ratio["python-faq"]
         verdict = "pass" if check_row({"ratio": ratio}) else "no"
-        healed = "yes" if r["healed"] else "no"
-        lines.append(f"| {r['label']} | {healed} | {p:,.3f} | {q:,.3f} | {q / p:.3f} {verdict} |")
-    return "\n".join(lines)
+        rows.append(
+            [r["label"], "yes" if r["healed"] else "no", f"{p:,.3f}", f"{q:,.3f}", f"{q / p:.3f} {verdict}"]
+        )
+    header = [
+        "Variant",
+        "Healed",
+        "Persuasion ratio",
+        "FAQ ratio",
+        f"FAQ ratio / Persuasion ratio (<= {TOLERANCE})",
+    ]
+    return markdown_table(header, rows, align="llrrl")
 
 
 def reading(record: dict) -> list[str]:
@@ -202,8 +203,6 @@ def _refinement_note(record: dict) -> str:
 
 
 def _cross_domain_section(record: dict) -> list[str]:
-    from hf_attn.eval.cross_domain import TOLERANCE
-
     table = cross_domain_table(record)
     if table is None:
         return []

@@ -3,15 +3,17 @@
 A row is stored with the `key` it was measured under (a hash of everything it depends on: inputs, settings,
 the code that built and measured it). A later run asks for the row by name and key and gets it back only
 if the key matches and the row did not fail, so an interrupted run resumes where it stopped, and a changed
-setting or code re-measures exactly the rows it touches. Used by `hf-attn study` and `hf-attn curve`.
+setting or code re-measures exactly the rows it touches. Used by `hf-attn study` and the experiments
+(`experiments/runner.py`); the results tables are generated from such rows (`eval/results.py`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
+
+from hf_attn.tooling.files import write_text_atomic
 
 
 def row_key(*parts) -> str:
@@ -42,8 +44,15 @@ class RowStore:
     def put(self, name: str, key: str, row: dict) -> dict:
         """Store `row` as `name` under `key` (atomically: temporary file then rename); return it with both."""
         row = {"key": key, "name": name, **row}
-        path = self.path(name)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(row, indent=2))
-        tmp.replace(path)
+        write_json(self.path(name), row)
         return row
+
+    def rows(self) -> list[dict]:
+        """Every stored row that did not fail, by name."""
+        rows = (json.loads(p.read_text()) for p in sorted(self.directory.glob("*.json")))
+        return [r for r in rows if "error" not in r]
+
+
+def write_json(path: str | Path, data) -> Path:
+    """`data` as indented JSON at `path`, atomically (`hf_attn.tooling.files.write_text_atomic`)."""
+    return write_text_atomic(path, json.dumps(data, indent=2, default=str) + "\n")

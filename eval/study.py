@@ -62,7 +62,7 @@ class Settings:
     heal_lr: float
     heal_trainable: str
     task_items: int  # first N items of the local last-word task (eval/tasks), for the accuracy column
-    second_corpus_tokens: int = 0  # > 0: also the first N tokens of the Python FAQ (`hf-attn cross-domain`)
+    second_corpus_tokens: int = 0  # > 0: also the first N tokens of the Python FAQ (the cross-domain check)
     refine_steps: int = 0  # variants with `refine = true`: `hf-attn refine --steps` after the closed form
     refine_tokens: int = 0  # ... and its `--calibration-tokens` (the default `mix` corpus)
     heal_corpus: str = "austen"  # `hf-attn heal --train-corpus`: austen | python-docs | mix

@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 from conftest import exit_status
 
+from experiments import cross_domain
 from hf_attn.conversion import calibration as cal
 from hf_attn.conversion import cli as conversion_cli
 from hf_attn.conversion import gqa, mla
 from hf_attn.conversion.heal import HealSettings, load_data
 from hf_attn.conversion.train_data import check_disjoint, check_not_embedded_eval, load_train_corpus
-from hf_attn.eval import cross_domain
 from hf_attn.tooling import assets, python_docs
 from hf_attn.tooling.corpus import Corpus
 

@@ -98,7 +98,6 @@ def test_every_subcommand_and_module_alias_resolves():
         "conversion.heal",
         "eval.perplexity",
         "eval.study",
-        "eval.mla_curve",
         "eval.bench_attention",
         "eval.bench_decode",
         "eval.bench_heal",

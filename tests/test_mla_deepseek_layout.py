@@ -312,7 +312,7 @@ def test_deepseek_layout_is_exact_for_shared_keys_and_constant_latent_rms(
 
 def test_deepseek_layout_lossy_conversion_within_budget(smollm2_path, tmp_path):
     """Different heads, a budget: the shared progression in every layer, the cache within budget, a model
-    that loads and runs (its quality is measured on SmolLM2: docs/mla-deepseek-layout.md)."""
+    that loads and runs (its quality is measured on SmolLM2: docs/research/mla-deepseek-layout.md)."""
     src = _tiny(tmp_path / "src", smollm2_path, num_kv_heads=2, constant_rms=False, hidden=16)
     dst = _convert(src, tmp_path / "ds", kv_budget=0.5)
     config = json.loads((dst / "config.json").read_text())
@@ -448,7 +448,7 @@ def test_calibration_spills_every_layer_and_reads_back_the_whole_model_sums(smol
 
 
 def test_a_pickled_calibration_reads_its_statistics_after_the_first_is_gone(smollm2_path, tmp_path):
-    """`eval.mla_layouts` and `eval.mla_allocation` torch.save a calibration and load it in a later process:
+    """The experiments (mla_layouts, mla_allocation) torch.save a calibration and load it in a later process:
     with `scratch_dir` the spilled statistics stay readable once the calibrating object is gone."""
     import gc
 

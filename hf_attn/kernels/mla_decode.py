@@ -245,7 +245,7 @@ def mla_decode(
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     split_len = triton.cdiv(n_blocks, min(num_splits, n_blocks)) * block_n  # a multiple of block_n
     num_splits = triton.cdiv(S, split_len)  # every split holds at least one token
-    if num_warps is None:  # spill-free in ptxas's sm_90 report for the shapes in docs/mla-kernel.md
+    if num_warps is None:  # spill-free in ptxas's sm_90 report for the shapes in docs/research/mla-kernel.md
         num_warps = 4 if block_m * block_dc <= 4 * 1024 else 8
 
     q_rope3 = q_rope.reshape(B, M, R)  # (B, Hkv*G*T, R), a view where strides allow

@@ -1,6 +1,6 @@
-"""Where on the Python FAQ a conversion loses: code lines against prose (docs/cross-domain.md).
+"""Where on the Python FAQ a conversion loses: code lines against prose (docs/research/cross-domain.md).
 
-    python docs/cross_domain_token_loss.py MODEL [MODEL ...]
+    python -m experiments.cross_domain_token_loss MODEL [MODEL ...]
 
 The cross-domain protocol's scored tokens (the FAQ's first 8,192, disjoint 1,024-token windows, fp32), each
 token's NLL under the embedded SmolLM2 and under MODEL; a token counts as code when its line starts with

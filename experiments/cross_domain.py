@@ -1,38 +1,38 @@
-"""`hf-attn cross-domain`: do calibrated conversions overfit the calibration text's genre?
+"""Do calibrated conversions overfit the calibration text's genre? (`python -m experiments.cross_domain`)
 
 The matrix: every calibration corpus (`austen`: five novels; `python-docs`: five sections of the Python 3.11
-docs; `mix`: equal token shares of both) x every conversion of the embedded SmolLM2 (MQA calibrated with
-8,192 calibration tokens; MLA at KV budgets 0.5, 0.3, 0.25 and 0.125 with their default calibration), each
-then refined against the source on the same corpus (`--refine-steps`, default `hf-attn refine`'s 32; 0: the
-closed form), is scored, with the original model, on both embedded evaluation texts (*Persuasion*, the
-Python FAQ) under the README protocol (first 8,192 tokens, disjoint 1,024-token windows, fp32). Per evaluation
-text it reports the ratio converted / original perplexity, and the check: on the Python FAQ every row's ratio
-is at most `TOLERANCE` x its ratio on *Persuasion*. To tell a genre fit from a genre's own sensitivity, it
-also reports the check's quotient with each text scored by the conversion calibrated on that text's genre
+docs; `mix`: equal token shares of both) x every conversion of the embedded SmolLM2 (MQA calibrated with 8,192
+calibration tokens; MLA at KV budgets 0.5, 0.3, 0.25 and 0.125 with their default calibration), each then
+refined against the source on the same corpus (`--refine-steps`, default `hf-attn refine`'s 32; 0: the closed
+form), is scored, with the original model, on both embedded evaluation texts (*Persuasion*, the Python FAQ)
+under the project protocol (first 8,192 tokens, disjoint 1,024-token windows, fp32). Per evaluation text it
+reports the ratio converted / original perplexity, and the check: on the Python FAQ every row's ratio is at
+most `TOLERANCE` x its ratio on *Persuasion*. To tell a genre fit from a genre's own sensitivity, it also
+reports the check's quotient with each text scored by the conversion calibrated on that text's genre
 (`in_genre`), and what the default corpus costs against that on each text.
 
-Rows are stored in `RESULTS/rows/` (`eval.rows.RowStore`): an interrupted run resumes; each converted
-checkpoint is deleted once scored. The table goes to `RESULTS/cross_domain.md` and `.json`.
+Rows are measured by the shared runner (`experiments/runner.py`, `RESULTS/rows/`): an interrupted run
+resumes; each converted checkpoint is deleted once scored. The summary goes to `RESULTS/cross_domain.md`
+and `.json`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
-from hf_attn.eval.rows import RowStore, row_key
+from experiments.runner import Point, run_grid
+from hf_attn.eval.report import TOLERANCE, check_row
+from hf_attn.eval.rows import row_key, write_json
 from hf_attn.tooling import assets
-from hf_attn.tooling.cli import run_command
-from hf_attn.tooling.files import scratch_directory, sha256_file
+from hf_attn.tooling.cli import error, run_command
+from hf_attn.tooling.files import scratch_directory, sha256_file, write_text_atomic
+from hf_attn.tooling.tables import markdown_table
 
-PROG = "hf-attn cross-domain"
-TOLERANCE = 1.25  # the issue's check: ratio on the second corpus <= TOLERANCE x ratio on Persuasion
+PROG = "python -m experiments.cross_domain"
 EVAL_TEXTS = ("persuasion", "python-faq")
 CORPORA = ("austen", "python-docs", "mix")
 IN_GENRE = {"persuasion": "austen", "python-faq": "python-docs"}  # each evaluation text's own genre
@@ -114,11 +114,6 @@ def perplexity(model: Path | None, text: Path, *, max_tokens: int, context: int)
     return float(run(settings)["perplexity"])
 
 
-def check_row(row: dict) -> bool:
-    """The issue's check: ratio on the Python FAQ <= TOLERANCE x ratio on Persuasion."""
-    return row["ratio"]["python-faq"] <= TOLERANCE * row["ratio"]["persuasion"]
-
-
 def geomean(values) -> float:
     values = list(values)
     return math.exp(sum(math.log(v) for v in values) / len(values))
@@ -171,30 +166,49 @@ def run_matrix(
             f"--refine-steps must be >= 0 and --refine-tokens positive, got {refine.steps} and "
             f"{refine.tokens}"
         )
-    store = RowStore(Path(results) / "rows", fresh=fresh)
     texts = eval_files()
     text_sums = {t: sha256_file(p) for t, p in texts.items()}
     protocol = {"max_tokens": max_tokens, "context": context, "stride": context, "dtype": "float32"}
     source_hash = sha256_file(assets.smollm2_dir() / "model.safetensors")
+    refined = [asdict(refine)] if refine.steps else []  # closed-form rows keep their earlier keys
+    jobs = {}  # row name -> (conversion, corpus, calibration files)
+    for conversion in conversions:
+        for corpus in corpora:
+            name = f"{conversion.name}.{corpus}" + (f".refined{refine.steps}" if refine.steps else "")
+            jobs[name] = (conversion, corpus, assets.calibration_corpus_files(corpus))
+
+    def key(p: Point) -> str:
+        if p.name == "original":
+            return row_key("original", source_hash, text_sums, protocol)
+        conversion, _, files = jobs[p.name]
+        sums = [sha256_file(f) for f in files]
+        return row_key(p.name, conversion.options, sums, source_hash, text_sums, protocol, *refined)
 
     def score(model: Path | None) -> dict:
         return {t: perplexity(model, p, max_tokens=max_tokens, context=context) for t, p in texts.items()}
 
-    key = row_key("original", source_hash, text_sums, protocol)
-    original = store.get("original", key) or store.put("original", key, {"ppl": score(None)})
+    def measure(p: Point) -> dict:
+        if p.name == "original":
+            return {"ppl": score(None)}
+        conversion, _, files = jobs[p.name]
+        with scratch_directory("hf-attn-cross-domain-") as tmp:  # deleted once scored
+            return {"ppl": score(conversion.convert(Path(tmp) / "model", files, refine=refine))}
+
+    points = [Point("original", {}), *(Point(name, {}) for name in jobs)]
+    measured = run_grid(
+        Path(results),
+        "measured",
+        points,
+        measure,
+        key=key,
+        table=lambda record: "",
+        protocol=protocol,
+        fresh=fresh,
+        log=lambda r: f"{r['name']}: {r['ppl']}",
+    )
+    original, *converted = measured["rows"]
     rows = []
-    jobs = [(c, corpus) for c in conversions for corpus in corpora]
-    for conversion, corpus in tqdm(jobs, desc="cross-domain", unit="conversion"):
-        files = assets.calibration_corpus_files(corpus)
-        refined = [asdict(refine)] if refine.steps else []  # closed-form rows keep their earlier keys
-        name = f"{conversion.name}.{corpus}" + (f".refined{refine.steps}" if refine.steps else "")
-        sums = [sha256_file(f) for f in files]
-        key = row_key(name, conversion.options, sums, source_hash, text_sums, protocol, *refined)
-        row = store.get(name, key)
-        if row is None:
-            with scratch_directory("hf-attn-cross-domain-") as tmp:  # deleted once scored
-                out = conversion.convert(Path(tmp) / "model", files, refine=refine)
-                row = store.put(name, key, {"ppl": score(out)})
+    for (conversion, corpus, _), row in zip(jobs.values(), converted, strict=True):
         ppl = row["ppl"]
         ratio = {t: ppl[t] / original["ppl"][t] for t in EVAL_TEXTS}
         row = {
@@ -216,47 +230,49 @@ def run_matrix(
         "default_rule": best_corpus(rows),
     }
     summary["in_genre"] = in_genre(rows, summary["default_rule"]["best"])
-    (Path(results) / "cross_domain.json").write_text(json.dumps(summary, indent=2))
-    (Path(results) / "cross_domain.md").write_text(markdown(summary))
+    write_json(Path(results) / "cross_domain.json", summary)
+    write_text_atomic(Path(results) / "cross_domain.md", markdown(summary))
     return summary
 
 
 def markdown(summary: dict) -> str:
     o = summary["original"]
-    lines = [
-        f"| conversion | calibration | PPL Persuasion | ratio | PPL Python FAQ | ratio | FAQ ratio / "
-        f"Persuasion ratio (<= {TOLERANCE}) |",
-        "|---|---|---:|---:|---:|---:|---|",
-        f"| original | - | {o['persuasion']:.3f} | 1 | {o['python-faq']:.3f} | 1 | - |",
-    ]
+    header = ["conversion", "calibration", "PPL Persuasion", "ratio", "PPL Python FAQ", "ratio"]
+    header.append(f"FAQ ratio / Persuasion ratio (<= {TOLERANCE})")
+    rows = [["original", "-", f"{o['persuasion']:.3f}", "1", f"{o['python-faq']:.3f}", "1", "-"]]
     for r in summary["rows"]:
         p, q = r["ratio"]["persuasion"], r["ratio"]["python-faq"]
-        lines.append(
-            f"| {r['conversion']} | {r['corpus']} | {r['ppl']['persuasion']:.3f} | {p:.3f} | "
-            f"{r['ppl']['python-faq']:.3f} | {q:.3f} | {q / p:.3f} {'pass' if r['check'] else 'FAIL'} |"
-        )
+        rows.append(
+            [r["conversion"], r["corpus"], f"{r['ppl']['persuasion']:.3f}", f"{p:.3f}",
+             f"{r['ppl']['python-faq']:.3f}", f"{q:.3f}", f"{q / p:.3f} {'pass' if r['check'] else 'FAIL'}"]
+        )  # fmt: skip
     rule = summary["default_rule"]
     scores = ", ".join(f"{c} {s:.4f}" for c, s in rule["scores"].items())
-    lines += ["", f"Geometric mean of all ratios per calibration corpus: {scores}; best: {rule['best']}."]
+    parts = [
+        markdown_table(header, rows, align="llrrrrl"),
+        f"Geometric mean of all ratios per calibration corpus: {scores}; best: {rule['best']}.",
+    ]
     if summary.get("in_genre"):
-        best = rule["best"]
-        lines += [
-            "",
-            "Each text scored by the conversion calibrated on its own genre (Persuasion: austen, FAQ: "
-            f"python-docs), and what {best} calibration costs against that:",
-            "",
-            "| conversion | Persuasion ratio | FAQ ratio | FAQ ratio / Persuasion ratio | "
-            f"{best} / in-genre, Persuasion | {best} / in-genre, FAQ |",
-            "|---|---:|---:|---:|---:|---:|",
-        ]
-        for g in summary["in_genre"]:
-            cost = g.get("cost")
-            tail = " - | - |" if cost is None else f" {cost['persuasion']:.3f} | {cost['python-faq']:.3f} |"
-            lines.append(
-                f"| {g['conversion']} | {g['ratio']['persuasion']:.3f} | {g['ratio']['python-faq']:.3f} | "
-                f"{g['bound']:.3f} |{tail}"
-            )
-    return "\n".join(lines) + "\n"
+        parts += _in_genre_table(summary["in_genre"], rule["best"])
+    return "\n\n".join(parts) + "\n"
+
+
+def _in_genre_table(entries: list[dict], best: str) -> list[str]:
+    header = ["conversion", "Persuasion ratio", "FAQ ratio", "FAQ ratio / Persuasion ratio"]
+    header += [f"{best} / in-genre, Persuasion", f"{best} / in-genre, FAQ"]
+    rows = []
+    for g in entries:
+        cost = g.get("cost")
+        tail = ["-", "-"] if cost is None else [f"{cost['persuasion']:.3f}", f"{cost['python-faq']:.3f}"]
+        rows.append(
+            [g["conversion"], f"{g['ratio']['persuasion']:.3f}", f"{g['ratio']['python-faq']:.3f}",
+             f"{g['bound']:.3f}", *tail]
+        )  # fmt: skip
+    title = (
+        "Each text scored by the conversion calibrated on its own genre (Persuasion: austen, FAQ: "
+        f"python-docs), and what {best} calibration costs against that:"
+    )
+    return [title, markdown_table(header, rows)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -282,6 +298,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context-length", type=int, default=1024)
     parser.add_argument("--fresh", action="store_true", help="re-measure every row")
     args = parser.parse_args(argv)
+    if args.refine_steps < 0 or args.refine_tokens < 1:  # before any work
+        return error(
+            PROG,
+            ValueError(
+                f"--refine-steps must be >= 0 and --refine-tokens positive, got {args.refine_steps} and "
+                f"{args.refine_tokens}"
+            ),
+        )
 
     def go() -> None:
         summary = run_matrix(

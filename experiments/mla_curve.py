@@ -1,6 +1,6 @@
 """The MLA quality curve: KV-cache fraction vs training-free perplexity for the options of conversion.mla.
 
-    python -m eval.mla_curve [--model SRC] [--output-dir results/mla_curve] [--grid default|quick]
+    python -m experiments.mla_curve [--model SRC] [--output-dir results/mla_curve] [--grid default|quick]
         [--max-tokens 8192] [--context-length 1024] [--calibration-tokens 8192] [--fresh]
 
 Protocol: the source is converted once per grid point (one calibration pass shared by all points: the
@@ -15,51 +15,31 @@ Grid sections:
 - `budget`: at each KV budget, every (selection, factorization) at the budget's default r, and a sweep of r
   for the default selection / factorization (the allocation between RoPE keys and the latent).
 
-Rows are kept in the study's row store (`OUTPUT_DIR/rows/`, `eval/rows.py`): each finished row is keyed by
-the protocol, its grid point and the code that converts and measures it, so an interrupted or extended run
-measures only the rows it lacks (`--fresh` re-measures all). Writes `curve.json` (protocol + rows),
-`curve.md` (the tables) and `curve.png` (KV fraction vs perplexity for every option). Timings are wall
-seconds on whatever machine ran it.
+Rows are kept by the shared runner (`experiments/runner.py`, `OUTPUT_DIR/rows/`): an interrupted or
+extended run measures only the rows it lacks (`--fresh` re-measures all). Writes `curve.json` (protocol +
+rows), `curve.md` (the tables) and `curve.png` (KV fraction vs perplexity for every option). Timings are
+wall seconds on whatever machine ran it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import time
-from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
+from experiments.runner import Point, Scoring, cached_calibration, calibration_files, read_record, run_grid
 from hf_attn.conversion import mla
 from hf_attn.conversion.checkpoint import AttentionGeometry, read_config
 from hf_attn.conversion.factorization import FACTORIZATIONS
 from hf_attn.conversion.rope_selection import SELECTIONS
-from hf_attn.eval.perplexity import evaluate_perplexity
-from hf_attn.eval.rows import RowStore, row_key
-from hf_attn.eval.study import CONVERSION_CODE, code_hash
-from hf_attn.tooling import assets, loading
 from hf_attn.tooling.cli import error
-from hf_attn.tooling.corpus import load_corpus, tokenize
-from hf_attn.tooling.files import scratch_directory
-from hf_attn.tooling.loading import resolve_model
+from hf_attn.tooling.tables import markdown_table
 
-PROG = "hf-attn curve"
+PROG = "python -m experiments.mla_curve"
 
-# the code a curve row depends on besides the converter (CONVERSION_CODE): editing it re-measures the rows
-MEASUREMENT_CODE = ("hf_attn.tooling.loading", "hf_attn.tooling.corpus", "hf_attn.tooling.perplexity")
 BUDGETS = (0.125, 0.25, 0.3, 0.375, 0.5, 0.75)
 COMPARE_BUDGETS = BUDGETS  # every selection x factorization at every budget (the default allocation)
 ROPE_SHARES = (0.25, 0.375, 0.5, 0.625, 0.75)  # the allocation sweep: share of the budget for RoPE keys
-
-
-CALIBRATION_CORPUS = "austen"  # the curve, the layout and allocation tables were measured calibrating on it
-
-
-def calibration_files() -> list:
-    """The calibration text of the MLA research sweeps (curve, layouts, allocation): the five novels."""
-    return assets.calibration_corpus_files(CALIBRATION_CORPUS)
 
 
 def point(
@@ -136,18 +116,6 @@ def point_name(p: dict) -> str:
     return name
 
 
-def evaluate_checkpoint(path: Path, ids: torch.Tensor, context_length: int) -> dict:
-    model = loading.load_causal_lm(str(path), attn_implementation="sdpa", dtype=torch.float32)
-    res = evaluate_perplexity(model, ids, context_length=context_length, progress=False)
-    return {
-        "perplexity": res.perplexity,
-        "nll_sum": res.nll_sum,
-        "tokens_scored": res.tokens_scored,
-        "windows": res.windows,
-        "eval_seconds": round(res.seconds, 1),
-    }
-
-
 def run_curve(
     *,
     model: str | None,
@@ -157,83 +125,56 @@ def run_curve(
     context_length: int = 1024,
     calibration_tokens: int = 8192,
     fresh: bool = False,
-    log: Callable[[str], None] | None = None,
 ) -> dict:
-    """Measure the grid's rows that the row store lacks; write curve.json / .md / .png; return the record.
-    `log` receives one line per measured row."""
-    log = log or (lambda line: None)
-    src_dir = resolve_model(model)
+    """Measure the grid's rows that the row store lacks; write curve.json / .md / .png; return the record."""
+    scoring = Scoring.load(model, max_tokens=max_tokens, context_length=context_length)
+    src_dir = scoring.model_dir
     geometry = AttentionGeometry.from_config(read_config(src_dir))
-    output_dir.mkdir(parents=True, exist_ok=True)
-    store = RowStore(output_dir / "rows", fresh=fresh)
+    protocol = {**scoring.protocol, "calibration_tokens": calibration_tokens}
+    calibration = []  # one pass, made when the first missing row needs it, shared by every point
 
-    corpus = load_corpus()
-    ids = tokenize(loading.load_tokenizer(str(src_dir)), corpus)[:max_tokens]
-    protocol = {
-        "model": str(src_dir),
-        "model_hash": loading.model_hash(str(src_dir)),
-        "corpus": corpus.name,
-        "corpus_sha256": corpus.sha256,
-        "tokens": int(ids.numel()),
-        "context_length": context_length,
-        "stride": context_length,
-        "calibration_tokens": calibration_tokens,
-        "dtype": "float32",
-    }
-    measurement = row_key(protocol, code_hash(MEASUREMENT_CODE))
-    conversion = row_key(measurement, code_hash(CONVERSION_CODE))
-    record = {"protocol": protocol, "rows": []}
-
-    def save() -> None:
-        (output_dir / "curve.json").write_text(json.dumps(record, indent=2) + "\n")
-        (output_dir / "curve.md").write_text(markdown(record))
-
-    row = store.get("source", measurement)
-    if row is None:
-        row = {
-            "section": "source",
-            "kv_fraction": 1.0,
-            "cache_numbers": 2 * geometry.kv_dim,
-            **evaluate_checkpoint(src_dir, ids, context_length),
-        }
-        row = store.put("source", measurement, row)
-        log(f"source: ppl {row['perplexity']:.2f}")
-    record["rows"].append(row)
-    save()
-
-    points = grid(grid_name, geometry)
-    calibration = None
-    stored_calibration = store.get("calibration", conversion)
-    if stored_calibration is not None:
-        protocol["calibration"] = stored_calibration["record"]
-    for i, p in enumerate(points):
-        name, key_p = point_name(p), row_key(conversion, key(p))
-        row = store.get(name, key_p)
-        if row is None:
-            if calibration is None:  # one pass, shared by every point measured in this run
-                start = time.perf_counter()
-                calibration = mla.calibrate(
-                    src_dir=src_dir, geometry=geometry, files=calibration_files(), tokens=calibration_tokens
+    def calibrated():
+        if not calibration:
+            files = calibration_files()
+            calibration.append(
+                cached_calibration(
+                    None,
+                    lambda _: mla.calibrate(
+                        src_dir=src_dir, geometry=geometry, files=files, tokens=calibration_tokens
+                    ),
                 )
-                calib = {**calibration.record, "seconds": round(time.perf_counter() - start, 1)}
-                protocol["calibration"] = store.put("calibration", conversion, {"record": calib})["record"]
-            row = store.put(
-                name, key_p, measure_point(p, src_dir, calibration, ids, context_length, output_dir)
             )
-            log(
-                f"[{i + 1}/{len(points)}] {row['section']} r={row['rope_pairs']} d_c={row['kv_lora_rank']} "
-                f"{row['selection']}/{row['factorization']} ({100 * row['kv_fraction']:.1f}%): "
-                f"ppl {row['perplexity']:.2f}"
-            )
-        record["rows"].append(row)
-        save()
+        return calibration[0]
+
+    def measure(p: Point) -> dict:
+        if p.name == "source":
+            return {"kv_fraction": 1.0, "cache_numbers": 2 * geometry.kv_dim, **scoring.score(src_dir)}
+        return measure_point(p.settings, src_dir, calibrated(), scoring, output_dir)
+
+    points = [Point("source", {"section": "source"})]
+    points += [Point(point_name(p), p) for p in grid(grid_name, geometry)]
+    record = run_grid(
+        output_dir,
+        "curve",
+        points,
+        measure,
+        key=lambda p: scoring.row_key(
+            calibration_tokens, key(p.settings) if p.name != "source" else "source"
+        ),
+        table=markdown,
+        protocol=protocol,
+        fresh=fresh,
+        log=lambda r: (
+            f"{r['section']} r={r.get('rope_pairs', 'all')} ({100 * r['kv_fraction']:.1f}%): "
+            f"ppl {r['perplexity']:.2f}"
+        ),
+    )
     plot_curve(record, output_dir / "curve.png")
     return record
 
 
-def measure_point(p: dict, src_dir, calibration, ids: torch.Tensor, context_length: int, work: Path) -> dict:
+def measure_point(p: dict, src_dir, calibration, scoring: Scoring, work: Path) -> dict:
     """Convert the source at grid point `p` (a temporary checkpoint under `work`) and score it."""
-    start = time.perf_counter()
     plan = mla.plan_conversion(
         src=src_dir,
         kv_lora_rank=p["kv_lora_rank"],
@@ -242,23 +183,16 @@ def measure_point(p: dict, src_dir, calibration, ids: torch.Tensor, context_leng
         rope_selection=p["selection"],
         factorization=p["factorization"],
         calibration=calibration,
-        allocation="uniform",  # the curve measures one r and d_c in every layer (eval.mla_allocation: greedy)
+        allocation="uniform",  # the curve measures one r and d_c in every layer (mla_allocation: greedy)
     )
-    with scratch_directory("mla_curve_", dir=work) as scratch:
-        tmp = Path(scratch)
-        path = mla.write_conversion(plan, tmp / "ckpt", start=start)
-        convert_seconds = round(time.perf_counter() - start, 1)
-        result = evaluate_checkpoint(path, ids, context_length)
     shape = plan.shape
     return {
-        **p,
         "kv_lora_rank": shape.kv_lora_rank,
         "factorization": plan.factorization,
         "selection": plan.selection,
         "cache_numbers": shape.cache_numbers,
         "kv_fraction": round(shape.kv_fraction, 4),
-        "convert_seconds": convert_seconds,
-        **result,
+        **scoring.score_plan(plan, work),
     }
 
 
@@ -266,40 +200,49 @@ def _ppl(row: dict | None) -> str:
     return "-" if row is None else f"{row['perplexity']:.1f}"
 
 
+def _bold_best(value: str, row: dict | None, best: float) -> str:
+    return f"**{value}**" if row is not None and row["perplexity"] == best else value
+
+
 def markdown(record: dict) -> str:
     """Tables of a curve record: partial RoPE alone, the allocation sweep, the option comparison, all rows."""
     p = record["protocol"]
     rows = [r for r in record["rows"] if r["section"] != "source"]
     source = next((r for r in record["rows"] if r["section"] == "source"), None)
-    calib = p.get("calibration") or {}
-    lines = [
+    geometry = _geometry(p)
+    head = (
         f"Model `{Path(p['model']).name}` (weights sha256 {str(p['model_hash'])[:12]}), corpus {p['corpus']} "
         f"(sha256 {p['corpus_sha256'][:12]}), first {p['tokens']} tokens, disjoint windows of "
         f"{p['context_length']}, fp32, training-free; calibration: {p['calibration_tokens']} tokens of the "
-        f"other five novels (one pass, {calib.get('seconds', '?')} s)."
-        + (
-            f" Source: {source['perplexity']:.2f} at {source['cache_numbers']} numbers/token/layer."
-            if source
-            else ""
-        ),
-        "",
-    ]
+        "other five novels (one pass)."
+    )
+    if source:
+        head += f" Source: {source['perplexity']:.2f} at {source['cache_numbers']} numbers/token/layer."
+    parts = [head, *_rope_table(rows), *_sweep_table(rows, geometry), *_options_table(rows, geometry)]
+    parts += ["**All rows**", _all_rows_table(rows, source)]
+    return "\n\n".join(parts) + "\n"
+
+
+def _rope_table(rows: list[dict]) -> list[str]:
     rope = [r for r in rows if r["section"] == "rope"]
-    if rope:
-        sels = [s for s in SELECTIONS if any(r["selection"] == s for r in rope)]
-        lines += [
-            "**Partial RoPE alone** (latent at full rank, so nothing saved: the cost of removing rotations)",
-            "",
-            "| r pairs kept | " + " | ".join(sels) + " |",
-            "|---|" + "---|" * len(sels),
-        ]
-        for r_ in sorted({r["rope_pairs"] for r in rope}):
-            cells = [
+    if not rope:
+        return []
+    sels = [s for s in SELECTIONS if any(r["selection"] == s for r in rope)]
+    table = [
+        [
+            r_,
+            *(
                 _ppl(next((r for r in rope if r["rope_pairs"] == r_ and r["selection"] == s), None))
                 for s in sels
-            ]
-            lines.append(f"| {r_} | " + " | ".join(cells) + " |")
-        lines.append("")
+            ),
+        ]
+        for r_ in sorted({r["rope_pairs"] for r in rope})
+    ]
+    title = "**Partial RoPE alone** (latent at full rank, so nothing saved: the cost of removing rotations)"
+    return [title, markdown_table(["r pairs kept", *sels], table, align="l" * (len(sels) + 1))]
+
+
+def _sweep_table(rows: list[dict], geometry: AttentionGeometry) -> list[str]:
     sweep = [
         r
         for r in rows
@@ -307,85 +250,83 @@ def markdown(record: dict) -> str:
         and r["selection"] == mla.DEFAULT_ROPE_SELECTION
         and r["factorization"] == mla.DEFAULT_FACTORIZATION
     ]
-    if sweep:
-        lines += [
-            f"**Allocation sweep** ({mla.DEFAULT_ROPE_SELECTION} selection, {mla.DEFAULT_FACTORIZATION} "
-            "factorization): perplexity for r RoPE pairs per KV head, the latent taking the rest of the "
-            "budget (RoPE share of the cached numbers in brackets; * = the default r for that budget)",
-            "",
-            "| KV budget | numbers/token/layer | perplexity at r (RoPE share) |",
-            "|---|---|---|",
-        ]
-        geometry = _geometry(p)
-        for budget in sorted({r["kv_budget"] for r in sweep}):
-            here = sorted((r for r in sweep if r["kv_budget"] == budget), key=lambda r: r["rope_pairs"])
-            default_r = mla.default_rope_pairs(geometry, budget)
-            best = min(r["perplexity"] for r in here)
-            cells = []
-            for r in here:
-                share = 2 * geometry.num_kv_heads * r["rope_pairs"] / r["cache_numbers"]
-                value = f"**{r['perplexity']:.1f}**" if r["perplexity"] == best else f"{r['perplexity']:.1f}"
-                cells.append(
-                    f"r={r['rope_pairs']}{'*' if r['rope_pairs'] == default_r else ''} ({share:.0%}): {value}"
-                )
-            numbers = here[0]["cache_numbers"]
-            lines.append(
-                f"| {budget:g} ({numbers / (2 * geometry.kv_dim):.1%}) | {numbers} | "
-                + "; ".join(cells)
-                + " |"
-            )
-        lines.append("")
-    options = _options_at_default_allocation(rows, _geometry(p))
-    if options:
-        budgets = sorted({b for by_budget in options.values() for b in by_budget})
-        best = {b: min(o[b]["perplexity"] for o in options.values() if b in o) for b in budgets}
-        lines += [
-            "**Every option across budgets** (selection / factorization; at each budget the default r, the "
-            "latent taking the rest; best per budget in bold)",
-            "",
-            "| selection / factorization | "
-            + " | ".join(f"{b:g} ({options_fraction(options, b):.1%})" for b in budgets)
-            + " |",
-            "|---|" + "---:|" * len(budgets),
-        ]
-        for (sel, fac), by_budget in options.items():
-            cells = []
-            for b in budgets:
-                row = by_budget.get(b)
-                cell = _ppl(row)
-                cells.append(f"**{cell}**" if row and row["perplexity"] == best[b] else cell)
-            lines.append(f"| {sel} / {fac} | " + " | ".join(cells) + " |")
-        lines.append("")
-    lines += [
-        "**All rows**",
-        "",
-        "| section | KV fraction | numbers/token/layer | r | d_c | selection | factorization | perplexity "
-        "| convert s |",
-        "|---|---|---|---|---|---|---|---|---|",
+    if not sweep:
+        return []
+    table = []
+    for budget in sorted({r["kv_budget"] for r in sweep}):
+        here = sorted((r for r in sweep if r["kv_budget"] == budget), key=lambda r: r["rope_pairs"])
+        default_r = mla.default_rope_pairs(geometry, budget)
+        best = min(r["perplexity"] for r in here)
+        cells = []
+        for r in here:
+            share = 2 * geometry.num_kv_heads * r["rope_pairs"] / r["cache_numbers"]
+            star = "*" if r["rope_pairs"] == default_r else ""
+            cells.append(f"r={r['rope_pairs']}{star} ({share:.0%}): {_bold_best(_ppl(r), r, best)}")
+        numbers = here[0]["cache_numbers"]
+        table.append([f"{budget:g} ({numbers / (2 * geometry.kv_dim):.1%})", numbers, "; ".join(cells)])
+    title = (
+        f"**Allocation sweep** ({mla.DEFAULT_ROPE_SELECTION} selection, {mla.DEFAULT_FACTORIZATION} "
+        "factorization): perplexity for r RoPE pairs per KV head, the latent taking the rest of the "
+        "budget (RoPE share of the cached numbers in brackets; * = the default r for that budget)"
+    )
+    header = ["KV budget", "numbers/token/layer", "perplexity at r (RoPE share)"]
+    return [title, markdown_table(header, table, align="lll")]
+
+
+def _options_table(rows: list[dict], geometry: AttentionGeometry) -> list[str]:
+    options = _options_at_default_allocation(rows, geometry)
+    if not options:
+        return []
+    budgets = sorted({b for by_budget in options.values() for b in by_budget})
+    best = {b: min(o[b]["perplexity"] for o in options.values() if b in o) for b in budgets}
+    table = [
+        [f"{sel} / {fac}", *(_bold_best(_ppl(by_budget.get(b)), by_budget.get(b), best[b]) for b in budgets)]
+        for (sel, fac), by_budget in options.items()
     ]
+    header = ["selection / factorization", *(f"{b:g} ({options_fraction(options, b):.1%})" for b in budgets)]
+    title = (
+        "**Every option across budgets** (selection / factorization; at each budget the default r, the "
+        "latent taking the rest; best per budget in bold)"
+    )
+    return [title, markdown_table(header, table)]
+
+
+def _all_rows_table(rows: list[dict], source: dict | None) -> str:
+    table = []
     if source:
-        lines.append(
-            f"| source | 1.000 | {source['cache_numbers']} | all | - | - | - | {source['perplexity']:.2f} "
-            "| - |"
+        table.append(
+            [
+                "source",
+                "1.000",
+                source["cache_numbers"],
+                "all",
+                "-",
+                "-",
+                "-",
+                f"{source['perplexity']:.2f}",
+                "-",
+            ]
         )
     order = {"rope": 1, "budget": 2}
-    for r in sorted(
-        rows,
-        key=lambda r: (
+
+    def by(r: dict) -> tuple:
+        return (
             order[r["section"]],
             r.get("kv_budget") or 0,
             r["rope_pairs"],
             r["selection"],
             r["factorization"],
-        ),
-    ):
-        budget = f" {r['kv_budget']:g}" if r.get("kv_budget") else ""
-        lines.append(
-            f"| {r['section']}{budget} | {r['kv_fraction']:.3f} | {r['cache_numbers']} | {r['rope_pairs']} | "
-            f"{r['kv_lora_rank']} | {r['selection']} | {r['factorization']} | {r['perplexity']:.2f} | "
-            f"{r.get('convert_seconds', '-')} |"
         )
-    return "\n".join(lines) + "\n"
+
+    for r in sorted(rows, key=by):
+        budget = f" {r['kv_budget']:g}" if r.get("kv_budget") else ""
+        table.append(
+            [f"{r['section']}{budget}", f"{r['kv_fraction']:.3f}", r["cache_numbers"], r["rope_pairs"],
+             r["kv_lora_rank"], r["selection"], r["factorization"], f"{r['perplexity']:.2f}",
+             r.get("convert_seconds", "-")]
+        )  # fmt: skip
+    header = ["section", "KV fraction", "numbers/token/layer", "r", "d_c", "selection", "factorization"]
+    return markdown_table([*header, "perplexity", "convert s"], table, align="l" * 9)
 
 
 def _options_at_default_allocation(rows: list[dict], geometry: AttentionGeometry) -> dict:
@@ -480,22 +421,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fresh", action="store_true", help="ignore rows of an earlier run")
     parser.add_argument("--report-only", action="store_true", help="rewrite curve.md/.png from curve.json")
     args = parser.parse_args(argv)
+    out = Path(args.output_dir)
     if args.report_only:
-        out = Path(args.output_dir)
-        record = json.loads((out / "curve.json").read_text())
+        record = read_record(out, "curve")
         (out / "curve.md").write_text(markdown(record))
         plot_curve(record, out / "curve.png")
         return 0
     try:
         run_curve(
             model=args.model,
-            output_dir=Path(args.output_dir),
+            output_dir=out,
             grid_name=args.grid,
             max_tokens=args.max_tokens,
             context_length=args.context_length,
             calibration_tokens=args.calibration_tokens,
             fresh=args.fresh,
-            log=lambda line: print(line, flush=True),
         )
     except (ValueError, OSError, KeyError) as err:
         return error(PROG, err)

@@ -1,6 +1,7 @@
 """Measure the deepseek_v3 export's exactness on real text: source llama_mla vs vanilla transformers.
 
-    python -m eval.deepseek_export_check [--source MLA_DIR] [--tokens 512] [--new-tokens 32] [--flashmla-dims]
+    python -m experiments.deepseek_export_check [--source MLA_DIR] [--tokens 512] [--new-tokens 32]
+        [--flashmla-dims]
 
 The source (a llama_mla checkpoint in the DeepSeek layout; default: a SmolLM2-shaped demo built from
 SmolLM2's weights, see `demo_source`) runs here in fp32; its export is loaded by
@@ -142,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     from hf_attn.conversion.export import export_checkpoint
     from hf_attn.tooling import assets
 
-    parser = argparse.ArgumentParser(prog="hf-attn bench deepseek-export", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments.deepseek_export_check", description=__doc__.split("\n")[0]
+    )
     parser.add_argument(
         "--source", default=None, help="llama_mla DeepSeek-layout dir (default: SmolLM2 demo)"
     )

@@ -1,6 +1,7 @@
-"""Write what follows the scored part of each evaluation text: the same-document bound (docs/cross-domain.md).
+"""Write what follows the scored part of each evaluation text: the same-document bound
+(docs/research/cross-domain.md).
 
-    python docs/cross_domain_rest_of_text.py OUT_DIR
+    python -m experiments.cross_domain_rest_of_text OUT_DIR
 
 The cross-domain protocol scores the first 8,192 tokens of *Persuasion* and of the Python FAQ. This writes
 OUT_DIR/persuasion_rest.txt and OUT_DIR/faq_rest.txt: each text from token 8,256 on (a 64-token margin),

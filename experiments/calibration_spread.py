@@ -1,6 +1,7 @@
-"""Rewrite the default calibration files so that any prefix samples the whole file (docs/cross-domain.md).
+"""Rewrite the default calibration files so that any prefix samples the whole file
+(docs/research/cross-domain.md).
 
-    python docs/calibration_spread.py OUT_DIR [PHASE]
+    python -m experiments.calibration_spread OUT_DIR [PHASE]
 
 `calibration_ids` reads each file's token share from the file's start. This writes, for every file of the
 default calibration text, OUT_DIR/NAME: 64 chunks of 256 tokens taken at offsets (v_k + PHASE) mod 1 of the

@@ -1,6 +1,6 @@
-"""How much a per-KV-head RoPE allocation could gain over the per-layer one (docs/mla-allocation.md).
+"""How much a per-KV-head RoPE allocation could gain over the per-layer one (docs/research/mla-allocation.md).
 
-    python docs/mla_per_head_bound.py [TOKENS]
+    python -m experiments.mla_per_head_bound [TOKENS]
 
 One `attention` calibration of the embedded SmolLM2 on the default calibration text (as `hf-attn convert mla`
 does), then, at each mean r, the share of the summed pair score (the attention-score error of a lost
