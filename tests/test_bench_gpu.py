@@ -127,3 +127,21 @@ def test_kernel_goals_per_row():
     slow = {**row, "tuned_copy_pct": 71.0, "vs_torch": 1.9, "vs_gqa": 1.0}
     assert goals(slow) == "MISSED 2x PyTorch, vs GQA"
     assert goals({**row, "context": 1024, "vs_gqa": 0.5, "tuned_copy_pct": None}) == "met"  # GQA from 4k on
+
+
+def test_merge_of_several_runs(tmp_path, capsys):
+    def run_record(part, status):
+        return {"benchmark": gpu.NAME, "parts": {part: dict(date="2026-11-25", command="c", environment={},
+                                                             status=status, seconds=1, rows=[], columns=[],
+                                                             meta={}, settings={})}}  # fmt: skip
+
+    runs = (("a", "engine", "ok"), ("b", "heal", "ok"), ("c", "engine", "failed (exit 1)"))
+    for name, part, status in runs:
+        (tmp_path / f"{name}.json").write_text(json.dumps(run_record(part, status)))
+    files = [str(tmp_path / f"{n}.json") for n in "abc"]
+    assert gpu.main(["--merge", *files, "--output", str(tmp_path / "all")]) == 0
+    parts = json.loads((tmp_path / "all" / "results.json").read_text())["parts"]
+    assert sorted(parts) == ["engine", "heal"] and parts["engine"]["status"] == "failed (exit 1)"
+    (tmp_path / "other.json").write_text("{}")
+    assert gpu.main(["--merge", str(tmp_path / "other.json"), "--output", str(tmp_path / "x")]) == 2
+    assert not (tmp_path / "x").exists()

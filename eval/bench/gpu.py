@@ -6,6 +6,7 @@ it measured so far, and the next part runs.
                       [--budget-s 570] [--dry-run]
     hf-attn bench gpu --fetch        the wheels and assets an offline GPU machine needs (`make gpu-wheels`)
     hf-attn bench gpu --list         the parts and the three commands that run them all
+    hf-attn bench gpu --merge A/results.json B/results.json ... --output DIR    one record of several runs
 
 From a checkout on a GPU machine without hf-attn installed, `python -m eval.bench.gpu ...` is the same
 command: it installs the carried wheels (.gpu/bundle, see `eval/bench/gpu_bundle.py`) and runs the parts
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--fetch", action="store_true", help="download the wheels, copy the assets (make gpu-wheels)"
     )
     p.add_argument("--list", action="store_true", help="list the parts and the commands that run them all")
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="merge these results.json files into --output")
     return p
 
 
@@ -140,6 +142,19 @@ def write(record: dict, output: Path) -> None:
         tmp = output / f".{name}.{os.getpid()}.tmp"
         tmp.write_text(text)
         os.replace(tmp, output / name)
+
+
+def merge(files: list[str], output: Path) -> int:
+    """Parts of several results.json files (later files win) merged into `output`'s record."""
+    record = load_existing(output)
+    for name in files:
+        other = json.loads(Path(name).read_text()) if Path(name).is_file() else {}
+        if other.get("benchmark") != NAME:
+            raise ValueError(f"--merge {name} is not a results.json of {PROG}")
+        record["parts"].update(other["parts"])
+    write(record, output)
+    print(f"written: {output / 'results.json'}, {output / 'results.md'} ({len(record['parts'])} parts)")
+    return 0
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -305,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"warning: untracked {top} ({size / 2**20:.1f} MiB) travels too unless ignored or removed"
                 )
             return 0
+        if args.merge:
+            return merge(args.merge, Path(args.output))
         if args.dry_run:
             return dry_run(args.parts, overrides, gpu_bundle.child_env(install=False))
         return run_all(args, overrides, limits)

@@ -70,6 +70,8 @@ def run_tests(settings: dict, emit) -> None:
                     message = message[0][:200] if message else ""
             emit({"test": case.get("name"), "outcome": outcome, "seconds": float(case.get("time") or 0),
                   "message": message})  # fmt: skip
+    if proc.returncode != 0:  # the rows say which tests
+        raise RuntimeError(f"pytest exit {proc.returncode}: {(proc.stdout.strip().splitlines() or [''])[-1]}")
 
 
 def _engine_available() -> str | None:
