@@ -42,6 +42,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "hf_attn.eval.bench.scale",
         "every converter on Llama-2-7B / Llama-3-8B-shaped checkpoints",
     ),
+    "bench engine": ("hf_attn.eval.engine.bench", "source vs MLA export in vLLM: KV capacity, throughput"),
     "bench stream": ("hf_attn.eval.bench.stream", "peak memory of the streamed mean-pooling conversion"),
     "bench gpu": ("hf_attn.eval.bench.gpu", "every GPU measurement, each part with its own time limit"),
 }
