@@ -89,7 +89,7 @@ class RefineSettings:
         RELATIVE_LR, help="each tensor's Adam learning rate as a fraction of the tensor's RMS (scale-free)"
     )
     lr: float | None = setting(
-        None, help="one absolute Adam learning rate for every tensor instead (sessions 4-5: 1e-4)"
+        None, help="one absolute Adam learning rate for every tensor instead (e.g. 1e-4)"
     )
     calibration_tokens: int = setting(4096, help="calibration tokens (disjoint windows of 1,024)")
     calibration_corpus: str = setting(

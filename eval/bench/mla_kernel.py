@@ -12,7 +12,7 @@ Per case (shape, batch B, context S; one new token per sequence, T = 1; random d
   k, v, None, scaling=d**-0.5, dropout=0.0)` with q (B, Hq, 1, d), k / v (B, Hkv, S, d), for `sdpa` and
   `hf_attn_grouped`; bytes read 2 * B * Hkv * S * d * itemsize.
 Timing: CUDA events around each call, the L2 cache flushed (a 256 MiB write) before each, `--warmup` untimed
-calls, then the median of `--repeats`. Targets (issue 16): the kernel at >= 70% of the copy bandwidth from 8k
+calls, then the median of `--repeats`. Goals: the kernel at >= 70% of the copy bandwidth from 8k
 context on, and the layer through the kernel >= 2x faster than through the PyTorch path.
 
     python -m eval.bench.mla_kernel [--quick] [--shapes smollm2 llama3-8b] [--batch 1 8 32]
@@ -185,7 +185,7 @@ def _bench_gqa(shape, B, S, dtype, time) -> dict:
 
 
 def summarize(record: dict) -> list[dict]:
-    """Per row: derived ratios and whether the issue's targets are met."""
+    """Per row: derived ratios and whether the goals are met."""
     out = []
     for r in record["rows"]:
         frac = r["kernel_gbps"] / record["copy_gbps"]
