@@ -8,7 +8,7 @@ it measured so far, and the next part runs.
     hf-attn bench gpu --list         the parts and the three commands that run them all
     hf-attn bench gpu --merge A/results.json B/results.json ... --output DIR    one record of several runs
 
-From a checkout on a GPU machine without hf-attn installed, `python -m eval.bench.gpu ...` is the same
+From a checkout on a GPU machine without hf-attn installed, `python3 -m eval.bench.gpu ...` is the same
 command: it installs the carried wheels (.gpu/bundle, see `eval/bench/gpu_bundle.py`) and runs the parts
 against the checkout. `--dry-run` goes through every part's setup on any machine (settings, shapes, files,
 imports, argument lists, output schema, the wheel list) and fails when a part cannot be set up.
