@@ -92,23 +92,68 @@ def pair_markdown(source: dict, mla: dict) -> str:
         "",
         *capacity_lines(source, mla),
     ]
-    lines += [
-        "",
-        "Decode only (pure decode steps, all sequences past prefill; median step):",
+    s_lv, m_lv = _levels(source), _levels(mla)
+    lines += ["", *decode_lines(s_lv, m_lv), "", *operating_point_lines(source, mla)]
+    lines += ["", *_profile_lines(s_lv, m_lv), "", *_batch_lines(source, mla)]
+    return "\n".join(lines)
+
+
+def decode_lines(s_lv: dict, m_lv: dict) -> list[str]:
+    """Decode only: step time (median and fastest of the timed steps) and tokens/s at each concurrency."""
+    lines = [
+        "Decode only (steps where every sequence is past its prefill; ms/step: median (fastest)):",
         "",
         "| concurrency | source ms/step | source tok/s | MLA ms/step | MLA tok/s | MLA / source tok/s |",
         "|---|---|---|---|---|---|",
     ]
-    s_lv, m_lv = _levels(source), _levels(mla)
     for c in sorted(set(s_lv) | set(m_lv)):
         s, m = s_lv.get(c, {}), m_lv.get(c, {})
         lines.append(
-            f"| {c} | {_fmt(s.get('step_ms_median'))} | {_fmt(s.get('decode_tokens_per_s'), 2)} | "
-            f"{_fmt(m.get('step_ms_median'))} | {_fmt(m.get('decode_tokens_per_s'), 2)} | "
+            f"| {c} | {_step(s)} | {_fmt(s.get('decode_tokens_per_s'), 2)} | {_step(m)} | "
+            f"{_fmt(m.get('decode_tokens_per_s'), 2)} | "
             f"{_ratio(m.get('decode_tokens_per_s'), s.get('decode_tokens_per_s'))} |"
         )
-    lines += ["", *_profile_lines(s_lv, m_lv), "", *_batch_lines(source, mla)]
-    return "\n".join(lines)
+    return lines
+
+
+def _step(level: dict) -> str:
+    if not level.get("step_ms_median"):
+        return "–"
+    return f"{level['step_ms_median']:,.0f} ({level['step_ms_min']:,.0f})"
+
+
+def operating_point_lines(source: dict, mla: dict, saturation: float = 0.9) -> list[str]:
+    """Where the smaller cache becomes decode throughput: each model at its own maximum concurrency, and the
+    concurrency at which the MLA model's decode reaches `saturation` of its best tokens/s (beyond it, more
+    sequences in the cache buy nothing on this device)."""
+    best = {}
+    for role, row in (("source", source), ("mla", mla)):
+        levels = [lv for lv in row["decode"]["levels_measured"] if lv.get("decode_tokens_per_s")]
+        best[role] = max(levels, key=lambda lv: lv["decode_tokens_per_s"], default=None)
+    s_top = _levels(source).get(source["decode"]["top_level"], {})
+    m_top = _levels(mla).get(mla["decode"]["top_level"], {})
+    s_dec, m_dec = source["decode"], mla["decode"]
+    ratio = _ratio(m_top.get("decode_tokens_per_s"), s_top.get("decode_tokens_per_s"))
+    out = [
+        f"- Each model at the most sequences it ran (its cache's maximum, or the sweep's top level): source "
+        f"{s_dec['top_level']} (room for {s_dec['max_concurrency_at_horizon']}), "
+        f"{_fmt(s_top.get('decode_tokens_per_s'), 2)} tok/s; MLA {m_dec['top_level']} (room for "
+        f"{m_dec['max_concurrency_at_horizon']}), {_fmt(m_top.get('decode_tokens_per_s'), 2)} tok/s: "
+        f"{ratio} the source's decode throughput."
+    ]
+    if best["mla"]:
+        peak = best["mla"]["decode_tokens_per_s"]
+        knee = min(
+            lv["concurrency"]
+            for lv in mla["decode"]["levels_measured"]
+            if (lv.get("decode_tokens_per_s") or 0) >= saturation * peak
+        )
+        out.append(
+            f"- MLA decode reaches {100 * saturation:.0f}% of its best ({peak:.2f} tok/s at "
+            f"{best['mla']['concurrency']} sequences) at {knee} sequences: the KV saving turns into "
+            f"throughput where the source's cache holds fewer than {knee} sequences of the served context."
+        )
+    return out
 
 
 def _profile_lines(s_lv: dict, m_lv: dict, top: int = 6) -> list[str]:
