@@ -110,3 +110,11 @@ def test_curve_report_tables_and_plot(tmp_path, smollm2_path):
     assert "| high / activation | 180.0 | 65.0 |" in table  # the r30 - 2 row (1.0) belongs to the sweep
     plot_curve(record, tmp_path / "curve.png")
     assert (tmp_path / "curve.png").stat().st_size > 10_000
+
+
+def test_results_tables_match_their_stored_rows():
+    """docs/results/*.md and the README summary are what `python -m experiments.results` makes of the rows."""
+    from experiments import results
+
+    stale = [p for p, text in results.outputs().items() if not p.exists() or p.read_text() != text]
+    assert not stale, f"run `python -m experiments.results`: {stale}"
