@@ -1,6 +1,6 @@
 """Export a `llama_mla` checkpoint as a dense DeepSeek-V3 (`model_type: deepseek_v3`) checkpoint, exactly.
 
-    hf-attn export --to deepseek_v3 --model MLA_DIR --output DIR [--flashmla-dims]
+    hf-attn export --to deepseek_v3 --model MLA_DIR --output DIR [--engine-dims native|576|512|320]
         [--latent-norm-eps-for transformers|engines] [--max-position-embeddings N] [--dtype ...] [--overwrite]
 
 The output loads with vanilla transformers (`AutoModelForCausalLM.from_pretrained(DIR)`, no hf_attn, no
@@ -9,8 +9,9 @@ trust_remote_code) and, by its field and tensor names, with vLLM's and SGLang's 
 reason and the conversion option that avoids it (exit status 2, nothing written): never an approximate export.
 
 Notation per layer: E hidden, Hq / Hkv query / KV heads, G = Hq / Hkv, d head_dim, r kept RoPE pairs P of the
-one shared RoPE key, dn = d - 2r, d_c latent width; exported: D = kv_lora_rank (d_c, or 512 with
---flashmla-dims), W RoPE slots (R = 2W = qk_rope_head_dim; 32 slots with --flashmla-dims).
+one shared RoPE key, dn = d - 2r, d_c latent width; exported: D = kv_lora_rank (d_c, or the size named by
+--engine-dims minus 64), W RoPE slots (R = 2W = qk_rope_head_dim; 32 slots with --engine-dims 576|512|320:
+conversion/engine_dims.py has which size each vLLM MLA backend accepts).
 
 The source must be the DeepSeek layout of llama_mla: `rope_layout="shared"` (or per_head with Hkv == 1, the
 same model) and `latent_norm=True`. Per layer, with source rows in llama_mla's order (q and k_rope heads are
@@ -28,7 +29,7 @@ same model) and `latent_norm=True`. Per layer, with source rows in llama_mla's o
 - RoPE: DeepSeek rotates pairs (2k, 2k + 1) of q_pe / k_pe (`rope_interleave=True`; vLLM and SGLang:
   `is_neox_style=False`) with inverse frequencies theta'^(-2k / R). Source pair p has theta^(-2p / d). With
   s = gcd of every layer's kept pairs, slot k carries pair k s when theta' = theta^(2 s W / d); slots whose
-  pair is not kept get zero q / k rows (exact, but they cost cache: reported). With --flashmla-dims (W = 32)
+  pair is not kept get zero q / k rows (exact, but they cost cache: reported). With --engine-dims (W = 32)
   the kept pairs are spread m slots apart (slot k: frequency theta_(k s / m), theta' = theta^(2 s W / (m d)))
   so that theta' stays small. Only rope_type "default".
 - Latent norm: the RMSNorm over D > d_c dims (zeros appended) and the target's eps (transformers'
@@ -47,10 +48,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -69,254 +68,26 @@ from hf_attn.conversion.checkpoint import (
     tensor_index,
     write_config,
 )
+from hf_attn.conversion.engine_dims import ENGINE_DIMS, VLLM_VERSION_READ, accepting_backends
+from hf_attn.conversion.export_plan import (  # noqa: F401  (re-exported: the plan is part of this module's API)
+    LATENT_NORM_EPS_TARGETS,
+    TRANSFORMERS_KV_NORM_EPS,
+    ExportPlan,
+    _refuse,
+    deepseek_config,
+    plan_export,
+)
 from hf_attn.models.llama_mla import LlamaMLAConfig
-from hf_attn.tooling.cli import run_command
+from hf_attn.tooling.cli import add_deprecated_alias, run_command
 from hf_attn.tooling.files import atomic_directory, check_output, checkpoint_hash
 from hf_attn.tooling.loading import parse_dtype, resolve_model
 
 PROG = "hf-attn export"
 TARGETS = ("deepseek_v3",)
-FLASHMLA_KV_LORA_RANK = 512  # FlashMLA / FlashInfer MLA decode: kv_lora_rank 512 ...
-FLASHMLA_ROPE_DIM = 64  # ... and qk_rope_head_dim 64 only
-TRANSFORMERS_KV_NORM_EPS = 1e-6  # DeepseekV3Attention builds kv_a_layernorm with the RMSNorm default eps
-LATENT_NORM_EPS_TARGETS = ("transformers", "engines")
 GENERATION_CONFIG = "generation_config.json"
 _ATTN_BIASES = ("q_proj", "k_rope_proj", "k_up_proj", "v_up_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
 _LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
-
-
-# ------------------------------------------------------------------------------------------------ plan
-
-
-@dataclass(frozen=True)
-class ExportPlan:
-    """Everything the tensor mapping needs; built (and every refusal raised) by `plan_export`."""
-
-    num_layers: int
-    hidden_size: int
-    num_heads: int  # Hq
-    num_kv_heads: int  # Hkv
-    head_dim: int  # d
-    rope_pairs: int  # r
-    latent_dim: int  # d_c
-    kv_lora_rank: int  # D >= d_c
-    rope_slots: int  # W (qk_rope_head_dim = 2W)
-    rope_stride: int  # s: every kept source pair is a multiple of s
-    slots_per_stride: (
-        int  # m: source pair p goes to slot (p / s) m, i.e. slot k has frequency theta_(k s / m)
-    )
-    rope_theta: float  # theta' = theta ** (2 s W / (m d))
-    pairs: tuple[tuple[int, ...], ...]  # [layer][r] kept source pairs
-    eps_source: float
-    eps_target: float
-    max_position_embeddings: int
-
-    @property
-    def nope_dim(self) -> int:
-        return self.head_dim - 2 * self.rope_pairs
-
-    @property
-    def qk_rope_head_dim(self) -> int:
-        return 2 * self.rope_slots
-
-    @property
-    def group_size(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-    @property
-    def query_scale(self) -> float:
-        """sqrt((dn + R) / d): folds DeepSeek's softmax scale (dn + R) ** -0.5 into llama_mla's d ** -0.5."""
-        return math.sqrt((self.nope_dim + self.qk_rope_head_dim) / self.head_dim)
-
-    @property
-    def latent_scale(self) -> float:
-        """alpha: RMSNorm_eps_target(alpha [c; 0_(D - d_c)]) * gain' == RMSNorm_eps_source(c) * gain."""
-        return math.sqrt(self.eps_target * self.kv_lora_rank / (self.eps_source * self.latent_dim))
-
-    @property
-    def gain_scale(self) -> float:
-        return math.sqrt(self.latent_dim / self.kv_lora_rank)
-
-    def slot_of_pair(self, layer: int) -> dict[int, int]:
-        """Source pair p -> RoPE slot (p / s) m, for the pairs layer `layer` keeps."""
-        return {p: p // self.rope_stride * self.slots_per_stride for p in self.pairs[layer]}
-
-    def source_cache_numbers(self) -> int:
-        return self.latent_dim + 2 * self.rope_pairs
-
-    def cache_numbers(self) -> int:
-        """Numbers DeepSeek caches per token and layer: kv_lora_rank + qk_rope_head_dim."""
-        return self.kv_lora_rank + self.qk_rope_head_dim
-
-
-def _refuse(reason: str, fix: str) -> ValueError:
-    return ValueError(f"cannot export exactly to deepseek_v3: {reason}; {fix}")
-
-
-def plan_export(
-    *,
-    config: LlamaMLAConfig,
-    flashmla_dims: bool = False,
-    latent_norm_eps_for: str = "transformers",
-    max_position_embeddings: int | None = None,
-) -> ExportPlan:
-    """Check that `config` is exactly representable as a dense DeepSeek-V3 and derive the mapping.
-
-    ValueError (naming the value, the reason and the option that avoids it) for everything DeepSeek cannot
-    represent exactly.
-    """
-    convert = "convert with `hf-attn convert mla --layout deepseek`"
-    if latent_norm_eps_for not in LATENT_NORM_EPS_TARGETS:
-        raise ValueError(
-            f"--latent-norm-eps-for must be one of {LATENT_NORM_EPS_TARGETS}, got {latent_norm_eps_for!r}."
-        )
-    L, Hkv, d = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
-    if config.num_rope_keys != 1:
-        raise _refuse(
-            f"rope_layout={config.rope_layout!r} with num_key_value_heads={Hkv} caches {Hkv} RoPE keys per "
-            "token, DeepSeek-V3 one shared key",
-            f"{convert} (per_head with num_key_value_heads 1 is the same model and exports as is)",
-        )
-    if getattr(config, "is_ragged", False):
-        raise _refuse(
-            f"per-layer ranks (layer_kv_lora_ranks={config.layer_kv_lora_ranks}, layer_rope_pairs="
-            f"{config.layer_rope_pairs}), but a deepseek_v3 config has one kv_lora_rank and one "
-            "qk_rope_head_dim for every layer",
-            "convert with `hf-attn convert mla --layout deepseek --allocation uniform`",
-        )
-    if not config.latent_norm:
-        raise _refuse(
-            "latent_norm=False, but DeepSeek-V3 always RMS-normalises the cached latent (kv_a_layernorm), "
-            "which no weight change can undo",
-            f"{convert} (it adds and fits the latent norm)",
-        )
-    rope = dict(config.rope_parameters or {})
-    rope_type = rope.get("rope_type", "default")
-    if rope_type != "default":
-        raise _refuse(
-            f"rope_type={rope_type!r}: DeepSeek's frequencies are theta^(-2k/R), which {rope_type} scaling "
-            "changes in a way one rope_theta cannot reproduce",
-            "export a checkpoint converted from a source with default RoPE",
-        )
-    if rope.get("partial_rotary_factor", 1.0) not in (None, 1, 1.0):
-        raise _refuse(f"partial_rotary_factor={rope['partial_rotary_factor']}", "use a source with full RoPE")
-    max_pos = config.max_position_embeddings if max_position_embeddings is None else max_position_embeddings
-    if not isinstance(max_pos, int) or max_pos < 1:
-        raise ValueError(f"--max-position-embeddings must be a positive integer, got {max_pos!r}.")
-    sliding = [i for i, kind in enumerate(config.layer_types) if kind == "sliding_attention"]
-    if sliding and config.sliding_window < max_pos:
-        raise _refuse(
-            f"layers {sliding} use sliding_window={config.sliding_window} < max_position_embeddings="
-            f"{max_pos} and DeepSeek-V3 has no sliding-window attention",
-            f"pass --max-position-embeddings {config.sliding_window} (exact up to that length)",
-        )
-    if config.hidden_act != "silu":
-        raise _refuse(
-            f"hidden_act={config.hidden_act!r}: vLLM's and SGLang's DeepseekV2MLP accept only 'silu'",
-            "export a silu model",
-        )
-    eps_source = float(config.rms_norm_eps)
-    if eps_source <= 0:
-        raise _refuse(f"rms_norm_eps={eps_source}", "export a checkpoint with rms_norm_eps > 0")
-    eps_target = TRANSFORMERS_KV_NORM_EPS if latent_norm_eps_for == "transformers" else eps_source
-
-    pairs = tuple(tuple(config.pair_indices(i)[0]) for i in range(L))
-    kept = sorted({p for layer in pairs for p in layer})
-    stride = math.gcd(*kept) if any(kept) else 1  # every kept pair is a multiple of s
-    slots = (kept[-1] // stride + 1) if kept else 1  # r = 0: one zero slot (DeepSeek needs a RoPE dim)
-    d_c = config.kv_lora_rank
-    rank = d_c
-    if flashmla_dims:
-        if d_c > FLASHMLA_KV_LORA_RANK or 2 * slots > FLASHMLA_ROPE_DIM:
-            raise _refuse(
-                f"--flashmla-dims needs kv_lora_rank <= {FLASHMLA_KV_LORA_RANK} and qk_rope_head_dim <= "
-                f"{FLASHMLA_ROPE_DIM}, but this checkpoint needs kv_lora_rank {d_c} and {2 * slots} RoPE "
-                f"dims (pairs {kept})",
-                f"convert with --kv-lora-rank <= {FLASHMLA_KV_LORA_RANK} and at most "
-                f"{FLASHMLA_ROPE_DIM // 2} RoPE pairs, or export without --flashmla-dims",
-            )
-        rank, slots = FLASHMLA_KV_LORA_RANK, FLASHMLA_ROPE_DIM // 2
-    # m slots per stride: the kept pairs spread over the slots, so the step theta'^(-2/R) between slots stays
-    # a fraction of the source's and theta' ** (k / W) stays inside float32 (with m = 1, 32 slots of stride
-    # s could need theta ** 16 or more); the slots in between carry zeros.
-    top = kept[-1] // stride if kept and kept[-1] else 0
-    per_stride = (slots - 1) // top if top else slots  # only pair 0 (frequency 1 in every base)
-    theta = float(rope["rope_theta"])
-    return ExportPlan(
-        num_layers=L,
-        hidden_size=config.hidden_size,
-        num_heads=config.num_attention_heads,
-        num_kv_heads=Hkv,
-        head_dim=d,
-        rope_pairs=config.rope_pairs,
-        latent_dim=d_c,
-        kv_lora_rank=rank,
-        rope_slots=slots,
-        rope_stride=stride,
-        slots_per_stride=per_stride,
-        rope_theta=theta ** (2 * stride * slots / (per_stride * d)),
-        pairs=pairs,
-        eps_source=eps_source,
-        eps_target=eps_target,
-        max_position_embeddings=max_pos,
-    )
-
-
-# ------------------------------------------------------------------------------------------------ config
-
-
-def deepseek_config(*, config: LlamaMLAConfig, plan: ExportPlan) -> dict:
-    """The deepseek_v3 config.json (a plain dict) of the exported checkpoint."""
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    L = plan.num_layers
-    out = {
-        "architectures": ["DeepseekV3ForCausalLM"],
-        "model_type": "deepseek_v3",
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": L,
-        "num_attention_heads": plan.num_heads,
-        # kv_b_proj already yields Hq key/value heads: transformers' repeat_kv must not repeat them again
-        "num_key_value_heads": plan.num_heads,
-        "q_lora_rank": None,
-        "kv_lora_rank": plan.kv_lora_rank,
-        "qk_nope_head_dim": plan.nope_dim,
-        "qk_rope_head_dim": plan.qk_rope_head_dim,
-        "v_head_dim": plan.head_dim,
-        "hidden_act": config.hidden_act,
-        "max_position_embeddings": plan.max_position_embeddings,
-        "rms_norm_eps": config.rms_norm_eps,
-        "initializer_range": config.initializer_range,
-        "tie_word_embeddings": bool(config.tie_word_embeddings),
-        "bos_token_id": config.bos_token_id,
-        "eos_token_id": config.eos_token_id,
-        "pad_token_id": config.pad_token_id,
-        "use_cache": True,
-        # RoPE: both spellings, for transformers >= 5 (rope_parameters) and loaders on older transformers
-        "rope_theta": plan.rope_theta,
-        "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": plan.rope_theta},
-        "rope_interleave": True,
-        "attention_bias": False,
-        "attention_dropout": float(config.attention_dropout),
-        # dense MLP on every layer; MoE fields valid but unused
-        "first_k_dense_replace": L,
-        "moe_layer_freq": 1,
-        "n_routed_experts": 1,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 1,
-        "moe_intermediate_size": config.intermediate_size,
-        "n_group": 1,
-        "topk_group": 1,
-        "norm_topk_prob": True,
-        "routed_scaling_factor": 1.0,
-        "num_nextn_predict_layers": 0,
-    }
-    if dtype is not None:  # both spellings: transformers >= 5 reads dtype, loaders on 4.x torch_dtype
-        out["dtype"] = out["torch_dtype"] = dtype if isinstance(dtype, str) else dtype_name(dtype)
-    return out
 
 
 # ------------------------------------------------------------------------------------------------ tensors
@@ -565,7 +336,7 @@ def export_checkpoint(
     src: str | Path | None,
     dst: str | Path,
     to: str = "deepseek_v3",
-    flashmla_dims: bool = False,
+    engine_dims: str = "native",
     latent_norm_eps_for: str = "transformers",
     max_position_embeddings: int | None = None,
     dtype: str | torch.dtype | None = None,
@@ -587,7 +358,7 @@ def export_checkpoint(
     config = LlamaMLAConfig(**fields)
     plan = plan_export(
         config=config,
-        flashmla_dims=flashmla_dims,
+        engine_dims=engine_dims,
         latent_norm_eps_for=latent_norm_eps_for,
         max_position_embeddings=max_position_embeddings,
     )
@@ -604,7 +375,7 @@ def export_checkpoint(
         kind="export",
         source=src_dir,
         source_hash=checkpoint_hash(src_dir),
-        settings={"to": to, "flashmla_dims": flashmla_dims, "latent_norm_eps_for": latent_norm_eps_for},
+        settings={"to": to, "engine_dims": engine_dims, "latent_norm_eps_for": latent_norm_eps_for},
         rope={
             "stride": plan.rope_stride,
             "slots_per_stride": plan.slots_per_stride,
@@ -642,10 +413,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", required=True, help="llama_mla checkpoint dir (DeepSeek layout)")
     parser.add_argument("--output", required=True, help="output checkpoint dir")
     parser.add_argument(
-        "--flashmla-dims",
-        action="store_true",
-        help=f"pad to kv_lora_rank {FLASHMLA_KV_LORA_RANK} and qk_rope_head_dim {FLASHMLA_ROPE_DIM} (exact; "
-        "costs cache)",
+        "--engine-dims",
+        choices=ENGINE_DIMS,
+        default="native",
+        help="kv_lora_rank + qk_rope_head_dim of the export: native (the conversion's own), or a size "
+        "vLLM's MLA backends accept, zero-padded exactly to (size - 64) + 64: 576 (every backend, the only "
+        f"one on CPU), 512 or 320 (FlashMLA, CUTLASS, FlashInfer; read from {VLLM_VERSION_READ}); padding "
+        "costs cache",
+    )
+    add_deprecated_alias(
+        parser, "--flashmla-dims", new_flag="--engine-dims 576", dest="engine_dims", nargs=0, const="576"
     )
     parser.add_argument(
         "--latent-norm-eps-for",
@@ -664,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
             src=args.model,
             dst=args.output,
             to=args.to,
-            flashmla_dims=args.flashmla_dims,
+            engine_dims=args.engine_dims,
             latent_norm_eps_for=args.latent_norm_eps_for,
             max_position_embeddings=args.max_position_embeddings,
             dtype=args.save_dtype,
@@ -674,11 +451,16 @@ def main(argv: list[str] | None = None) -> int:
         out = config["kv_lora_rank"] + config["qk_rope_head_dim"]
         src_n = config["hf_attn"]["last"]["cache_numbers_per_token_and_layer"]["source"]
         pad = f" (+{out - src_n} zero-padded: {out / src_n:.2f}x the source's cache)" if out > src_n else ""
+        cpu = accepting_backends(out, "cpu")
+        serve = (
+            f"vLLM on CPU: {', '.join(cpu)}" if cpu else "not servable by vLLM on CPU (--engine-dims 576 is)"
+        )
         print(
             f"exported to deepseek_v3 in {time.perf_counter() - start:.1f} s: {dst}; cache per token and "
             "layer "
             f"{out} numbers = kv_lora_rank {config['kv_lora_rank']} + qk_rope_head_dim "
-            f"{config['qk_rope_head_dim']}{pad}"
+            f"{config['qk_rope_head_dim']}{pad}; MLA backends accepting it: "
+            f"{', '.join(accepting_backends(out))} ({VLLM_VERSION_READ}; {serve})"
         )
 
     return run_command(PROG, export_and_report)

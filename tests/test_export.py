@@ -95,14 +95,14 @@ EXACT = {
     ),
     "flashmla_dims": (
         dict(kind="llama", mla=dict(rope_pair_indices=[[[0, 3]], [[0, 3]]])),
-        dict(flashmla_dims=True),
+        dict(engine_dims="576"),
         None,
     ),
     "engines_eps": (dict(kind="llama"), dict(latent_norm_eps_for="engines"), 1e-5),
     "no_rope_pairs": (dict(kind="llama", mla=dict(rope_pairs=0, kv_lora_rank=20)), {}, None),
     "only_pair_0_flashmla": (
         dict(kind="llama", mla=dict(rope_pairs=1, rope_pair_indices=[[[0]], [[0]]])),
-        dict(flashmla_dims=True),
+        dict(engine_dims="576"),
         None,
     ),
 }
@@ -326,7 +326,7 @@ REFUSED = {
     ),
     "flashmla_latent_too_wide": (
         dict(kind="llama", mla=dict(kv_lora_rank=513)),
-        ["--flashmla-dims"],
+        ["--engine-dims", "576"],
         "<= 512",
     ),
     "gelu_mlp": (dict(kind="llama", hidden_act="gelu"), [], "silu"),

