@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "perplexity": ("hf_attn.eval.perplexity", "corpus perplexity with sliding windows (accelerate)"),
     "harness": ("hf_attn.eval.harness", "lm-eval-harness on any checkpoint (local or hub tasks)"),
     "study": ("hf_attn.eval.study", "convert, evaluate, heal every variant and write the report"),
+    "engine-check": ("hf_attn.eval.engine.check", "an export served by vLLM vs transformers and its source"),
     "assets": ("hf_attn.tooling.assets", "fetch the embedded default (SmolLM2, Austen, the Python docs)"),
     "bench attention": (
         "hf_attn.eval.bench.attention",

@@ -102,7 +102,7 @@ class _DeprecatedAlias(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         print(f"{parser.prog}: warning: {option_string} is deprecated; use {self.new_flag}", file=sys.stderr)
-        setattr(namespace, self.dest, values)
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)  # nargs=0: a switch
 
 
 def add_deprecated_alias(parser, alias: str, *, new_flag: str, dest: str, **kwargs) -> None:
