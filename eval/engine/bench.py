@@ -2,7 +2,7 @@
 `deepseek_v3` export served by the same engine with the same KV-cache bytes and the same requests.
 
     hf-attn bench engine [--models smollm2 llama-2-7b] [--quick] [--workdir DIR] [--dtype bfloat16]
-                         [--cpu-threads N] [--output docs/results/engine-bench.json]
+                         [--cpu-threads N] [--output ROWS.json] [--markdown TABLES.md]
 
 Per model pair (source, export), each served by `eval/engine/bench_worker.py` in the engine's environment:
 1. Capacity: vLLM's own figures (KV blocks x block size, maximum concurrency at the run's `max_model_len`)
@@ -37,6 +37,7 @@ PROG = "hf-attn bench engine"
 WORKER = Path(__file__).with_name("bench_worker.py")
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 MiB = 1024**2
+ROWS, TABLES = Path("docs/results/rows/engine-bench.json"), Path("docs/results/engine-bench.md")
 NULL_BLOCKS = 1  # vLLM's block pool keeps one block as its null block: never given to a request
 
 
@@ -410,11 +411,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=2, help="layers of the Llama-2-7B-shaped checkpoint")
     parser.add_argument("--cpu-threads", type=int, default=None, help="OMP_NUM_THREADS of the engine (CPU)")
     parser.add_argument(
-        "--output",
-        type=Path,
-        default=None,
-        help="JSON rows (default docs/results/engine-bench.json; --quick: WORKDIR/quick.json); "
-        "the markdown beside it (.md)",
+        "--output", type=Path, default=None, help=f"JSON rows (default {ROWS}; --quick: in WORKDIR)"
+    )
+    parser.add_argument(
+        "--markdown", type=Path, default=None, help=f"tables (default {TABLES}; --quick: in WORKDIR)"
     )
     args = parser.parse_args(argv)
     from hf_attn.eval.engine import bench_report as report
@@ -422,9 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.layers < 1:
         parser.error(f"--layers {args.layers}: give at least 1")
     models = ["tiny"] if args.quick else args.models
-    output = args.output or (
-        args.workdir / "quick.json" if args.quick else Path("docs/results/engine-bench.json")
-    )
+    output = args.output or (args.workdir / "quick.json" if args.quick else ROWS)
+    tables = args.markdown or (args.workdir / "quick.md" if args.quick else TABLES)
     if not engine_python().exists():
         print(
             f"{PROG}: error: no engine environment at {engine_python()}; build it with `make engine`",
@@ -436,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = args.workdir / "runs"
     out_dir.mkdir(parents=True, exist_ok=True)
     output.parent.mkdir(parents=True, exist_ok=True)
+    tables.parent.mkdir(parents=True, exist_ok=True)
     for name in models:
         started = time.perf_counter()
         pair = prepare(name, args.workdir, layers=args.layers)
@@ -445,8 +445,10 @@ def main(argv: list[str] | None = None) -> int:
             output, rows_of(pair, work, results, dtype=args.dtype, command=command.strip(), date=date)
         )
         output.write_text(json.dumps(rows, indent=1) + "\n")
-        output.with_suffix(".md").write_text(report.markdown(rows))
-        print(f"{name}: measured in {time.perf_counter() - started:.0f} s; {output} and .md", file=sys.stderr)
+        tables.write_text(report.markdown(rows))
+        print(
+            f"{name}: measured in {time.perf_counter() - started:.0f} s; {output}, {tables}", file=sys.stderr
+        )
     print(report.markdown(json.loads(output.read_text())))
     return 0
 
