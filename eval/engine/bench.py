@@ -229,13 +229,6 @@ def prepare(name: str, workdir: Path, *, layers: int) -> Pair:
 # --------------------------------------------------------------------------------------------- engine
 
 
-def engine_python() -> Path:
-    """The engine environment's interpreter: $HF_ATTN_ENGINE_PYTHON, else .venv-engine beside the checkout."""
-    if os.environ.get("HF_ATTN_ENGINE_PYTHON"):
-        return Path(os.environ["HF_ATTN_ENGINE_PYTHON"])
-    return Path(__file__).resolve().parents[2] / ".venv-engine" / "bin" / "python"
-
-
 def cache_bytes_per_token(config: dict, dtype_bytes: int) -> int:
     """KV-cache bytes per token: Llama (K and V per KV head) or deepseek_v3 (latent + RoPE key)."""
     layers = config["num_hidden_layers"]
@@ -290,17 +283,14 @@ def worker_spec(
     )
 
 
-def run_worker(spec: dict, out_dir: Path, tag: str, *, cpu_threads: int | None) -> dict:
+def run_worker(spec: dict, out_dir: Path, tag: str, *, python: Path, cpu_threads: int | None) -> dict:
     """Serve one model in the engine environment (a child process); its result dict."""
-    python = engine_python()
-    if not python.exists():
-        raise FileNotFoundError(f"{python} not found: build the engine environment with `make engine`")
+    from hf_attn.eval.engine.environment import engine_environ
+
     spec_path, result_path, log = (out_dir / f"{tag}.{x}" for x in ("spec.json", "result.json", "log"))
     spec_path.write_text(json.dumps(spec, indent=1))
-    env = dict(
-        os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false"
-    )
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # whole GiB only, and it would override kv_cache_memory_bytes
+    env = engine_environ()  # offline, the engine core in the worker's process
+    env.pop("VLLM_CPU_KVCACHE_SPACE")  # whole GiB only, and it would override kv_cache_memory_bytes
     if cpu_threads:
         env["OMP_NUM_THREADS"] = str(cpu_threads)
     with open(log, "w") as out:
@@ -334,23 +324,18 @@ def expected_capacity(model: Path, work: Workload, dtype: str, block_size: int, 
 # --------------------------------------------------------------------------------------------- one pair
 
 
-def measure_pair(pair: Pair, work: Workload, *, dtype: str, out_dir: Path, cpu_threads: int | None) -> dict:
-    """Serve the source then the export with the same workload; both workers' results and the arithmetic."""
+def measure_pair(pair: Pair, work: Workload, *, dtype: str, out_dir: Path, **worker) -> dict:
+    """Serve the source then the export with the same workload; both workers' results and the arithmetic.
+    `worker`: run_worker's python and cpu_threads."""
     seed = 0
-    source = run_worker(
-        worker_spec(pair.source, work, dtype=dtype, seed=seed, levels=list(work.levels), profile_at=["max"]),
-        out_dir,
-        f"{pair.name}-source",
-        cpu_threads=cpu_threads,
+    spec = worker_spec(
+        pair.source, work, dtype=dtype, seed=seed, levels=list(work.levels), profile_at=["max"]
     )
+    source = run_worker(spec, out_dir, f"{pair.name}-source", **worker)
     most = source["runs"][0]["top_level"]  # the source's maximum (or the top level, if that is lower)
     levels = sorted(set(work.levels) | {most})
-    mla = run_worker(
-        worker_spec(pair.export, work, dtype=dtype, seed=seed, levels=levels, profile_at=[most]),
-        out_dir,
-        f"{pair.name}-mla",
-        cpu_threads=cpu_threads,
-    )
+    spec = worker_spec(pair.export, work, dtype=dtype, seed=seed, levels=levels, profile_at=[most])
+    mla = run_worker(spec, out_dir, f"{pair.name}-mla", **worker)
     request_len = work.prompt_len + work.output_len
     results = {}
     for role, model, result in (("source", pair.source, source), ("mla", pair.export, mla)):
@@ -407,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
         default=Path(os.environ.get("TMPDIR", "/tmp")) / "hf-attn-engine-bench",
         help="prepared checkpoints (kept and reused) and the workers' logs",
     )
+    parser.add_argument(
+        "--engine-python", default=None, help="the engine environment's Python (default: make engine's)"
+    )
     parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bfloat16")
     parser.add_argument("--layers", type=int, default=2, help="layers of the Llama-2-7B-shaped checkpoint")
     parser.add_argument("--cpu-threads", type=int, default=None, help="OMP_NUM_THREADS of the engine (CPU)")
@@ -424,11 +412,12 @@ def main(argv: list[str] | None = None) -> int:
     models = ["tiny"] if args.quick else args.models
     output = args.output or (args.workdir / "quick.json" if args.quick else ROWS)
     tables = args.markdown or (args.workdir / "quick.md" if args.quick else TABLES)
-    if not engine_python().exists():
-        print(
-            f"{PROG}: error: no engine environment at {engine_python()}; build it with `make engine`",
-            file=sys.stderr,
-        )
+    from hf_attn.eval.engine.environment import EngineUnavailable, engine_python
+
+    try:
+        python = engine_python(args.engine_python)
+    except EngineUnavailable as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
         return 2
     command = "hf-attn bench engine " + " ".join(argv if argv is not None else sys.argv[1:])
     date = datetime.date.today().isoformat()
@@ -440,7 +429,9 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         pair = prepare(name, args.workdir, layers=args.layers)
         work = WORKLOADS[name]
-        results = measure_pair(pair, work, dtype=args.dtype, out_dir=out_dir, cpu_threads=args.cpu_threads)
+        results = measure_pair(
+            pair, work, dtype=args.dtype, out_dir=out_dir, python=python, cpu_threads=args.cpu_threads
+        )
         rows = _merge(
             output, rows_of(pair, work, results, dtype=args.dtype, command=command.strip(), date=date)
         )
