@@ -26,9 +26,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from hf_attn.tooling.errors import UserError
 from hf_attn.tooling.files import sha256_file
 
-DEFAULT_CALIBRATION_TOKENS = 16384
+DEFAULT_CALIBRATION_TOKENS = 8192
 DEFAULT_WINDOW = 1024
 _CHARS_PER_TOKEN_GUESS = 8  # tokenize this many characters per wanted token first (then all, if too few)
 
@@ -68,12 +69,12 @@ def calibration_ids(
     listed k times gives k shares, contiguous; no special tokens added)."""
     files = default_calibration_files() if files is None else [Path(f) for f in files]
     if not files:
-        raise ValueError("No calibration text files given.")
+        raise UserError("No calibration text files given")
     if tokens <= 0:
-        raise ValueError(f"--calibration-tokens must be positive, got {tokens}")
+        raise UserError(f"--calibration-tokens must be positive, got {tokens}")
     missing = sorted({str(f) for f in files if not Path(f).is_file()})
     if missing:
-        raise FileNotFoundError(f"Calibration text not found: {missing}")
+        raise UserError(f"Calibration text not found: {', '.join(missing)}; check --calibration-text")
     shares = file_shares(files, tokens)
     pieces, available = [], 0
     for path, share in shares.items():
@@ -85,7 +86,7 @@ def calibration_ids(
         available += len(ids)
     out = torch.cat(pieces)
     if len(out) < tokens:
-        raise ValueError(
+        raise UserError(
             f"The calibration text has too few tokens: asked for {tokens}, the {len(shares)} file(s) give "
             f"{len(out)} in their shares ({available} in all); pass fewer --calibration-tokens or more text."
         )

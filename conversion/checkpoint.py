@@ -28,8 +28,9 @@ from pathlib import Path
 import torch
 
 from hf_attn.models.llama_mla.configuration_llama_mla import SOURCE_MODEL_TYPES
+from hf_attn.tooling.errors import UserError, one_line
 from hf_attn.tooling.files import TENSOR_SUFFIXES, check_output
-from hf_attn.tooling.loading import dtype_name, parse_dtype, resolve_model
+from hf_attn.tooling.loading import check_safetensors_file, dtype_name, parse_dtype, resolve_model
 
 CONFIG_NAME = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -60,9 +61,15 @@ _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
 def read_config(model_dir: str | os.PathLike) -> dict:
     path = Path(model_dir) / CONFIG_NAME
-    if not path.exists():
-        raise FileNotFoundError(f"{path} not found: {model_dir} is not a Hugging Face checkpoint directory.")
-    return json.loads(path.read_text())
+    if not path.is_file():
+        raise UserError(f"{path} not found: {model_dir} is not a Hugging Face checkpoint directory")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as err:
+        raise UserError(f"{path} is not valid JSON ({one_line(err)}); repair or replace it") from err
+    if not isinstance(config, dict):
+        raise UserError(f"{path} is not a JSON object; it is not a transformers config")
+    return config
 
 
 def write_config(directory: str | os.PathLike, config: dict) -> Path:
@@ -106,21 +113,21 @@ _UNCOVERED_FIELDS = {
 
 
 def check_supported(config: dict) -> None:
-    """Raise ValueError (naming the feature) unless this is a Llama-family checkpoint whose math every
+    """Raise UserError (naming the feature) unless this is a Llama-family checkpoint whose math every
     converter covers: model_type llama / mistral / qwen2, no norm or quantizer after the projections, RoPE on
     every pair, valid head arithmetic. The one support check of expand, gqa, mla and export (config only)."""
     model_type = config.get("model_type")
     supported = ", ".join(SOURCE_MODEL_TYPES)
     fix = f"supported model types: {supported} (see docs/variant-matrix.md)."
     if model_type in UNCOVERED_MODEL_TYPES:
-        raise ValueError(
+        raise UserError(
             f"{model_type}: {UNCOVERED_MODEL_TYPES[model_type]} is not covered by the conversion math; {fix}"
         )
     if model_type not in SOURCE_MODEL_TYPES:
-        raise ValueError(f"Unsupported model_type {model_type!r}; {fix}")
+        raise UserError(f"Unsupported model_type {model_type!r}; {fix}")
     flags = [feature for k, feature in _UNCOVERED_FIELDS.items() if config.get(k)]
     if flags:
-        raise ValueError(
+        raise UserError(
             f"Unsupported {model_type} checkpoint: {'; '.join(flags)} set in config.json, not covered by the "
             "conversion math (a norm or quantizer after the key projection breaks linear pooling); use a "
             "plain unquantized checkpoint."
@@ -128,7 +135,7 @@ def check_supported(config: dict) -> None:
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     partial = config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
-        raise ValueError(
+        raise UserError(
             f"Unsupported partial_rotary_factor={partial} (partial rotary: RoPE on part of each head) is not "
             "covered by the conversion math, which assumes RoPE on every pair; use a full-RoPE source."
         )
@@ -147,11 +154,15 @@ class AttentionGeometry:
 
     @classmethod
     def from_config(cls, config: dict) -> AttentionGeometry:
+        names = ("num_attention_heads", "hidden_size", "num_hidden_layers")
+        bad = [k for k in names if not isinstance(config.get(k), int) or config[k] < 1]
+        if bad:
+            raise UserError(f"config.json has no positive integer {', '.join(bad)}; repair it")
         num_heads = config["num_attention_heads"]
         num_kv_heads = config.get("num_key_value_heads") or num_heads
         head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
         if num_heads % num_kv_heads:
-            raise ValueError(
+            raise UserError(
                 f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}."
             )
         return cls(config["num_hidden_layers"], config["hidden_size"], num_heads, num_kv_heads, head_dim)
@@ -208,6 +219,8 @@ class TensorInfo:
 
 
 def _read_header(path: Path) -> tuple[dict, int]:
+    """The JSON header of a safetensors file and where its data starts; UserError naming a damaged file."""
+    check_safetensors_file(path)  # the header parses, the data lies within the file
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
@@ -242,7 +255,7 @@ def tensor_index(model_dir: str | os.PathLike) -> dict[str, TensorInfo]:
         header.pop("__metadata__", None)
         for name, h in header.items():
             if h["dtype"] not in _DTYPES:
-                raise ValueError(f"{path.name}: tensor {name} has unsupported dtype {h['dtype']}")
+                raise UserError(f"{path.name}: tensor {name} has unsupported dtype {h['dtype']}")
             begin, end = h["data_offsets"]
             out[name] = TensorInfo(
                 path, _DTYPES[h["dtype"]], tuple(h["shape"]), data_start + begin, data_start + end
@@ -515,7 +528,7 @@ def expected_attention_shapes(geometry: AttentionGeometry) -> dict[tuple[str, st
 
 
 def check_attention_tensors(index: dict[str, TensorInfo], geometry: AttentionGeometry) -> None:
-    """ValueError unless every layer has q/k/v/o weights (and any biases) of the shapes the config implies."""
+    """UserError unless every layer has q/k/v/o weights (and any biases) of the shapes the config implies."""
     shapes = expected_attention_shapes(geometry)
     missing = [
         attn_key(layer, proj)
@@ -525,10 +538,10 @@ def check_attention_tensors(index: dict[str, TensorInfo], geometry: AttentionGeo
     ]
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        raise ValueError(f"Missing weights in the checkpoint: {', '.join(missing[:5])}{more}.")
+        raise UserError(f"Missing weights in the checkpoint: {', '.join(missing[:5])}{more}.")
     norms = [n for n in index if ".self_attn." in n and ("q_norm" in n or "k_norm" in n)]
     if norms:
-        raise ValueError(f"Unsupported checkpoint: query/key norms ({norms[0]}, ...) break linear pooling.")
+        raise UserError(f"Unsupported checkpoint: query/key norms ({norms[0]}, ...) break linear pooling.")
     for name, info in index.items():
         parsed = parse_attn_key(name)
         if parsed is None:
@@ -536,9 +549,9 @@ def check_attention_tensors(index: dict[str, TensorInfo], geometry: AttentionGeo
         layer, proj, kind = parsed
         want = shapes.get((proj, kind))
         if want is None or layer >= geometry.num_layers:
-            raise ValueError(f"Unexpected attention tensor {name} {list(info.shape)} for this config.")
+            raise UserError(f"Unexpected attention tensor {name} {list(info.shape)} for this config.")
         if info.shape != want:
-            raise ValueError(
+            raise UserError(
                 f"{name} has shape {list(info.shape)}, but config.json implies {list(want)} "
                 f"({geometry.num_heads} query / {geometry.num_kv_heads} KV heads of dim {geometry.head_dim}, "
                 f"hidden {geometry.hidden_size}); the weights do not match the config."
@@ -609,7 +622,7 @@ def save_streamed(
             out.pop("torch_dtype", None)
         return out
 
-    with atomic_directory(dst, overwrite=overwrite) as tmp:
+    with atomic_directory(dst, overwrite=overwrite, kind="checkpoint") as tmp:
         with ShardedWriter(tmp, max_shard_bytes=max_shard_bytes) as writer:
             for name, tensor in tensors:
                 if dtype is not None and tensor.is_floating_point():

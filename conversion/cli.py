@@ -17,13 +17,14 @@ from hf_attn.conversion import calibration as cal
 from hf_attn.conversion import layerwise
 from hf_attn.conversion.refine import RefineSettings, refine, refine_summary
 from hf_attn.tooling import assets, loading
-from hf_attn.tooling.cli import add_deprecated_alias, add_settings_arguments, run_command
-from hf_attn.tooling.files import check_output, scratch_directory
+from hf_attn.tooling.cli import HelpFormatter, add_deprecated_alias, add_settings_arguments, run_command
+from hf_attn.tooling.errors import check_number, user_input
+from hf_attn.tooling.files import check_output, check_text_files, scratch_directory
 
 
 def converter_parser(prog: str, doc: str, *, output_help: str) -> argparse.ArgumentParser:
     """A parser with --model (default: the embedded SmolLM2) and --output; described by `doc`'s first line."""
-    parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0])
+    parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--model", default=None, help="checkpoint dir or hub id (default: embedded SmolLM2)")
     parser.add_argument("--output", required=True, help=output_help)
     return parser
@@ -48,8 +49,10 @@ def add_calibration_arguments(parser: argparse.ArgumentParser, *, default_tokens
         help="an embedded calibration corpus instead of files: austen (five novels), python-docs (five "
         "sections of the Python 3.11 docs) or mix (equal token shares of both; the default)",
     )
-    parser.add_argument("--calibration-tokens", type=int, default=default_tokens)
-    parser.add_argument("--calibration-window", type=int, default=cal.DEFAULT_WINDOW)
+    parser.add_argument("--calibration-tokens", type=int, default=default_tokens, help="calibration tokens")
+    parser.add_argument(
+        "--calibration-window", type=int, default=cal.DEFAULT_WINDOW, help="tokens per calibration forward"
+    )
     add_settings_arguments(parser, layerwise.ForwardSettings)
 
 
@@ -61,7 +64,11 @@ def add_write_arguments(parser: argparse.ArgumentParser) -> None:
         help="dtype of the written floating weights (float32, bfloat16, float16; default: the source's)",
     )
     add_deprecated_alias(parser, "--dtype", new_flag="--save-dtype", dest="save_dtype")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing --output that hf-attn wrote (a checkpoint)",
+    )
 
 
 CLOSED_FORM_SOURCE = "the closed form of the record before (not kept)"  # `--refine-steps`: refine's `source`
@@ -101,6 +108,25 @@ def last_record(out: Path) -> dict:
     return json.loads((Path(out) / "config.json").read_text())["hf_attn"]["last"]
 
 
+def check_options(args: argparse.Namespace) -> None:
+    """The options every converter shares, checked before any work (nothing is read or written beyond
+    headers): UserError naming the first bad one. The converter checks its own options and the source."""
+    if getattr(args, "calibration_tokens", None) is not None:
+        check_number("--calibration-tokens", args.calibration_tokens, minimum=1, inclusive=True, integer=True)
+        check_number("--calibration-window", args.calibration_window, minimum=1, inclusive=True, integer=True)
+        if args.calibration_text:
+            check_text_files(args.calibration_text, "--calibration-text")
+        with user_input():
+            layerwise.resolve_forward(args.device, args.forward_dtype)
+    if getattr(args, "refine_steps", None) is not None:
+        check_number("--refine-steps", args.refine_steps, inclusive=True, integer=True)
+        check_number("--refine-tokens", args.refine_tokens, minimum=1, inclusive=True, integer=True)
+    if args.save_dtype is not None:
+        loading.parse_dtype(args.save_dtype)
+    source = loading.resolve_model(args.model)
+    check_output(source, args.output, overwrite=args.overwrite)
+
+
 def run(
     prog: str, convert: Callable, args: argparse.Namespace, *, describe: Callable[[Path], str], **options
 ) -> int:
@@ -108,6 +134,7 @@ def run(
 
     def convert_and_report() -> None:
         start = time.perf_counter()
+        check_options(args)
         kwargs = dict(options)
         if kwargs.pop("calibration_corpus", None) is not None:
             kwargs["calibration_files"] = assets.calibration_corpus_files(options["calibration_corpus"])
@@ -139,10 +166,6 @@ def run(
 
 def _refine_settings(args: argparse.Namespace, kwargs: dict):
     """The `hf-attn refine` settings of `--refine-steps`: the conversion's calibration text, on --device."""
-    if args.refine_steps < 0:
-        raise ValueError(f"--refine-steps must be >= 0, got {args.refine_steps}")
-    if args.refine_tokens < 1:
-        raise ValueError(f"--refine-tokens must be positive, got {args.refine_tokens}")
     files = kwargs.get("calibration_files")
     return RefineSettings(
         model="",  # the closed form, once written

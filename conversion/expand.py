@@ -1,10 +1,10 @@
 """GQA/MQA -> MHA (or more KV heads): repeat each K/V head, an exact conversion.
 
-    python -m conversion.expand --model SRC --output DST [--num-kv-heads H] [--save-dtype ...] [--overwrite]
+    hf-attn convert expand --model SRC --output DST [--num-kv-heads H] [--save-dtype ...] [--overwrite]
 
 Source KV head g becomes the new heads g*s ... (g+1)*s - 1 with s = H / Hkv, rows copied unchanged (biases
 too), so query head h still reads the same keys and values: it read head h // (Hq/Hkv) and now reads
-h // (Hq/H), a copy of it (the `repeat_kv` order). The logits are those of the source; `conversion.gqa
+h // (Hq/H), a copy of it (the `repeat_kv` order). The logits are those of the source; `hf-attn convert gqa
 --method mean` pools the copies back bit for bit. H defaults to the number of query heads (MHA).
 Streams tensor by tensor: memory is one tensor.
 """
@@ -32,27 +32,28 @@ from hf_attn.conversion.checkpoint import (
     read_tensor,
     save_streamed,
 )
+from hf_attn.tooling.errors import UserError
 from hf_attn.tooling.files import checkpoint_hash
 
 PROG = "hf-attn convert expand"
 
 
 def check_expansion(geometry: AttentionGeometry, num_kv_heads: int | None) -> int:
-    """The target number of KV heads (None -> the number of query heads); ValueError naming the values."""
+    """The target number of KV heads (None -> the number of query heads); UserError naming the values."""
     hkv, hq = geometry.num_kv_heads, geometry.num_heads
     target = hq if num_kv_heads is None else num_kv_heads
-    if not isinstance(target, int) or target < 1:
-        raise ValueError(f"--num-kv-heads must be a positive integer, got {target!r}")
+    if isinstance(target, bool) or not isinstance(target, int) or target < 1:
+        raise UserError(f"--num-kv-heads must be a positive integer, got {target!r}")
     if target < hkv:
-        raise ValueError(
+        raise UserError(
             f"--num-kv-heads {target} is smaller than the source's {hkv} KV heads: expansion only adds "
-            f"heads; to pool them use `python -m conversion.gqa --num-kv-heads {target}`."
+            f"heads; to pool them use `hf-attn convert gqa --num-kv-heads {target}`"
         )
     valid = [h for h in range(hkv, hq + 1) if h % hkv == 0 and hq % h == 0]
     if target % hkv or hq % target:
-        raise ValueError(
+        raise UserError(
             f"--num-kv-heads {target} must be a multiple of the source's {hkv} KV heads and divide its "
-            f"{hq} query heads; choose one of {valid}."
+            f"{hq} query heads; choose one of {', '.join(map(str, valid))}"
         )
     return target
 

@@ -1,6 +1,6 @@
 """MHA/GQA -> GQA/MQA: pool H key/value heads into G groups (Ainslie et al. 2023), or a calibrated variant.
 
-    python -m conversion.gqa --model SRC --num-kv-heads G --output DST [--method mean|calibrated]
+    hf-attn convert gqa --model SRC --num-kv-heads G --output DST [--method mean|calibrated]
         [--calibration-text FILE ...] [--calibration-tokens N] [--save-dtype float32|bfloat16] [--overwrite]
 
 Group g of G takes the source KV heads g*H/G ... (g+1)*H/G - 1 (the order of transformers' `repeat_kv`:
@@ -47,6 +47,7 @@ from hf_attn.conversion.checkpoint import (
     read_tensor,
     save_streamed,
 )
+from hf_attn.tooling.errors import UserError
 from hf_attn.tooling.files import checkpoint_hash, scratch_directory
 
 PROG = "hf-attn convert gqa"
@@ -80,20 +81,20 @@ class Pooling:
 
 
 def check_pooling(geometry: AttentionGeometry, num_kv_heads: int) -> Pooling:
-    """Validate the target number of KV heads G against the source's H; ValueError naming both otherwise."""
+    """Validate the target number of KV heads G against the source's H; UserError naming both otherwise."""
     h = geometry.num_kv_heads
-    if not isinstance(num_kv_heads, int) or num_kv_heads < 1:
-        raise ValueError(f"--num-kv-heads must be a positive integer, got {num_kv_heads!r}")
+    if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads < 1:
+        raise UserError(f"--num-kv-heads must be a positive integer, got {num_kv_heads!r}")
     if num_kv_heads > h:
-        raise ValueError(
+        raise UserError(
             f"--num-kv-heads {num_kv_heads} is larger than the source's {h} KV heads: pooling only reduces "
-            f"them; to add KV heads use `python -m conversion.expand --num-kv-heads {num_kv_heads}`."
+            f"them; to add KV heads use `hf-attn convert expand --num-kv-heads {num_kv_heads}`"
         )
     if h % num_kv_heads:
         divisors = [g for g in range(1, h + 1) if h % g == 0]
-        raise ValueError(
+        raise UserError(
             f"The source's {h} KV heads cannot be split into {num_kv_heads} equal groups "
-            f"({h} % {num_kv_heads} != 0); choose --num-kv-heads in {divisors}."
+            f"({h} % {num_kv_heads} != 0); choose --num-kv-heads from {', '.join(map(str, divisors))}"
         )
     return Pooling(geometry, num_kv_heads)
 
@@ -499,10 +500,10 @@ def convert_gqa(
     from hf_attn.conversion import grouping as grp
 
     if method not in METHODS:
-        raise ValueError(f"Unknown --method {method!r}; choose one of {', '.join(METHODS)}.")
+        raise UserError(f"Unknown --method {method!r}; choose one of {', '.join(METHODS)}")
     grouping = DEFAULT_GROUPING[method] if grouping is None else grouping
     if grouping not in grp.GROUPINGS:
-        raise ValueError(f"Unknown --grouping {grouping!r}; choose one of {', '.join(grp.GROUPINGS)}.")
+        raise UserError(f"Unknown --grouping {grouping!r}; choose one of {', '.join(grp.GROUPINGS)}")
     layerwise.resolve_forward(device, forward_dtype)  # fails before any slow work
     source = open_source(src, dst=dst, overwrite=overwrite, dtype=dtype)  # fails before any slow calibration
     src_dir, config, geometry = source.dir, source.config, source.geometry
@@ -588,7 +589,7 @@ def describe(out: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = cli.converter_parser(PROG, __doc__, output_help="converted checkpoint dir")
     parser.add_argument("--num-kv-heads", type=int, required=True, help="G, the KV heads after pooling")
-    parser.add_argument("--method", choices=METHODS, default="mean")
+    parser.add_argument("--method", choices=METHODS, default="mean", help="how the heads of a group pool")
     parser.add_argument(
         "--grouping",
         choices=("contiguous", "search"),

@@ -95,7 +95,9 @@ from hf_attn.conversion.training.state import (
     make_accelerator,
     prepare_state_dir,
 )
-from hf_attn.tooling.cli import USER_ERRORS, add_settings_arguments, error, settings_from_args
+from hf_attn.tooling import loading
+from hf_attn.tooling.cli import HelpFormatter, add_settings_arguments, run_command, settings_from_args
+from hf_attn.tooling.errors import user_input
 from hf_attn.tooling.files import check_output, checkpoint_hash
 from hf_attn.tooling.loading import resolve_model
 
@@ -140,26 +142,33 @@ def heal(settings: HealSettings, *, progress: bool = True) -> dict:
     """Heal `settings.model` into `settings.output`; returns the run record (also stored in the output's
     config.json) with the output path, the log path, the losses and the evaluations.
 
-    ValueError / FileExistsError for user mistakes, raised before any training (an output that is, lies in
+    UserError / FileExistsError for user mistakes, raised before any training (an output that is, lies in
     or contains the source is refused). `eval_tokens=0` skips the held-out evaluation. Call it once per
     process under `accelerate launch` for data parallelism.
     """
     from accelerate.utils import set_seed
 
     s = settings
-    s.validate()
+    with user_input():  # the settings' own checks are about the input
+        s.validate()
     output, state_dir = s.paths()
     source = resolve_model(s.model)
+    loading.load_config(source)  # a readable config and complete weight files, before any training
+    loading.check_weight_files(source)
     check_output(source, output, overwrite=s.overwrite)  # fail fast: before any training
-    check_output(source, state_dir, overwrite=True, flag="--state-dir")
-    check_writable(output.parent, "Output directory")
+    check_output(source, state_dir, overwrite=True, flag="--state-dir", kind="directory")
+    with user_input():
+        check_writable(output.parent, "Output directory")
 
     accelerator = make_accelerator(s.autocast_dtype, s.grad_accum)
     main, num_processes = accelerator.is_main_process, accelerator.num_processes
     set_seed(s.seed)
 
-    data = load_data(s, source, num_processes=num_processes)
-    recipe = make_recipe(s, data, num_processes=num_processes, source_hash=checkpoint_hash(source))
+    with user_input():  # a text too short or empty for the settings
+        data = load_data(s, source, num_processes=num_processes)
+    source_hash = checkpoint_hash(source)
+    with user_input():  # the budget and schedule options agree
+        recipe = make_recipe(s, data, num_processes=num_processes, source_hash=source_hash)
     saved, ckpt_dir, checkpoints = find_resume_point(
         state_dir, recipe, resume=s.resume, overwrite=s.overwrite
     )
@@ -245,7 +254,9 @@ def heal(settings: HealSettings, *, progress: bool = True) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
+    )
     add_settings_arguments(p, HealSettings)
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -253,25 +264,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        result = heal(settings_from_args(HealSettings, args), progress=not args.no_progress)
-    except USER_ERRORS as err:
-        return error(PROG, err)
-    from accelerate import PartialState
 
-    if PartialState().is_main_process:
-        before, after = result["eval_before"], result["eval_after"]
-        ppl = (
-            f" | held-out ppl {before['perplexity']:.3f} -> {after['perplexity']:.3f}"
-            if before and after
-            else ""
-        )
-        print(
-            f"healed {result['source']} -> {result['output']}: {result['steps']} steps, "
-            f"{result['tokens']} tokens, final loss {result['final_loss']:.4f}{ppl} | "
-            f"{result['train_seconds']:.1f} s training"
-        )
-    return 0
+    def heal_and_report() -> None:
+        result = heal(settings_from_args(HealSettings, args), progress=not args.no_progress)
+        from accelerate import PartialState
+
+        if PartialState().is_main_process:
+            before, after = result["eval_before"], result["eval_after"]
+            ppl = (
+                f" | held-out ppl {before['perplexity']:.3f} -> {after['perplexity']:.3f}"
+                if before and after
+                else ""
+            )
+            print(
+                f"healed {result['source']} -> {result['output']}: {result['steps']} steps, "
+                f"{result['tokens']} tokens, final loss {result['final_loss']:.4f}{ppl} | "
+                f"{result['train_seconds']:.1f} s training"
+            )
+
+    return run_command(PROG, heal_and_report)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """MHA/GQA -> MLA: a Llama / Mistral / Qwen2 checkpoint as the `llama_mla` model type (MHA2MLA, TransMLA).
 
-    python -m conversion.mla --model SRC --output DST [--kv-lora-rank N | --kv-budget F] [--rope-pairs R]
+    hf-attn convert mla --model SRC --output DST [--kv-lora-rank N | --kv-budget F] [--rope-pairs R]
         [--rope-selection high|uniform|2norm|attention] [--factorization weight-svd|activation|attention]
         [--layout per-head|deepseek]
         [--calibration-text FILE ...] [--calibration-tokens N] [--save-dtype float32|bfloat16] [--overwrite]
@@ -50,6 +50,7 @@ from hf_attn.conversion.mla_layer import (
     plan_shape,
 )
 from hf_attn.conversion.mla_plan import MLAConversion, copy_model_code, mla_config, plan_conversion
+from hf_attn.tooling.errors import UserError, check_number, user_input
 from hf_attn.tooling.files import check_output
 
 __all__ = [  # the public names of the MLA conversion, wherever they live
@@ -120,10 +121,21 @@ def convert_to_mla(
     layer on `device` in `forward_dtype` (`layerwise.ForwardSettings`).
     """
     start = time.perf_counter()
-    layerwise.resolve_forward(device, forward_dtype)  # fails before any slow work
+    with user_input():
+        layerwise.resolve_forward(device, forward_dtype)  # fails before any slow work
     source = open_source(src, dst=dst, overwrite=overwrite, dtype=dtype)  # fails before any slow calibration
     plan = plan_conversion(
         src=source,
+    check_options(
+        source.geometry,
+        kv_lora_rank=kv_lora_rank,
+        kv_budget=kv_budget,
+        rope_pairs=rope_pairs,
+        rope_selection=rope_selection,
+        factorization=factorization,
+        layout=layout,
+        calibration_tokens=calibration_tokens,
+    )
         kv_lora_rank=kv_lora_rank,
         kv_budget=kv_budget,
         rope_pairs=rope_pairs,
@@ -144,6 +156,47 @@ def convert_to_mla(
 
 def write_conversion(
     plan: MLAConversion,
+def check_options(
+    geometry,
+    *,
+    kv_lora_rank: int | None,
+    kv_budget: float | None,
+    rope_pairs: int | None,
+    rope_selection: str,
+    factorization: str,
+    layout: str,
+    calibration_tokens: int,
+) -> None:
+    """The MLA options checked against the source's geometry before any work: UserError naming the first
+    bad one (a budget that is not a fraction in (0, 1], ranks that do not fit, too few calibration tokens)."""
+    if kv_budget is not None and not (isinstance(kv_budget, (int, float)) and 0 < kv_budget <= 1):
+        raise UserError(f"--kv-budget must be a fraction in (0, 1] of the source's KV cache, got {kv_budget}")
+    check_number("--kv-lora-rank", kv_lora_rank, minimum=1, inclusive=True, integer=True)
+    check_number("--rope-pairs", rope_pairs, inclusive=True, integer=True)
+    check_number("--calibration-tokens", calibration_tokens, minimum=1, inclusive=True, integer=True)
+    with user_input():  # the ranks fit the source (rope_selection's own check included)
+        plan_shape(
+            geometry,
+            kv_lora_rank=kv_lora_rank,
+            kv_budget=kv_budget,
+            rope_pairs=rope_pairs,
+            rope_selection=rope_selection,
+            layout=layout,
+        )
+    calibrates = (
+        layout == "deepseek"
+        or factorization in fac.CALIBRATED_FACTORIZATIONS
+        or rope_selection in rs.CALIBRATED_SELECTIONS
+    )
+    needed = geometry.hidden_size + 1  # a full-rank (C + 1) x (C + 1) second moment of the layer inputs
+    if calibrates and calibration_tokens < needed:
+        raise UserError(
+            f"--calibration-tokens {calibration_tokens} is too few for the calibrated fit: it needs at least "
+            f"{needed} (hidden size {geometry.hidden_size} + 1) tokens; the default is "
+            f"{DEFAULT_CALIBRATION_TOKENS}"
+        )
+
+
     dst: str | Path,
     *,
     dtype: torch.dtype | None = None,
@@ -195,16 +248,33 @@ def _describe_allocation(a: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = cli.converter_parser(PROG, __doc__, output_help="converted checkpoint dir")
     ranks = parser.add_mutually_exclusive_group()
-    ranks.add_argument("--kv-lora-rank", type=int, default=None, help="d_c, width of the cached latent")
+    ranks.add_argument(
+        "--kv-lora-rank",
+        type=int,
+        default=None,
+        help="d_c, width of the cached latent (default: the budget's)",
+    )
     ranks.add_argument(
         "--kv-budget",
         type=float,
         default=None,
         help=f"cache fraction of the source's, picks d_c and r (default {DEFAULT_KV_BUDGET} without ranks)",
     )
-    parser.add_argument("--rope-pairs", type=int, default=None, help="r, RoPE pairs kept per KV head")
-    parser.add_argument("--rope-selection", choices=rs.SELECTIONS, default=DEFAULT_ROPE_SELECTION)
-    parser.add_argument("--factorization", choices=fac.FACTORIZATIONS, default=DEFAULT_FACTORIZATION)
+    parser.add_argument(
+        "--rope-pairs", type=int, default=None, help="r, RoPE pairs kept per KV head (default: the budget's)"
+    )
+    parser.add_argument(
+        "--rope-selection",
+        choices=rs.SELECTIONS,
+        default=DEFAULT_ROPE_SELECTION,
+        help="which RoPE pairs each KV head keeps",
+    )
+    parser.add_argument(
+        "--factorization",
+        choices=fac.FACTORIZATIONS,
+        default=DEFAULT_FACTORIZATION,
+        help="how the joint low-rank latent is fitted",
+    )
     parser.add_argument(
         "--layout",
         choices=sr.LAYOUTS,

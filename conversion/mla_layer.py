@@ -16,6 +16,7 @@ from hf_attn.conversion import shared_rope as sr
 from hf_attn.conversion.checkpoint import AttentionGeometry
 from hf_attn.models.llama_mla.configuration_llama_mla import LlamaMLAConfig
 from hf_attn.models.llama_mla.modeling_llama_mla import rope_dim_indices
+from hf_attn.tooling.errors import UserError
 
 DEFAULT_ROPE_SELECTION = "attention"
 DEFAULT_FACTORIZATION = "attention"
@@ -113,7 +114,7 @@ def plan_shape(
 ) -> MLAShape:
     """Validate / derive (r, d_c). Neither rank nor budget: full rank (exact with r = d/2)."""
     if kv_lora_rank is not None and kv_budget is not None:
-        raise ValueError("Give either --kv-lora-rank or --kv-budget, not both.")
+        raise UserError("Give either --kv-lora-rank or --kv-budget, not both.")
     shared = layout == "deepseek"
     if rope_pairs is None and shared:
         rope_pairs = sr.default_rope_pairs(geometry.head_dim // 2, geometry.kv_dim, kv_budget)
@@ -124,23 +125,27 @@ def plan_shape(
     full = MLAShape(geometry, r, 1).full_rank
     hkv = 1 if shared else geometry.num_kv_heads  # RoPE keys cached per token
     if kv_budget is not None:
-        if not 0 < kv_budget <= 1:
-            raise ValueError(
+        if not (math.isfinite(kv_budget) and 0 < kv_budget <= 1):
+            raise UserError(
                 f"--kv-budget must be a fraction in (0, 1] of the source's KV cache, got {kv_budget}."
             )
         numbers = int(kv_budget * 2 * geometry.kv_dim + 1e-9)
         rank = min(numbers - hkv * 2 * r, full)
         if rank < 1:
-            raise ValueError(
+            fits = (numbers - 1) // (2 * hkv)  # RoPE pairs that leave the latent one number
+            least = (hkv * 2 * r + 1) / (2 * geometry.kv_dim)  # the smallest budget with these r pairs
+            fix = f"raise --kv-budget to at least {least:.4g}" + (
+                f" or lower --rope-pairs to at most {fits}" if fits >= 1 else ""
+            )
+            raise UserError(
                 f"--kv-budget {kv_budget} allows {numbers} numbers per token and layer (source: "
                 f"{2 * geometry.kv_dim}), but {r} RoPE pairs on {hkv} KV heads already take {hkv * 2 * r} "
-                f"and the latent needs at least 1; lower --rope-pairs (at most "
-                f"{(numbers - 1) // (2 * hkv)}) or raise --kv-budget."
+                f"and the latent needs at least 1; {fix}"
             )
         return MLAShape(geometry, r, rank, shared)
     rank = full if kv_lora_rank is None else kv_lora_rank
     if not isinstance(rank, int) or not 1 <= rank <= full:
-        raise ValueError(
+        raise UserError(
             f"--kv-lora-rank must be in [1, {full}] = Hkv*(d-2r) + Hkv*d = "
             f"{geometry.num_kv_heads}*{geometry.head_dim - 2 * r} + "
             f"{geometry.num_kv_heads}*{geometry.head_dim} for --rope-pairs {r}, "

@@ -41,6 +41,7 @@ from hf_attn.conversion.mla_layer import (
     default_rope_pairs,
     plan_shape,
 )
+from hf_attn.tooling.errors import UserError
 from hf_attn.tooling.files import checkpoint_hash
 
 _MLA_PROJ = ("q_proj", "k_rope_proj", "kv_down_proj", "latent_norm", "k_up_proj", "v_up_proj", "o_proj")
@@ -60,13 +61,13 @@ def _check_biases(index: dict[str, TensorInfo], geometry: AttentionGeometry) -> 
         names = layer_attn_keys(layer)
         qkv = {p: names[f"{p}.bias"] in index for p in ("q_proj", "k_proj", "v_proj")}
         if len(set(qkv.values())) != 1:
-            raise ValueError(
+            raise UserError(
                 f"Layer {layer} has biases on {[p for p, b in qkv.items() if b]} only; llama_mla supports "
                 "biases on all of q/k/v (Qwen2, Llama attention_bias) or none."
             )
         seen.add((qkv["q_proj"], names["o_proj.bias"] in index))
     if len(seen) != 1:
-        raise ValueError("Layers disagree on which attention projections have biases; unsupported layout.")
+        raise UserError("Layers disagree on which attention projections have biases; unsupported layout.")
     return seen.pop()
 
 
@@ -294,19 +295,19 @@ def plan_conversion(
     (a --kv-budget without --rope-pairs / --kv-lora-rank, the per-head layout, the `attention` selection and
     factorization), else "uniform"."""
     if layout not in sr.LAYOUTS:
-        raise ValueError(f"Unknown --layout {layout!r}; choose one of {', '.join(sr.LAYOUTS)}.")
+        raise UserError(f"Unknown --layout {layout!r}; choose one of {', '.join(sr.LAYOUTS)}.")
     if layout == "deepseek" and rope_selection not in sr.DEEPSEEK_SELECTIONS:
-        raise ValueError(
+        raise UserError(
             f"--rope-selection {rope_selection} picks pairs per KV head; --layout deepseek keeps the same "
             f"progression 0, s, 2s, ... in every layer: use --rope-selection "
             f"{' or '.join(sr.DEEPSEEK_SELECTIONS)}."
         )
     if rope_selection not in rs.SELECTIONS:
-        raise ValueError(
+        raise UserError(
             f"Unknown --rope-selection {rope_selection!r}; choose one of {', '.join(rs.SELECTIONS)}."
         )
     if factorization not in fac.FACTORIZATIONS:
-        raise ValueError(
+        raise UserError(
             f"Unknown --factorization {factorization!r}; choose one of {', '.join(fac.FACTORIZATIONS)}."
         )
     if allocation is None:
@@ -321,7 +322,7 @@ def plan_conversion(
     source = src if isinstance(src, Source) else open_source(src)
     src_dir, geometry, index, config = source.dir, source.geometry, source.index, source.config
     if geometry.head_dim % 2:
-        raise ValueError(f"head_dim {geometry.head_dim} is odd; RoPE pairs need an even head_dim.")
+        raise UserError(f"head_dim {geometry.head_dim} is odd; RoPE pairs need an even head_dim.")
     qkv_bias, o_bias = _check_biases(index, geometry)
     if allocation != "uniform" and rope_pairs is None and kv_budget is not None and layout == "per-head":
         rope_pairs = alloc.default_rope_pairs(geometry, kv_budget, default_rope_pairs)
@@ -340,12 +341,12 @@ def plan_conversion(
     need_scores = selection in rs.CALIBRATED_SELECTIONS
     deepseek = layout == "deepseek"  # needs the shared-key statistics and input samples: always calibrates
     if deepseek and calibration is not None and not _has_deepseek_statistics(calibration, need_moments):
-        raise ValueError(
+        raise UserError(
             "The given calibration lacks what --layout deepseek needs; calibrate with shared_keys=True, "
             "sample_stride > 0 (and moments / attention_pairs for the chosen options)."
         )
     if selection == "attention" and calibration is None and calibration_window <= rs.QUERY_STRIDE:
-        raise ValueError(  # one query per window: zero score variance, a 0/0 query fit (NaN or ~1e12 weights)
+        raise UserError(  # one query per window: zero score variance, a 0/0 query fit (NaN or ~1e12 weights)
             f"--calibration-window {calibration_window} is too short for --rope-selection attention, whose "
             f"statistics use every {rs.QUERY_STRIDE}th query of a window; use a window > {rs.QUERY_STRIDE}."
         )
@@ -390,17 +391,17 @@ def _check_allocation(allocation: str, *, layout: str, selection: str, factoriza
     """ValueError unless `--allocation` can run with these options."""
     if allocation not in alloc.ALLOCATIONS:
         choices = ", ".join(alloc.ALLOCATIONS)
-        raise ValueError(f"Unknown --allocation {allocation!r}; choose one of {choices}.")
+        raise UserError(f"Unknown --allocation {allocation!r}; choose one of {choices}.")
     if allocation == "uniform":
         return
     if layout == "deepseek":
-        raise ValueError(
+        raise UserError(
             f"--allocation {allocation} gives layers different ranks, but the DeepSeek layout (and "
             "deepseek_v3) has one kv_lora_rank and one qk_rope_head_dim for every layer; "
             "use --allocation uniform."
         )
     if selection != "attention" or factorization != "attention":
-        raise ValueError(
+        raise UserError(
             f"--allocation greedy reads the `attention` selection's pair scores and the `attention` "
             f"factorization's spectrum, got --rope-selection {selection} --factorization {factorization}; "
             "use both `attention` (the defaults) or --allocation uniform."

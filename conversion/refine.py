@@ -59,14 +59,15 @@ from hf_attn.conversion.checkpoint import (
 from hf_attn.conversion.layerwise import DEVICES, LayerwiseModel, resolve_forward
 from hf_attn.tooling import assets, loading
 from hf_attn.tooling.cli import (
-    USER_ERRORS,
+    HelpFormatter,
     add_settings_arguments,
     check_choices,
-    error,
+    run_command,
     setting,
     settings_from_args,
 )
-from hf_attn.tooling.files import check_output, checkpoint_hash, scratch_directory
+from hf_attn.tooling.errors import UserError, check_number, user_input
+from hf_attn.tooling.files import check_output, check_text_files, checkpoint_hash, scratch_directory
 
 PROG = "hf-attn refine"
 CONVERSION_KINDS = ("gqa", "mla")  # records whose `source` a refinement defaults to
@@ -241,42 +242,68 @@ def recorded_source(model_dir: Path) -> tuple[Path, str]:
     history = (read_config(model_dir).get("hf_attn") or {}).get("history", [])
     records = [r for r in history if r.get("kind") in CONVERSION_KINDS]
     if not records:
-        raise ValueError(f"{model_dir} records no gqa/mla conversion; pass --source (the model it came from)")
+        raise UserError(f"{model_dir} records no gqa/mla conversion; pass --source (the model it came from)")
     return Path(records[-1]["source"]), records[-1]["source_hash"]
+
+
+def resolve_source(model_dir: Path, source: str | None) -> Path:
+    """The model `model_dir` was converted from: `source` if given, else the one its conversion record names.
+    UserError when the recorded source is gone or changed, or when `source` is not the recorded one (by the
+    hash of its weights); without a record, `source` is taken as given."""
+    recorded = None
+    try:
+        recorded = recorded_source(model_dir)
+    except UserError:
+        if source is None:
+            raise
+    if source is None:
+        source_dir, recorded_hash = recorded
+        if not source_dir.is_dir():
+            raise UserError(f"the recorded source {source_dir} is gone; pass --source")
+        if checkpoint_hash(source_dir) != recorded_hash:
+            raise UserError(f"the recorded source {source_dir} changed since the conversion; pass --source")
+        return source_dir
+    source_dir = loading.resolve_model(source)
+    if recorded is not None and checkpoint_hash(source_dir) != recorded[1]:
+        raise UserError(
+            f"--source {source_dir} is not the model {model_dir} was converted from (its record names "
+            f"{recorded[0]}, weights sha256 {recorded[1][:12]}); pass that one, or omit --source"
+        )
+    return source_dir
+
+
+def check_settings(s: RefineSettings) -> None:
+    """The options checked before any work: UserError naming the first bad one."""
+    check_choices(s)
+    check_number("--steps", s.steps, minimum=1, inclusive=True, integer=True)
+    check_number("--lr", s.lr)
+    check_number("--relative-lr", s.relative_lr)
+    check_number("--calibration-tokens", s.calibration_tokens, minimum=1, inclusive=True, integer=True)
+    if s.calibration_text:
+        check_text_files(s.calibration_text, "--calibration-text")
+    with user_input():
+        resolve_forward(s.device, "float32")
 
 
 def refine(settings: RefineSettings, *, progress: bool = True, source_name: str | None = None) -> dict:
     """Refine `settings.model` into `settings.output`; returns the record appended to its history, whose
     `source` is `source_name` if given (a model that is not kept, e.g. a closed form in a scratch directory),
-    else the model's path."""
+    else the model's path. Every option, both checkpoints (complete weights) and the output are checked
+    before any work."""
     s = settings
-    check_choices(s)
-    if s.steps < 0:
-        raise ValueError(f"--steps must be >= 0, got {s.steps}")
-    if s.lr is not None and not s.lr > 0:
-        raise ValueError(f"--lr must be positive, got {s.lr}")
-    if not s.relative_lr > 0:
-        raise ValueError(f"--relative-lr must be positive, got {s.relative_lr}")
-    if s.calibration_tokens < 1:
-        raise ValueError(f"--calibration-tokens must be positive, got {s.calibration_tokens}")
+    check_settings(s)
     model_dir = loading.resolve_model(s.model)
-    if s.source is None:
-        source_dir, recorded_hash = recorded_source(model_dir)
-        if not source_dir.is_dir():
-            raise ValueError(f"the recorded source {source_dir} is gone; pass --source")
-        if checkpoint_hash(source_dir) != recorded_hash:
-            raise ValueError(f"the recorded source {source_dir} changed since the conversion; pass --source")
-    else:
-        source_dir = loading.resolve_model(s.source)
     output = check_output(model_dir, s.output, overwrite=s.overwrite)
+    source_dir = resolve_source(model_dir, s.source)
     check_output(source_dir, output, overwrite=True)
-    resolve_forward(s.device, "float32")  # fails before any slow work
+    loading.check_checkpoint_complete(model_dir)
+    loading.check_checkpoint_complete(source_dir)
     source = LayerwiseModel(source_dir, device=s.device)
     converted = LayerwiseModel(model_dir, device=s.device)
     cs, cc = source.config, converted.config
     for name in ("num_hidden_layers", "hidden_size", "vocab_size"):
         if getattr(cs, name) != getattr(cc, name):
-            raise ValueError(
+            raise UserError(
                 f"{name} differs: source {getattr(cs, name)}, converted {getattr(cc, name)}; "
                 "pass the --source this checkpoint was converted from"
             )
@@ -337,7 +364,9 @@ _ATTENTION = re.compile(r"model\.layers\.(\d+)\.self_attn\.(.+)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
+    )
     add_settings_arguments(parser, RefineSettings)
     parser.add_argument("--no-progress", action="store_true")
     return parser
@@ -345,14 +374,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
+
+    def refine_and_report() -> None:
         record = refine(settings_from_args(RefineSettings, args), progress=not args.no_progress)
-    except USER_ERRORS as err:
-        return error(PROG, err)
-    print(
-        f"refined {record['source']} -> {args.output}: {refine_summary(record)} in {record['seconds']:.0f} s"
-    )
-    return 0
+        print(
+            f"refined {record['source']} -> {args.output}: {refine_summary(record)} in "
+            f"{record['seconds']:.0f} s"
+        )
+
+    return run_command(PROG, refine_and_report)
 
 
 def refine_summary(record: dict) -> str:

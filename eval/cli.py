@@ -4,6 +4,7 @@ it runs; the documented `python -m ...` module commands are the same functions.
     hf-attn convert gqa|mla|expand ...   hf-attn heal|refine ...  hf-attn perplexity ...
     hf-attn study ...                    hf-attn assets
     hf-attn bench attention|decode|heal|mla-decode|perplexity|stream ...
+    hf-attn --version                    hf-attn convert --help / hf-attn bench --help
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from hf_attn.tooling.cli import sigterm_exits_cleanly
+from hf_attn.tooling.cli import run_command
 
 # subcommand -> (module with main(argv) -> int, one-line description)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -70,11 +71,39 @@ def resolve(argv: list[str]) -> tuple[str, list[str]] | None:
     return None
 
 
+def _version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("hf-attn")
+    except importlib.metadata.PackageNotFoundError:  # a checkout that is not installed
+        return "unknown (not installed)"
+
+
+def _group_usage(group: str) -> str:
+    """`hf-attn convert --help`: the subcommands of one group."""
+    names = {name: text for name, (_, text) in COMMANDS.items() if name.split()[0] == group}
+    width = max(map(len, names))
+    lines = [
+        f"usage: {PROG} {group} <command> [options]   ({PROG} {group} <command> --help)",
+        "",
+        "commands:",
+    ]
+    return "\n".join(lines + [f"  {name:<{width}}  {text}" for name, text in names.items()])
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0 if argv else 2
+    if argv[0] == "--version":
+        print(f"{PROG} {_version()}")
+        return 0
+    groups = {name.split()[0] for name in COMMANDS if " " in name}
+    if argv[0] in groups and (len(argv) == 1 or argv[1] in ("-h", "--help")):
+        print(_group_usage(argv[0]), file=sys.stdout if len(argv) > 1 else sys.stderr)
+        return 0 if len(argv) > 1 else 2
     found = resolve(argv)
     if found is None:
         groups = sorted({name.split()[0] for name in COMMANDS})
@@ -86,8 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name, rest = found
     module = importlib.import_module(COMMANDS[name][0])
-    with sigterm_exits_cleanly():  # every subcommand: SIGTERM cleans up its temporary directories
-        return module.main(rest)
+    # every subcommand: one error path (Ctrl-C: 130, SIGTERM: 143, both after their cleanup)
+    return run_command(f"{PROG} {name}", lambda: module.main(rest))
 
 
 if __name__ == "__main__":

@@ -19,13 +19,13 @@ model hash and settings) to `--output`. Bad input and offline failures: one line
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
 from pathlib import Path
 
 from hf_attn.tooling import loading
-from hf_attn.tooling.cli import add_deprecated_alias, error, one_line
+from hf_attn.tooling.cli import HelpFormatter, add_deprecated_alias, run_command
+from hf_attn.tooling.errors import UserError, check_number, one_line
+from hf_attn.tooling.files import check_output
 
 PROG = "hf-attn harness"
 
@@ -72,28 +72,28 @@ def _yaml_task_name(path: Path) -> str:
     try:
         data = yaml.load(path.read_text(), Loader=_Loader) or {}
     except yaml.YAMLError as err:
-        raise ValueError(f"Task file {path} is not valid YAML: {one_line(err)}") from err
-    name = data.get("task") or data.get("group")
+        raise UserError(f"Task file {path} is not valid YAML: {one_line(err)}") from err
+    name = data.get("task") or data.get("group") if isinstance(data, dict) else None
     if not isinstance(name, str):
-        raise ValueError(f"Task file {path} names no `task:`; add one or pass the task by name")
+        raise UserError(f"Task file {path} names no `task:`; add one or pass the task by name")
     return name
 
 
 def resolve_tasks(tasks: list[str], include_paths: list[str | Path]) -> tuple[list[str], list[Path]]:
     """Task names plus the include paths (local tasks first); a task given as a YAML path becomes its name
-    and its directory an include path. ValueError for a missing path."""
+    and its directory an include path. UserError for a missing path."""
     paths = [LOCAL_TASKS_DIR]
     for p in include_paths:
         p = Path(p)
         if not p.exists():
-            raise ValueError(f"--include-path {p} does not exist; give a directory (or file) of task YAMLs")
+            raise UserError(f"--include-path {p} does not exist; give a directory (or file) of task YAMLs")
         paths.append(p.resolve())
     names = []
     for t in tasks:
         if t.endswith((".yaml", ".yml")):
             path = Path(t)
             if not path.is_file():
-                raise ValueError(f"Task file {t} does not exist; check the path in --tasks")
+                raise UserError(f"Task file {t} does not exist; check the path in --tasks")
             names.append(_yaml_task_name(path))
             paths.append(path.resolve().parent)
         else:
@@ -103,7 +103,7 @@ def resolve_tasks(tasks: list[str], include_paths: list[str | Path]) -> tuple[li
 
 def task_manager(names: list[str], include_paths: list[Path]):
     """A TaskManager over the include paths only if they have every task; else with lm-eval's own tasks.
-    ValueError naming an unknown task."""
+    UserError naming an unknown task."""
     from lm_eval.tasks import TaskManager
 
     tm = TaskManager(include_path=[str(p) for p in include_paths], include_defaults=False)
@@ -113,7 +113,7 @@ def task_manager(names: list[str], include_paths: list[Path]):
     tm = TaskManager(include_path=[str(p) for p in include_paths])
     unknown = [n for n in names if n not in tm.all_tasks]
     if unknown:
-        raise ValueError(
+        raise UserError(
             f"Unknown task(s) {unknown}; local tasks: {', '.join(local)} (or any lm-eval task name, or a "
             "task YAML path / --include-path DIR)"
         )
@@ -128,8 +128,8 @@ def _check_task_data(names: list[str], manager) -> None:
         get_task_dict(names, manager)
     except Exception as err:
         if _is_offline_error(err):
-            raise ConnectionError(_offline_message(f"Task data for {names}", err)) from err
-        raise ValueError(f"Could not load the task(s) {names}: {one_line(err)}") from err
+            raise UserError(_offline_message(f"Task data for {names}", err)) from err
+        raise UserError(f"Could not load the task(s) {names}: {one_line(err)}") from err
 
 
 def evaluate_model(
@@ -169,8 +169,36 @@ def evaluate_model(
         )
     except Exception as err:
         if _is_offline_error(err):
-            raise ConnectionError(_offline_message(f"Task data for {names}", err)) from err
+            raise UserError(_offline_message(f"Task data for {names}", err)) from err
         raise
+
+
+def validate(
+    *,
+    model,
+    dtype: str,
+    attn_implementation: str | None,
+    batch_size: int,
+    limit: int | float | None,
+    num_fewshot: int | None,
+    output: str | Path | None,
+) -> str:
+    """The options checked before any work (nothing loaded or written): UserError naming the first bad one.
+    Returns the resolved model path (or hub id)."""
+    loading.parse_dtype(dtype)
+    loading.check_attn_implementation(attn_implementation)
+    check_number("--batch-size", batch_size, minimum=1, inclusive=True, integer=True)
+    check_number("--limit", limit)
+    if limit is not None and limit > 1 and not float(limit).is_integer():
+        raise UserError(f"--limit must be a whole number of items or a fraction below 1, got {limit}")
+    check_number("--num-fewshot", num_fewshot, inclusive=True, integer=True)
+    if output is not None:
+        check_output(None, output, overwrite=True, kind="json")
+    model_path = str(loading.resolve_model(model))
+    if Path(model_path).is_dir():
+        loading.load_config(model_path)
+        loading.check_weight_files(model_path)
+    return model_path
 
 
 def run(
@@ -190,13 +218,19 @@ def run(
     output: str | Path | None = None,
 ) -> dict:
     """Load the checkpoint (after `import hf_attn`), run lm-eval, return (and write) the JSON record."""
+    model_path = validate(
+        model=model,
+        dtype=dtype,
+        attn_implementation=attn_implementation,
+        batch_size=batch_size,
+        limit=limit,
+        num_fewshot=num_fewshot,
+        output=output,
+    )
     torch_dtype = loading.parse_dtype(dtype)
-    if batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
     names, paths = resolve_tasks(list(tasks), list(include_paths))  # check the tasks before loading
     manager = task_manager(names, paths)
     _check_task_data(names, manager)  # before loading weights: offline hub datasets fail here
-    model_path = str(loading.resolve_model(model))
     try:
         lm_model = loading.load_causal_lm(
             model_path,
@@ -207,7 +241,7 @@ def run(
         tokenizer = loading.load_tokenizer(model_path)
     except (ValueError, OSError) as err:
         if not Path(model_path).exists() and _is_offline_error(err):
-            raise ConnectionError(_offline_message(f"Model {model_path}", err)) from err
+            raise UserError(_offline_message(f"Model {model_path}", err)) from err
         raise
     if device is not None:
         lm_model.to(device)
@@ -239,16 +273,10 @@ def run(
         "lm_eval": {k: v for k, v in results.items() if k != "results"},
     }
     if output is not None:
-        _write_json(record, output)
+        from hf_attn.eval.perplexity import write_json
+
+        write_json(record, output, prog=PROG)
     return record
-
-
-def _write_json(record: dict, output: str | Path) -> None:
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(f".{output.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
-    tmp.replace(output)
 
 
 def summary_lines(record: dict) -> list[str]:
@@ -266,7 +294,9 @@ def summary_lines(record: dict) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
+    )
     p.add_argument(
         "--model", default=None, help="checkpoint directory or hub id (default: the embedded SmolLM2)"
     )
@@ -288,15 +318,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--log-samples", action="store_true", help="keep every item's scores in the output")
-    p.add_argument("--output", default=None, help="write the JSON record here")
+    p.add_argument(
+        "--output",
+        default=None,
+        help="write the JSON record here (replaces only a JSON record hf-attn wrote; default: none)",
+    )
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     tasks = [t for arg in args.tasks for t in arg.split(",") if t]
-    limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
-    try:
+    limit = args.limit
+    if limit is not None and limit >= 1 and float(limit).is_integer():
+        limit = int(limit)
+
+    def evaluate() -> None:
         record = run(
             model=args.model,
             tasks=tasks,
@@ -312,15 +349,14 @@ def main(argv: list[str] | None = None) -> int:
             log_samples=args.log_samples,
             output=args.output,
         )
-    except (ValueError, OSError, KeyError) as err:
-        return error(PROG, err)
-    for line in summary_lines(record):
-        print(line)
-    print(
-        f"{record['model']} | {record['model_type']} {record['attn_implementation']} {record['dtype']} | "
-        f"{record['seconds']:.1f} s"
-    )
-    return 0
+        for line in summary_lines(record):
+            print(line)
+        print(
+            f"{record['model']} | {record['model_type']} {record['attn_implementation']} {record['dtype']} | "
+            f"{record['seconds']:.1f} s"
+        )
+
+    return run_command(PROG, evaluate)
 
 
 if __name__ == "__main__":

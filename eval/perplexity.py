@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -25,9 +23,22 @@ import torch
 
 from hf_attn.eval.kv_cache import kv_bytes_per_token, measured_kv_bytes_per_token
 from hf_attn.tooling import assets, loading
-from hf_attn.tooling.cli import add_settings_arguments, run_command, setting, settings_from_args
+from hf_attn.tooling.cli import (
+    HelpFormatter,
+    add_settings_arguments,
+    run_command,
+    setting,
+    settings_from_args,
+)
 from hf_attn.tooling.corpus import load_corpus, tokenize
-from hf_attn.tooling.files import sha256_file
+from hf_attn.tooling.errors import UserError, check_number, user_input
+from hf_attn.tooling.files import (
+    check_output,
+    check_text_files,
+    json_record,
+    sha256_file,
+    write_text_atomic,
+)
 from hf_attn.tooling.perplexity import check_window, evaluate_perplexity
 
 PROG = "hf-attn perplexity"
@@ -57,7 +68,9 @@ class PerplexitySettings:
         deprecated_flags=("--dtype",),
     )
     device_map: str | None = setting(None, help='e.g. "auto" to spread a large model over devices')
-    output: str | None = setting(None, help="write the JSON record here")
+    output: str | None = setting(
+        None, help="write the JSON record here (replaces only a JSON record hf-attn wrote; default: none)"
+    )
     progress: bool = setting(True, help="no progress bar")
 
 
@@ -76,31 +89,60 @@ def calibrated_on(history: list[dict], files: list[Path]) -> list[str]:
     return sorted(hits)
 
 
-def run(settings: PerplexitySettings, *, accelerator=None) -> dict:
-    """Load model and corpus, evaluate; return the JSON record (written to `output` by the main process)."""
+def validate(settings: PerplexitySettings) -> str:
+    """Every option checked before any work, nothing loaded or written: UserError naming the first bad one.
+    Returns the model's directory (or hub id) resolved."""
     s = settings
+    check_number("--context-length", s.context_length, minimum=2, inclusive=True, integer=True)
+    check_number("--stride", s.stride, minimum=1, inclusive=True, integer=True)
+    check_number("--max-tokens", s.max_tokens, minimum=2, inclusive=True, integer=True)
+    check_number("--batch-size", s.batch_size, minimum=1, inclusive=True, integer=True)
+    if s.stride is not None and s.stride > s.context_length:
+        raise UserError(
+            f"--stride {s.stride} exceeds --context-length {s.context_length}; use a smaller stride"
+        )
+    loading.parse_dtype(s.load_dtype)
+    loading.check_attn_implementation(s.attn_implementation)
+    if s.texts:
+        check_text_files(s.texts, "--text")
+    if s.output is not None:
+        check_output(None, s.output, overwrite=True, flag="--output", kind="json")
+    model_path = str(loading.resolve_model(s.model))
+    config = loading.load_config(model_path)
+    loading.check_weight_files(model_path)
+    limit = loading.max_positions(config)
+    if limit is not None and s.context_length > limit:
+        raise UserError(
+            f"--context-length {s.context_length} exceeds the model's maximum positions ({limit}); "
+            f"use --context-length <= {limit}"
+        )
+    return model_path
+
+
+def run(settings: PerplexitySettings, *, accelerator=None) -> dict:
+    """Validate, load model and corpus, evaluate; return the JSON record (written to `output` by the main
+    process). The model must load completely (`loading.load_causal_lm`)."""
+    s = settings
+    model_path = validate(s)
     context_length, max_tokens = s.context_length, s.max_tokens
     stride = check_window(context_length, s.stride)
     torch_dtype = loading.parse_dtype(s.load_dtype)
-    loading.check_attn_implementation(s.attn_implementation)
-    corpus = load_corpus(
-        s.texts, dataset=s.dataset, dataset_config=s.dataset_config, split=s.split, text_column=s.text_column
-    )
-    model_path = str(loading.resolve_model(s.model))
-    config = loading.load_config(model_path)
-    limit = loading.max_positions(config)
-    if limit is not None and context_length > limit:
-        raise ValueError(
-            f"context length {context_length} exceeds the model's maximum positions ({limit}); "
-            f"use --context-length <= {limit}"
+    with user_input():  # a dataset that cannot be read, an empty text
+        corpus = load_corpus(
+            s.texts,
+            dataset=s.dataset,
+            dataset_config=s.dataset_config,
+            split=s.split,
+            text_column=s.text_column,
         )
+    config = loading.load_config(model_path)
     scored_files = [] if s.dataset else [Path(f) for f in s.texts] if s.texts else assets.eval_text_files()
     leaks = calibrated_on((getattr(config, "hf_attn", None) or {}).get("history", []), scored_files)
     tokenizer = loading.load_tokenizer(model_path)
     input_ids = tokenize(tokenizer, corpus)
     n_tokens = min(input_ids.numel(), max_tokens or input_ids.numel())
     if n_tokens < context_length:  # fail before loading the weights (evaluate_perplexity checks again)
-        raise ValueError(
+        raise UserError(
             f"The corpus {corpus.name} has {n_tokens} tokens, fewer than one window of {context_length}; "
             "use a longer text, a larger --max-tokens or a smaller --context-length"
         )
@@ -164,21 +206,20 @@ def run(settings: PerplexitySettings, *, accelerator=None) -> dict:
             file=sys.stderr,
         )
     if s.output is not None and accelerator.is_main_process:
-        write_json(record, s.output)
+        write_json(record, s.output, prog=PROG)
     return record
 
 
-def write_json(record: dict, output: str | Path) -> None:
-    """Write a JSON file atomically (temp file + rename)."""
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(f".{output.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    tmp.replace(output)
+def write_json(record: dict, output: str | Path, *, prog: str = PROG) -> Path:
+    """Write a command's JSON record atomically (temp file + rename), marked as written by `prog`, so that
+    a later run may replace it (`files.check_output(kind="json")`)."""
+    return write_text_atomic(output, json_record(record, prog))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
+    )
     add_settings_arguments(p, PerplexitySettings)
     return p
 

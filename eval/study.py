@@ -38,8 +38,9 @@ from hf_attn.conversion.refine import RELATIVE_LR
 from hf_attn.eval.rows import RowStore
 from hf_attn.eval.rows import row_key as _key
 from hf_attn.tooling import assets
-from hf_attn.tooling.cli import error
-from hf_attn.tooling.files import checkpoint_hash
+from hf_attn.tooling.cli import HelpFormatter, run_command
+from hf_attn.tooling.errors import UserError, check_number, one_line
+from hf_attn.tooling.files import check_output, checkpoint_hash
 
 PROG = "hf-attn study"
 
@@ -109,31 +110,69 @@ class Variant:
 KINDS = ("source", "expand", "gqa", "mla")
 
 
+_POSITIVE = (
+    "eval_tokens",
+    "context_length",
+    "decode_prompt_tokens",
+    "decode_new_tokens",
+    "calibration_tokens",
+    "heal_minutes",
+    "heal_seq_len",
+    "heal_batch_size",
+    "heal_lr",
+    "task_items",
+)
+
+
+def check_settings(settings: Settings, where: str) -> None:
+    """UserError naming the field and the file for a value of the wrong type or out of range."""
+    for f in dataclasses.fields(Settings):
+        value, integer = getattr(settings, f.name), f.type in ("int", int)
+        if f.type in ("str", str):
+            if not isinstance(value, str):
+                raise UserError(f"{f.name} = {value!r} in {where} must be a string")
+            continue
+        check_number(f"{f.name} in {where}", value, inclusive=f.name not in _POSITIVE, integer=integer)
+    if settings.heal_corpus not in assets.CORPORA:
+        raise UserError(
+            f"unknown heal_corpus {settings.heal_corpus!r} in {where}; choose one of {list(assets.CORPORA)}"
+        )
+
+
 def load_config(path: str | Path, profile: str) -> tuple[Settings, list[Variant]]:
-    raw = tomllib.loads(Path(path).read_text())
-    if profile not in raw:
-        raise ValueError(f"profile {profile!r} not in {path}; it has {[k for k in raw if k != 'variants']}")
+    """The settings of `profile` and the variants of the study TOML at `path`; UserError naming the file and
+    the entry for anything malformed."""
+    try:
+        raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
+        raise UserError(
+            f"--config {path} is not a TOML file ({one_line(err)}); fix it or pass another"
+        ) from err
+    if not isinstance(raw.get(profile), dict):
+        raise UserError(f"profile {profile!r} not in {path}; it has {[k for k in raw if k != 'variants']}")
     fields = {f.name for f in dataclasses.fields(Settings)}
     unknown = set(raw[profile]) - fields
     if unknown:
-        raise ValueError(
+        raise UserError(
             f"unknown settings {sorted(unknown)} in [{profile}] of {path}; known: {sorted(fields)}"
         )
+    required = {f.name for f in dataclasses.fields(Settings) if f.default is dataclasses.MISSING}
+    missing = sorted(required - set(raw[profile]))
+    if missing:
+        raise UserError(f"[{profile}] of {path} lacks the settings {missing}; add them")
     settings = Settings(**raw[profile])
-    if settings.heal_corpus not in assets.CORPORA:
-        raise ValueError(
-            f"unknown heal_corpus {settings.heal_corpus!r} in [{profile}] of {path}; choose one of "
-            f"{list(assets.CORPORA)}"
-        )
+    check_settings(settings, f"[{profile}] of {path}")
     variants = []
     for entry in raw.get("variants", []):
         entry = dict(entry)
+        if not isinstance(entry.get("name"), str) or "kind" not in entry:
+            raise UserError(f"a [[variants]] entry of {path} lacks a name or a kind: {entry}")
         name, kind = entry.pop("name"), entry.pop("kind")
         if kind not in KINDS:
-            raise ValueError(f"variant {name!r}: unknown kind {kind!r}; choose one of {KINDS}")
+            raise UserError(f"variant {name!r}: unknown kind {kind!r}; choose one of {KINDS}")
         variants.append(Variant(name, entry.pop("label", name), kind, bool(entry.pop("heal", False)), entry))
     if len({v.name for v in variants}) != len(variants):
-        raise ValueError(f"variant names in {path} must be unique")
+        raise UserError(f"variant names in {path} must be unique")
     return settings, variants
 
 
@@ -258,7 +297,7 @@ def refine_checkpoint(src: Path, dst: Path, settings: Settings) -> dict:
     from hf_attn.conversion.refine import RefineSettings, refine
 
     if settings.refine_steps < 1 or settings.refine_tokens < 1:
-        raise ValueError(
+        raise UserError(
             f"a variant with refine = true needs refine_steps and refine_tokens >= 1 in the profile, got "
             f"{settings.refine_steps} and {settings.refine_tokens}"
         )
@@ -543,10 +582,12 @@ def run_study(
     settings, variants = load_config(config, profile)
     if overrides:
         settings = dataclasses.replace(settings, **overrides)
+        check_settings(settings, "the overrides")
+    check_output(None, results, overwrite=False, flag="--results", kind="directory")
     if only:
         unknown = set(only) - {v.name for v in variants}
         if unknown:
-            raise ValueError(
+            raise UserError(
                 f"--only {sorted(unknown)}: no such variants; choose from {[v.name for v in variants]}"
             )
         variants = [v for v in variants if v.name in only]
@@ -579,14 +620,16 @@ def run_study(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog=PROG, description=__doc__.splitlines()[0], formatter_class=HelpFormatter
+    )
     parser.add_argument("--profile", choices=PROFILES, default="default")
     parser.add_argument(
         "--quick", action="store_const", const="quick", dest="profile", help="= --profile quick"
     )
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="study TOML (default: eval/study.toml)")
     parser.add_argument("--results", default="results", help="output directory (default: ./results)")
-    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these variants")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these variants (default: all)")
     parser.add_argument("--fresh", action="store_true", help="rebuild cached checkpoints and rows")
     parser.add_argument(
         "--discard-checkpoints",
@@ -595,10 +638,11 @@ def main(argv: list[str] | None = None) -> int:
         "about 6 GB of them under $HF_ATTN_CACHE/study/)",
     )
     args = parser.parse_args(argv)
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # one progress line per study step instead of a bar per model load
-    try:
+    def study() -> None:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # one progress line per study step instead of a bar per model load
         record = run_study(
             profile=args.profile,
             config=args.config,
@@ -608,17 +652,16 @@ def main(argv: list[str] | None = None) -> int:
             keep_checkpoints=not args.discard_checkpoints,
             log=lambda line: print(line, flush=True),
         )
-    except (ValueError, OSError, KeyError) as err:
-        return error(PROG, err)
-    from hf_attn.eval.report import format_table
+        from hf_attn.eval.report import format_table
 
-    print()
-    print(format_table(record))
-    print(
-        f"\nwrote {Path(args.results) / 'report.md'}, results.json, pareto.png "
-        f"({record['wall_seconds'] / 60:.1f} min)"
-    )
-    return 0
+        print()
+        print(format_table(record))
+        print(
+            f"\nwrote {Path(args.results) / 'report.md'}, results.json, pareto.png "
+            f"({record['wall_seconds'] / 60:.1f} min)"
+        )
+
+    return run_command(PROG, study)
 
 
 if __name__ == "__main__":

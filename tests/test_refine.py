@@ -144,7 +144,7 @@ def test_refusals_exit_2_and_write_nothing(converted_pair, tmp_path, capsys):
     out = tmp_path / "out"
     base = ["--model", str(conv), "--output", str(out), "--calibration-tokens", "64", "--no-progress"]
     assert exit_status(refine.main, [*base, "--source", str(other)]) == 2
-    assert "num_hidden_layers differs" in capsys.readouterr().err
+    assert "is not the model" in capsys.readouterr().err  # the record names another source
     assert exit_status(refine.main, ["--model", str(src), "--output", str(out), "--no-progress"]) == 2
     assert "pass --source" in capsys.readouterr().err
     assert exit_status(refine.main, [*base, "--steps", "-1"]) == 2

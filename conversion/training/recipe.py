@@ -98,9 +98,12 @@ def _positive(name: str, value, *, allow_none: bool = False, allow_zero: bool = 
         and not isinstance(value, bool)
         and (value >= 0 if allow_zero else value > 0)
     )
+        and value < float("inf")  # (NaN fails the comparison below)
     if not ok:
         flag = "--" + name.replace("_", "-")
-        raise ValueError(f"{flag} must be {'>= 0' if allow_zero else 'positive'}, got {value!r}")
+        raise ValueError(
+            f"{flag} must be {'>= 0' if allow_zero else 'positive'}, got {value!r} (a finite number)"
+        )
 
 
 def plan_budget(

@@ -13,7 +13,7 @@ measurement; where that reset is impossible, the process-lifetime `ru_maxrss`, m
 
     python -m eval.bench_decode [--model PATH] [--attn-implementation NAME ...]
         [--prompt-tokens 1024 4096 8192] [--batch-sizes 1 4] [--new-tokens 32] [--load-dtype float32]
-        [--prefill-chunk 1024] [--quick] [--output bench_decode.json]
+        [--prefill-chunk 1024] [--quick] [--output FILE.json]
 
 `--load-dtype` is the dtype the weights are loaded in (`--dtype` is its deprecated spelling).
 """
@@ -32,7 +32,9 @@ from hf_attn.eval.bench import decoding
 from hf_attn.eval.bench.memory import PeakMemory
 from hf_attn.eval.kv_cache import cache_tensor_bytes, kv_bytes_per_token
 from hf_attn.tooling import loading
-from hf_attn.tooling.cli import add_deprecated_alias, error
+from hf_attn.tooling.cli import HelpFormatter, add_deprecated_alias, run_command
+from hf_attn.tooling.errors import UserError, check_number
+from hf_attn.tooling.files import check_output
 
 PROG = "hf-attn bench decode"
 
@@ -70,17 +72,19 @@ def bench_decode(
     warmup: int = decoding.WARMUP,
 ) -> dict:
     """Greedy decoding speed after a `prompt_tokens`-token prompt at `batch_size`; returns the JSON record."""
-    if prompt_tokens < 1 or batch_size < 1 or new_tokens < 1 or prefill_chunk < 1:
-        raise ValueError(
-            f"prompt_tokens, batch_size, new_tokens and prefill_chunk must be >= 1, got "
-            f"{prompt_tokens}, {batch_size}, {new_tokens}, {prefill_chunk}"
-        )
+    for flag, value in (
+        ("--prompt-tokens", prompt_tokens),
+        ("--batch-sizes", batch_size),
+        ("--new-tokens", new_tokens),
+        ("--prefill-chunk", prefill_chunk),
+    ):
+        check_number(flag, value, minimum=1, inclusive=True, integer=True)
     model_path = str(loading.resolve_model(model_path))
     torch_dtype = loading.parse_dtype(load_dtype)
     config = loading.load_config(model_path)
     limit = loading.max_positions(config)
     if limit is not None and prompt_tokens + new_tokens + warmup > limit:
-        raise ValueError(
+        raise UserError(
             f"prompt + new + warmup tokens ({prompt_tokens} + {new_tokens} + {warmup}) exceed the model's "
             f"maximum positions ({limit}); use shorter prompts"
         )
@@ -149,7 +153,24 @@ def run(
     names = attn_implementations or [None]
     for name in names:
         loading.check_attn_implementation(name)
+    for flag, values in (("--prompt-tokens", prompt_tokens), ("--batch-sizes", batch_sizes)):
+        for value in values:
+            check_number(flag, value, minimum=1, inclusive=True, integer=True)
+    check_number("--new-tokens", new_tokens, minimum=1, inclusive=True, integer=True)
+    check_number("--prefill-chunk", prefill_chunk, minimum=1, inclusive=True, integer=True)
+    loading.parse_dtype(load_dtype)
+    if output is not None:
+        check_output(None, output, overwrite=True, kind="json")
     model_path = str(loading.resolve_model(model))
+    config = loading.load_config(model_path)
+    loading.check_weight_files(model_path)
+    limit = loading.max_positions(config)
+    longest = max(prompt_tokens) + new_tokens + decoding.WARMUP
+    if limit is not None and longest > limit:
+        raise UserError(
+            f"--prompt-tokens {max(prompt_tokens)} + --new-tokens {new_tokens} + {decoding.WARMUP} warm-up "
+            f"tokens exceed the model's {limit} positions; use shorter prompts"
+        )
     results = []
     for name in names:
         for p in prompt_tokens:
@@ -173,7 +194,7 @@ def run(
         "versions": loading.library_versions(),
     }
     if output is not None:
-        write_json(record, output)
+        write_json(record, output, prog=PROG)
     return record
 
 
@@ -191,7 +212,9 @@ def result_line(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
+    )
     p.add_argument(
         "--model", default=None, help="checkpoint directory or hub id (default: the embedded SmolLM2)"
     )
@@ -202,27 +225,28 @@ def main(argv: list[str] | None = None) -> int:
     dtype_flag = {"type": str, "choices": list(loading.DTYPES)}
     p.add_argument("--load-dtype", default="float32", help="dtype the weights are loaded in", **dtype_flag)
     add_deprecated_alias(p, "--dtype", new_flag="--load-dtype", dest="load_dtype", **dtype_flag)
-    p.add_argument("--prefill-chunk", type=int, default=1024)
+    p.add_argument("--prefill-chunk", type=int, default=1024, help="prompt tokens per prefill forward")
     p.add_argument(
         "--quick", action="store_true", help=f"prompt {QUICK_PROMPTS}, {QUICK_NEW_TOKENS} new tokens"
     )
-    p.add_argument("--output", default="bench_decode.json")
+    p.add_argument("--output", default=None, help="also write the JSON record here (default: print only)")
     args = p.parse_args(argv)
-    try:
-        run(
+    return run_command(
+        PROG,
+        lambda: run(
             model=args.model,
             attn_implementations=args.attn_implementation,
             prompt_tokens=tuple(args.prompt_tokens or (QUICK_PROMPTS if args.quick else PROMPTS)),
             batch_sizes=tuple(args.batch_sizes or (QUICK_BATCHES if args.quick else BATCHES)),
-            new_tokens=args.new_tokens or (QUICK_NEW_TOKENS if args.quick else NEW_TOKENS),
+            new_tokens=(QUICK_NEW_TOKENS if args.quick else NEW_TOKENS)
+            if args.new_tokens is None
+            else args.new_tokens,
             load_dtype=args.load_dtype,
             prefill_chunk=args.prefill_chunk,
             output=args.output,
             on_result=lambda r: print(result_line(r), flush=True),
-        )
-    except (ValueError, OSError, KeyError) as err:
-        return error(PROG, err)
-    return 0
+        ),
+    )
 
 
 if __name__ == "__main__":

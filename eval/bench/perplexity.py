@@ -9,7 +9,7 @@ The two alternate `--repeats` times after one warm-up window; each side's best (
 the most robust statistic on a shared machine, plus every pass. Target: eval >= 95% of bare tokens/s.
 
     python -m eval.bench_perplexity [--model PATH] [--attn-implementation sdpa] [--context-length 1024]
-        [--windows 8] [--repeats 3] [--load-dtype float32] [--threads N] [--output bench_perplexity.json]
+        [--windows 8] [--repeats 3] [--load-dtype float32] [--threads N] [--output FILE.json]
 
 `--load-dtype` is the dtype the weights are loaded in (`--dtype` is its deprecated spelling).
 """
@@ -24,8 +24,10 @@ import torch
 
 from hf_attn.eval.perplexity import evaluate_perplexity, write_json
 from hf_attn.tooling import loading
-from hf_attn.tooling.cli import add_deprecated_alias, error
+from hf_attn.tooling.cli import HelpFormatter, add_deprecated_alias, run_command
 from hf_attn.tooling.corpus import load_corpus, tokenize
+from hf_attn.tooling.errors import UserError, check_number
+from hf_attn.tooling.files import check_output
 
 PROG = "hf-attn bench perplexity"
 
@@ -50,9 +52,15 @@ def bench_perplexity(
     repeats: int = 3,
     load_dtype: str = "float32",
 ) -> dict:
-    if windows < 1 or repeats < 1:
-        raise ValueError(f"windows and repeats must be >= 1, got {windows} and {repeats}")
+    check_number("--context-length", context_length, minimum=2, inclusive=True, integer=True)
+    check_number("--windows", windows, minimum=1, inclusive=True, integer=True)
+    check_number("--repeats", repeats, minimum=1, inclusive=True, integer=True)
+    loading.check_attn_implementation(attn_implementation)
     model_path = str(loading.resolve_model(model_path))
+    config = loading.load_config(model_path)
+    limit = loading.max_positions(config)
+    if limit is not None and context_length > limit:
+        raise UserError(f"--context-length {context_length} exceeds the model's {limit} positions")
     model = loading.load_causal_lm(model_path, attn_implementation=attn_implementation, dtype=load_dtype)
     if torch.cuda.is_available():
         model.to("cuda")
@@ -60,7 +68,10 @@ def bench_perplexity(
     ids = tokenize(loading.load_tokenizer(model_path), load_corpus())
     n = windows * context_length
     if ids.numel() < n:
-        raise ValueError(f"the corpus has {ids.numel()} tokens, fewer than {windows} x {context_length}")
+        raise UserError(
+            f"the corpus has {ids.numel()} tokens, fewer than --windows {windows} x --context-length "
+            f"{context_length}; ask for fewer or shorter windows"
+        )
     ids = ids[:n].to(device)
     batch = ids.view(windows, context_length)  # (W, L)
 
@@ -92,8 +103,12 @@ def bench_perplexity(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None)
+    p = argparse.ArgumentParser(
+        prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
+    )
+    p.add_argument(
+        "--model", default=None, help="checkpoint directory or hub id (default: the embedded SmolLM2)"
+    )
     p.add_argument("--attn-implementation", default="sdpa")
     p.add_argument("--context-length", type=int, default=1024)
     p.add_argument("--windows", type=int, default=8)
@@ -104,11 +119,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)"
     )
-    p.add_argument("--output", default="bench_perplexity.json")
+    p.add_argument("--output", default=None, help="also write the JSON record here (default: print only)")
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
+
+    def bench() -> None:
+        check_number("--threads", args.threads, minimum=1, inclusive=True, integer=True)
+        if args.output is not None:
+            check_output(None, args.output, overwrite=True, kind="json")
+        if args.threads:
+            torch.set_num_threads(args.threads)
         record = bench_perplexity(
             args.model,
             attn_implementation=args.attn_implementation,
@@ -117,16 +136,16 @@ def main(argv: list[str] | None = None) -> int:
             repeats=args.repeats,
             load_dtype=args.load_dtype,
         )
-    except (ValueError, OSError, KeyError) as err:
-        return error(PROG, err)
-    write_json(record, args.output)
-    print(
-        f"bare forward {record['bare_forward_tokens_per_second']:.1f} tokens/s, perplexity evaluation "
-        f"{record['eval_tokens_per_second']:.1f} tokens/s: ratio {record['ratio']:.3f} "
-        f"({record['windows']} windows of {record['context_length']}, best of {record['repeats']}, "
-        f"{record['versions']['torch_threads']} threads)"
-    )
-    return 0
+        if args.output is not None:
+            write_json(record, args.output, prog=PROG)
+        print(
+            f"bare forward {record['bare_forward_tokens_per_second']:.1f} tokens/s, perplexity evaluation "
+            f"{record['eval_tokens_per_second']:.1f} tokens/s: ratio {record['ratio']:.3f} "
+            f"({record['windows']} windows of {record['context_length']}, best of {record['repeats']}, "
+            f"{record['versions']['torch_threads']} threads)"
+        )
+
+    return run_command(PROG, bench)
 
 
 if __name__ == "__main__":

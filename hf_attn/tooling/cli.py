@@ -1,9 +1,14 @@
 """The one command-line error path, and settings dataclasses that argparse parsers are built from.
 
-Every command is `main(argv=None) -> int` over keyword-only library functions that raise for user mistakes;
-`run_command` turns those into one line `hf-attn <command>: error: <what is wrong and what fixes it>` on
-stderr and exit status 2 (no traceback, nothing written: outputs are atomic). Library functions return
-results; only commands print.
+Every command is `main(argv=None) -> int` over keyword-only library functions; `run_command` runs the work:
+- a `UserError` (bad input, `hf_attn.tooling.errors`) or a file-system error -> one line
+  `hf-attn <command>: error: <what is wrong and what fixes it>` on stderr, exit status 2, nothing written
+  (outputs are atomic and validated before any work);
+- Ctrl-C -> one line, exit status 130; SIGTERM -> exit status 143; both through the same cleanup (`finally`
+  blocks, temporary directories);
+- anything else is a bug: it propagates with its traceback (exit status 1).
+Before the work, what killed processes of this host left is swept (`files.sweep_leftovers`). Library
+functions return results; only commands print.
 """
 
 from __future__ import annotations
@@ -20,18 +25,28 @@ import typing
 from collections.abc import Callable, Iterator
 from typing import Any
 
-USER_ERRORS = (ValueError, OSError, KeyError)
+from hf_attn.tooling.errors import UserError, one_line, user_message
+
+# Old spelling kept for callers that classify by type; new code raises UserError and lets run_command decide.
+USER_ERRORS = (UserError, OSError)
+INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 
 
-def one_line(err: BaseException) -> str:
-    """The first line of an error's message (its type name when it has none)."""
-    text = str(err).strip().splitlines()
-    return text[0] if text else type(err).__name__
+def _close_progress_bars() -> None:
+    """End open tqdm bars (an exception leaves them mid-line) so the error starts on its own line."""
+    tqdm = sys.modules.get("tqdm")
+    for bar in list(getattr(getattr(tqdm, "tqdm", None), "_instances", None) or ()):
+        with contextlib.suppress(Exception):
+            bar.close()
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
 
 
 def error(prog: str, err: BaseException | str) -> int:
     """Print `prog: error: <one line>` to stderr and return the exit status of a user mistake (2)."""
-    print(f"{prog}: error: {err if isinstance(err, str) else one_line(err)}", file=sys.stderr)
+    _close_progress_bars()
+    line = err if isinstance(err, str) else (user_message(err) or one_line(err))
+    print(f"{prog}: error: {line}", file=sys.stderr)
     return 2
 
 
@@ -63,17 +78,41 @@ def sigterm_exits_cleanly() -> Iterator[None]:
 
 
 def run_command(prog: str, fn: Callable[[], Any]) -> int:
-    """0 after `fn()`, or 2 with one line on stderr for a user mistake (USER_ERRORS); SIGTERM during `fn`
-    exits through its cleanup (`sigterm_exits_cleanly`)."""
+    """Sweep what killed processes of this host left, run `fn()` and return its exit status (`fn`'s int, else
+    0): 2 with one line on stderr for a UserError or a file-system error, 130 with one line for Ctrl-C;
+    SIGTERM exits through the same cleanup (`sigterm_exits_cleanly`); any other error propagates (a bug: its
+    traceback, exit status 1)."""
+    from hf_attn.tooling.files import sweep_leftovers
+
+    sweep_leftovers()
     try:
         with sigterm_exits_cleanly():
-            fn()
-    except USER_ERRORS as err:
+            status = fn()
+    except (UserError, OSError) as err:
         return error(prog, err)
-    return 0
+    except KeyboardInterrupt:
+        _close_progress_bars()
+        print(f"{prog}: interrupted (Ctrl-C); partial outputs were removed", file=sys.stderr)
+        return INTERRUPTED
+    return status if isinstance(status, int) and not isinstance(status, bool) else 0
 
 
 # ------------------------------------------------------------------------------------- settings -> parser
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help that states every option's default: "(default: X)" after any help that does not say it
+    already; on/off flags (store_true / store_false) are off / on unless given, and say nothing more."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        flag = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
+        if flag or "default" in help_text.lower() or action.default is argparse.SUPPRESS:
+            return help_text
+        if not action.option_strings or action.required:
+            return help_text
+        default = "none" if action.default is None else "%(default)s"
+        return f"{help_text} (default: {default})".lstrip()
 
 
 def _field_type(tp) -> tuple[type, bool]:
@@ -168,12 +207,12 @@ def settings_from_args(settings: type, args: argparse.Namespace, **overrides):
 
 
 def check_choices(settings) -> None:
-    """ValueError naming the flag, the value and the choices for a field outside its metadata `choices`
+    """UserError naming the flag, the value and the choices for a field outside its metadata `choices`
     (a None default stays allowed): library callers get the check the parser does."""
     for f in dataclasses.fields(settings):
         choices, value = f.metadata.get("choices"), getattr(settings, f.name)
         if choices is not None and value not in choices and not (value is None and f.default is None):
-            raise ValueError(f"Unknown {_flag(f)} {value!r}; choose one of {', '.join(map(str, choices))}")
+            raise UserError(f"Unknown {_flag(f)} {value!r}; choose one of {', '.join(map(str, choices))}")
 
 
 def setting(default=None, help: str | None = None, **metadata):  # noqa: A002

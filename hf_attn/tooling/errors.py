@@ -1,0 +1,74 @@
+"""What a command tells the user: `UserError` for bad input, one line for it and for file-system errors.
+
+- `UserError(ValueError)`: raised where input is validated (an option, a path, a checkpoint's files); its
+  message says what is wrong and what fixes it, in one line. Library callers that catch `ValueError` keep
+  working.
+- `user_input()`: a validation boundary. A `ValueError` raised by a check run inside it (a library check
+  written before `UserError`, a parser of a number) is about the input, so it leaves as a `UserError` with
+  the same message. Outside such a boundary a plain `ValueError` is a bug.
+- `user_message(err)`: the one line a command prints for an error, or None when the error is a bug (then the
+  command shows the traceback).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+
+
+class UserError(ValueError):
+    """A mistake in the input (an option, a path, a checkpoint): one line, exit status 2, nothing written."""
+
+
+def one_line(err: BaseException) -> str:
+    """The first line of an error's message (its type name when it has none)."""
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
+@contextlib.contextmanager
+def user_input() -> Iterator[None]:
+    """Inside: a ValueError (e.g. from a library check or `int("x")`) becomes a UserError, same message."""
+    try:
+        yield
+    except UserError:
+        raise
+    except ValueError as err:
+        raise UserError(one_line(err)) from err
+
+
+def os_error_line(err: OSError) -> str:
+    """'cannot read PATH: No such file or directory', or the error's own message when it names no path."""
+    if err.filename is None:
+        return one_line(err)
+    what = f"{err.filename} -> {err.filename2}" if err.filename2 is not None else str(err.filename)
+    return f"{what}: {err.strerror or one_line(err)}"
+
+
+def user_message(err: BaseException) -> str | None:
+    """The one line for a user mistake (UserError) or a file-system error (OSError); None for a bug."""
+    if isinstance(err, UserError):
+        return one_line(err)
+    if isinstance(err, OSError):
+        return os_error_line(err)
+    return None
+
+
+def check_number(flag: str, value, *, minimum: float = 0, inclusive: bool = False, integer: bool = False):
+    """`value` if it is a finite number > `minimum` (>= with `inclusive`), an integer where `integer`; else a
+    UserError naming the flag, the value and the range. None passes (an option left unset)."""
+    if value is None:
+        return value
+    kind = "integer" if integer else "number"
+    bound = f"{'>=' if inclusive else '>'} {minimum:g}"
+    numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if (
+        not numeric
+        or not math.isfinite(value)
+        or (integer and not float(value).is_integer())
+        or value < minimum
+        or (value == minimum and not inclusive)
+    ):
+        raise UserError(f"{flag} must be a finite {kind} {bound}, got {value!r}")
+    return value
