@@ -98,59 +98,63 @@ def pair_markdown(source: dict, mla: dict) -> str:
     return "\n".join(lines)
 
 
+def _tps(level: dict, fastest: bool = False) -> float | None:
+    """Decode tokens/s of a level: concurrency / median step, or / fastest step (`fastest`)."""
+    ms = level.get("step_ms_min" if fastest else "step_ms_median")
+    return level["concurrency"] / ms * 1e3 if ms else None
+
+
+def _pair_fmt(a, b, digits: int = 2) -> str:
+    return "–" if a is None else f"{_fmt(a, digits)} ({_fmt(b, digits)})"
+
+
+def _ratios(m: dict, s: dict) -> str:
+    med, best = _ratio(_tps(m), _tps(s)), _ratio(_tps(m, True), _tps(s, True))
+    return "–" if med == "–" else f"{med} ({best})"
+
+
 def decode_lines(s_lv: dict, m_lv: dict) -> list[str]:
-    """Decode only: step time (median and fastest of the timed steps) and tokens/s at each concurrency."""
+    """Decode only: step time and tokens/s at each concurrency, from the median and the fastest timed step."""
     lines = [
-        "Decode only (steps where every sequence is past its prefill; ms/step: median (fastest)):",
+        "Decode only (steps where every sequence is past its prefill); each cell: from the median step "
+        "(from the fastest step, the least disturbed by other processes):",
         "",
         "| concurrency | source ms/step | source tok/s | MLA ms/step | MLA tok/s | MLA / source tok/s |",
         "|---|---|---|---|---|---|",
     ]
     for c in sorted(set(s_lv) | set(m_lv)):
         s, m = s_lv.get(c, {}), m_lv.get(c, {})
-        lines.append(
-            f"| {c} | {_step(s)} | {_fmt(s.get('decode_tokens_per_s'), 2)} | {_step(m)} | "
-            f"{_fmt(m.get('decode_tokens_per_s'), 2)} | "
-            f"{_ratio(m.get('decode_tokens_per_s'), s.get('decode_tokens_per_s'))} |"
-        )
+        cells = [
+            _pair_fmt(s.get("step_ms_median"), s.get("step_ms_min"), 0),
+            _pair_fmt(_tps(s), _tps(s, True)),
+            _pair_fmt(m.get("step_ms_median"), m.get("step_ms_min"), 0),
+            _pair_fmt(_tps(m), _tps(m, True)),
+            _ratios(m, s),
+        ]
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
     return lines
 
 
-def _step(level: dict) -> str:
-    if not level.get("step_ms_median"):
-        return "–"
-    return f"{level['step_ms_median']:,.0f} ({level['step_ms_min']:,.0f})"
-
-
 def operating_point_lines(source: dict, mla: dict, saturation: float = 0.9) -> list[str]:
-    """Where the smaller cache becomes decode throughput: each model at its own maximum concurrency, and the
-    concurrency at which the MLA model's decode reaches `saturation` of its best tokens/s (beyond it, more
-    sequences in the cache buy nothing on this device)."""
-    best = {}
-    for role, row in (("source", source), ("mla", mla)):
-        levels = [lv for lv in row["decode"]["levels_measured"] if lv.get("decode_tokens_per_s")]
-        best[role] = max(levels, key=lambda lv: lv["decode_tokens_per_s"], default=None)
-    s_top = _levels(source).get(source["decode"]["top_level"], {})
-    m_top = _levels(mla).get(mla["decode"]["top_level"], {})
+    """Where the smaller cache becomes decode throughput: each model at the most sequences it ran, and the
+    concurrency at which the MLA model's decode (fastest steps) reaches `saturation` of its best tokens/s
+    (beyond it, more sequences in the cache buy nothing on this device)."""
     s_dec, m_dec = source["decode"], mla["decode"]
-    ratio = _ratio(m_top.get("decode_tokens_per_s"), s_top.get("decode_tokens_per_s"))
+    s_top, m_top = _levels(source).get(s_dec["top_level"], {}), _levels(mla).get(m_dec["top_level"], {})
     out = [
         f"- Each model at the most sequences it ran (its cache's maximum, or the sweep's top level): source "
         f"{s_dec['top_level']} (room for {s_dec['max_concurrency_at_horizon']}), "
-        f"{_fmt(s_top.get('decode_tokens_per_s'), 2)} tok/s; MLA {m_dec['top_level']} (room for "
-        f"{m_dec['max_concurrency_at_horizon']}), {_fmt(m_top.get('decode_tokens_per_s'), 2)} tok/s: "
-        f"{ratio} the source's decode throughput."
+        f"{_pair_fmt(_tps(s_top), _tps(s_top, True))} tok/s; MLA {m_dec['top_level']} (room for "
+        f"{m_dec['max_concurrency_at_horizon']}), {_pair_fmt(_tps(m_top), _tps(m_top, True))} tok/s: "
+        f"{_ratios(m_top, s_top)} the source's decode throughput."
     ]
-    if best["mla"]:
-        peak = best["mla"]["decode_tokens_per_s"]
-        knee = min(
-            lv["concurrency"]
-            for lv in mla["decode"]["levels_measured"]
-            if (lv.get("decode_tokens_per_s") or 0) >= saturation * peak
-        )
+    measured = [lv for lv in m_dec["levels_measured"] if _tps(lv, True)]
+    if measured:
+        best = max(measured, key=lambda lv: _tps(lv, True))
+        knee = min(lv["concurrency"] for lv in measured if _tps(lv, True) >= saturation * _tps(best, True))
         out.append(
-            f"- MLA decode reaches {100 * saturation:.0f}% of its best ({peak:.2f} tok/s at "
-            f"{best['mla']['concurrency']} sequences) at {knee} sequences: the KV saving turns into "
+            f"- MLA decode (fastest steps) reaches {100 * saturation:.0f}% of its best "
+            f"({_tps(best, True):.2f} tok/s at {best['concurrency']} sequences) at {knee} sequences: the KV saving turns into "
             f"throughput where the source's cache holds fewer than {knee} sequences of the served context."
         )
     return out
@@ -188,3 +192,18 @@ def _batch_lines(source: dict, mla: dict) -> list[str]:
         f"| most sequences decoding in one step | {s['peak_decode_batch']} | {m['peak_decode_batch']} | |",
         f"| wall time (s) | {_fmt(s['wall_s'])} | {_fmt(m['wall_s'])} | |",
     ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m hf_attn.eval.engine.bench_report ROWS.json TABLES.md`: the tables again from stored rows."""
+    import json
+    import sys
+    from pathlib import Path
+
+    rows_path, tables_path = (Path(a) for a in (argv if argv is not None else sys.argv[1:]))
+    tables_path.write_text(markdown(json.loads(rows_path.read_text())))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
