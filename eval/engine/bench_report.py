@@ -154,8 +154,9 @@ def operating_point_lines(source: dict, mla: dict, saturation: float = 0.9) -> l
         knee = min(lv["concurrency"] for lv in measured if _tps(lv, True) >= saturation * _tps(best, True))
         out.append(
             f"- MLA decode (fastest steps) reaches {100 * saturation:.0f}% of its best "
-            f"({_tps(best, True):.2f} tok/s at {best['concurrency']} sequences) at {knee} sequences: the KV saving turns into "
-            f"throughput where the source's cache holds fewer than {knee} sequences of the served context."
+            f"({_tps(best, True):.2f} tok/s at {best['concurrency']} sequences) at {knee} sequences: the KV "
+            f"saving turns into throughput where the source's cache holds fewer than {knee} sequences of the "
+            "served context."
         )
     return out
 
