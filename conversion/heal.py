@@ -33,7 +33,7 @@ Code (`conversion/training/`): `HealSettings` (every option; the command line is
     hf-attn heal --model SRC --output DST [--train-text FILE ... | --train-corpus mix | --dataset NAME ...]
         [--max-steps N | --max-tokens N | --max-minutes M [--budget-clock wall|cpu]] [--seq-len 512]
         [--batch-size 1] [--grad-accum 1]
-        [--lr 1e-4 | --relative-lr R] [--warmup-steps 0] [--schedule cosine|constant]
+        [--lr 3e-5 | --relative-lr R] [--warmup-steps 0] [--schedule cosine|constant]
         [--trainable all|attention]
         [--autocast-dtype float32|bfloat16|float16] [--eval-text FILE ...] [--eval-every S]
         [--eval-tokens 8192] [--checkpoint-every N] [--resume] [--seed 0] [--gradient-checkpointing]

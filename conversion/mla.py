@@ -115,17 +115,17 @@ def convert_to_mla(
     `layout`: "per-head" (a RoPE key per KV head on its own pairs) or "deepseek" (see `plan_conversion`).
 
     Ranks: `kv_lora_rank` (d_c) or `kv_budget` (cache fraction of the source, picks d_c and, if
-    `rope_pairs` is None, r); neither: full rank. `rope_pairs` None: every pair (or the budget's choice).
-    Calibration (source model forward over `calibration_tokens` of `calibration_files`, default the five
-    Austen novels other than Persuasion) runs only if the selection or factorization needs it, layer by
-    layer on `device` in `forward_dtype` (`layerwise.ForwardSettings`).
+    `rope_pairs` is None, r); neither: full rank (the command `hf-attn convert mla` uses
+    DEFAULT_KV_BUDGET when no rank option is given). `rope_pairs` None: every pair (or the budget's
+    choice). Calibration (source model forward over `calibration_tokens` of `calibration_files`, default
+    `calibration.default_calibration_files()`: the `mix` of the five novels other than Persuasion and five
+    Python documentation sections) runs only if the options need it, layer by layer on `device` in
+    `forward_dtype` (`layerwise.ForwardSettings`).
     """
     start = time.perf_counter()
     with user_input():
         layerwise.resolve_forward(device, forward_dtype)  # fails before any slow work
     source = open_source(src, dst=dst, overwrite=overwrite, dtype=dtype)  # fails before any slow calibration
-    plan = plan_conversion(
-        src=source,
     check_options(
         source.geometry,
         kv_lora_rank=kv_lora_rank,
@@ -136,6 +136,8 @@ def convert_to_mla(
         layout=layout,
         calibration_tokens=calibration_tokens,
     )
+    plan = plan_conversion(
+        src=source,
         kv_lora_rank=kv_lora_rank,
         kv_budget=kv_budget,
         rope_pairs=rope_pairs,
@@ -154,8 +156,6 @@ def convert_to_mla(
     )
 
 
-def write_conversion(
-    plan: MLAConversion,
 def check_options(
     geometry,
     *,
@@ -197,6 +197,8 @@ def check_options(
         )
 
 
+def write_conversion(
+    plan: MLAConversion,
     dst: str | Path,
     *,
     dtype: torch.dtype | None = None,

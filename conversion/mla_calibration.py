@@ -17,7 +17,7 @@ from hf_attn.conversion.checkpoint import AttentionGeometry
 from hf_attn.conversion.mla_layer import LayerStatistics, SpilledLayerStatistics
 from hf_attn.tooling.files import scratch_directory
 
-DEFAULT_CALIBRATION_TOKENS = 8192
+DEFAULT_CALIBRATION_TOKENS = cal.DEFAULT_CALIBRATION_TOKENS  # one calibration default for every converter
 
 
 # --------------------------------------------------------------------------------------------- calibration

@@ -143,14 +143,15 @@ def test_heal_refuses_training_text_that_contains_an_evaluation_text(tmp_path, d
 
 
 def test_heal_train_corpus_names_the_embedded_texts(tmp_path, docs_dir, smollm2_path, capsys):
-    """`--train-corpus mix` trains on the five novels and the five documentation sections (the files listed
-    here independently), never on an evaluation text; it excludes --train-text."""
+    """`--train-corpus mix` (the default) trains on the five novels and the five documentation sections (the
+    files listed here independently), never on an evaluation text; it excludes --train-text."""
     from hf_attn.conversion import heal as heal_mod
 
     novels = [assets.austen_file(n) for n in ("emma", "mansfieldpark", "northangerabbey", "prideprejudice",
                                                 "sensesensibility")]  # fmt: skip
     docs = [docs_dir / f"{n}.txt" for n in ("tutorial", "reference", "howto", "using", "extending")]
-    for corpus, files in (("mix", novels + docs), ("python-docs", docs), (None, novels)):
+    cases = (("mix", novels + docs), ("python-docs", docs), ("austen", novels), (None, novels + docs))
+    for corpus, files in cases:
         settings = HealSettings(output=str(tmp_path / "o"), train_corpus=corpus, eval_tokens=0)
         data = load_data(settings, smollm2_path, num_processes=1)
         assert sorted(data.train_corpus.name.split("+")) == sorted(f.name for f in files), corpus

@@ -19,7 +19,9 @@ from hf_attn.conversion.train_data import (
 )
 from hf_attn.conversion.training.recipe import (
     CLOCKS,
+    DEFAULT_LR,
     DEFAULT_MAX_STEPS,
+    DEFAULT_TRAIN_CORPUS,
     PRECISIONS,
     SCHEDULES,
     TRAINABLE,
@@ -47,12 +49,15 @@ class HealSettings:
     output: str = setting(help="directory of the healed checkpoint", required=True)
     model: str | None = setting(None, "checkpoint directory or hub id (default: the embedded SmolLM2)")
     train_text: list[str] | None = setting(
-        None, "training text files (default: --train-corpus austen)", metavar="FILE", exclusive="train source"
+        None,
+        f"training text files (default: --train-corpus {DEFAULT_TRAIN_CORPUS})",
+        metavar="FILE",
+        exclusive="train source",
     )
     train_corpus: str | None = setting(
         None,
-        "an embedded training corpus: austen (the five non-eval novels, the default), python-docs (five "
-        "sections, not the FAQ) or mix (both)",
+        "an embedded training corpus: austen (the five non-eval novels), python-docs (five sections, not the "
+        f"FAQ) or mix (both; the default without --train-text or --dataset: {DEFAULT_TRAIN_CORPUS})",
         choices=assets.CORPORA,
         exclusive="train source",
     )
@@ -74,7 +79,7 @@ class HealSettings:
     seq_len: int = setting(512)
     batch_size: int = setting(1, "chunks per process per micro-step")
     grad_accum: int = setting(1)
-    lr: float = setting(1e-4, "peak learning rate of every tensor", exclusive="learning rate")
+    lr: float = setting(DEFAULT_LR, "peak learning rate of every tensor", exclusive="learning rate")
     relative_lr: float | None = setting(
         None,
         "each tensor's peak lr as this fraction of its RMS at the start, instead of one --lr (as hf-attn "
@@ -162,7 +167,8 @@ def load_data(settings: HealSettings, source: Path, *, num_processes: int) -> He
     """Tokenize the training text once (cut into `seq_len` chunks) and the held-out text; they must not
     overlap (`train_data.check_disjoint`)."""
     s = settings
-    files = assets.calibration_corpus_files(s.train_corpus) if s.train_corpus else s.train_text
+    corpus = s.train_corpus or (None if s.train_text or s.dataset else DEFAULT_TRAIN_CORPUS)
+    files = assets.calibration_corpus_files(corpus) if corpus else s.train_text
     train_corpus, train_files = load_train_corpus(
         files,
         dataset=s.dataset,

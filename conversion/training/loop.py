@@ -54,6 +54,34 @@ def held_out_evaluation(data: HealData, *, context_length: int, accelerator, pro
 # --------------------------------------------------------------------------------------------- step loop
 
 
+def _budget_spent(state: TrainState, s: HealSettings, total_steps, max_seconds, accelerator) -> bool:
+    """Whether the step or time budget is spent (the main process decides the time budget for all)."""
+    from accelerate.utils import broadcast
+
+    done = total_steps is not None and state.step >= total_steps
+    if max_seconds is None:
+        return done
+    spent = state.train_cpu_seconds if s.budget_clock == "cpu" else state.train_seconds
+    flag = torch.tensor([float(done or spent >= max_seconds)], device=accelerator.device)
+    return bool(broadcast(flag).item()) if accelerator.num_processes > 1 else bool(flag.item())
+
+
+def _optimizer_step(state: TrainState, recipe: HealRecipe, accelerator, batches, grad_accum: int):
+    """One optimizer step over `grad_accum` micro-batches (each (B, L)); returns the mean loss (a tensor)."""
+    step_loss = torch.zeros((), device=accelerator.device)
+    for _ in range(grad_accum):
+        batch = next(batches)  # (B, L)
+        with accelerator.accumulate(state.net):
+            loss = _lm_forward(state.net, batch)
+            accelerator.backward(loss)
+            if accelerator.sync_gradients and recipe.max_grad_norm:
+                accelerator.clip_grad_norm_(state.params, recipe.max_grad_norm)
+            state.optimizer.step()
+            state.optimizer.zero_grad(set_to_none=True)
+        step_loss += loss.detach() / grad_accum
+    return step_loss
+
+
 def train_steps(
     state: TrainState,
     settings: HealSettings,
@@ -67,7 +95,6 @@ def train_steps(
 ) -> tuple[list[tuple[int, float]], float]:
     """Optimizer steps until the step budget or the time budget is spent; ([(step, loss)], last loss).
     Evaluates every `eval_every` and checkpoints every `checkpoint_every` steps (not at the last one)."""
-    from accelerate.utils import broadcast
     from tqdm.auto import tqdm
 
     s, main, total_steps = settings, accelerator.is_main_process, recipe.total_steps
@@ -79,27 +106,9 @@ def train_steps(
     )
     batches = iter(state.loader)
     loss_value = float("nan")
-    while True:
-        done = total_steps is not None and state.step >= total_steps
-        if max_seconds is not None:
-            spent = state.train_cpu_seconds if s.budget_clock == "cpu" else state.train_seconds
-            flag = torch.tensor([float(done or spent >= max_seconds)], device=accelerator.device)
-            multi = accelerator.num_processes > 1
-            done = bool(broadcast(flag).item()) if multi else bool(flag.item())  # main decides
-        if done:
-            break
+    while not _budget_spent(state, s, total_steps, max_seconds, accelerator):
         start, cpu_start = time.perf_counter(), time.process_time()
-        step_loss = torch.zeros((), device=accelerator.device)
-        for _ in range(s.grad_accum):
-            batch = next(batches)  # (B, L)
-            with accelerator.accumulate(state.net):
-                loss = _lm_forward(state.net, batch)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and recipe.max_grad_norm:
-                    accelerator.clip_grad_norm_(state.params, recipe.max_grad_norm)
-                state.optimizer.step()
-                state.optimizer.zero_grad(set_to_none=True)
-            step_loss += loss.detach() / s.grad_accum
+        step_loss = _optimizer_step(state, recipe, accelerator, batches, s.grad_accum)
         lr_now = recipe.lr_factor(state.step) * (recipe.relative_lr or recipe.lr)  # relative: x each RMS
         state.scheduler.step()
         loss_value = accelerator.reduce(step_loss, reduction="mean").item()

@@ -167,6 +167,7 @@ def curve(
             budget_clock=clock,
             seq_len=seq_len,
             batch_size=batch_size,
+            train_corpus="austen",  # the curve's recipe: the five novels
             lr=lr,
             warmup_steps=warmup_steps,
             schedule="constant",
