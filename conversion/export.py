@@ -79,6 +79,7 @@ from hf_attn.conversion.export_plan import (  # noqa: F401  (re-exported: the pl
 )
 from hf_attn.models.llama_mla import LlamaMLAConfig
 from hf_attn.tooling.cli import add_deprecated_alias, run_command
+from hf_attn.tooling.errors import UserError, user_input
 from hf_attn.tooling.files import atomic_directory, check_output, checkpoint_hash
 from hf_attn.tooling.loading import parse_dtype, resolve_model
 
@@ -262,12 +263,10 @@ def export_tensors(
     src_shapes = source_shapes(plan, config)
     tied = "lm_head.weight" not in names
     if tied and not config.tie_word_embeddings:
-        raise ValueError(
-            "lm_head.weight is missing from the checkpoint, which has tie_word_embeddings=False."
-        )
+        raise UserError("lm_head.weight is missing from the checkpoint, which has tie_word_embeddings=False.")
     unexpected = sorted(set(names) - set(src_shapes))
     if unexpected:
-        raise ValueError(f"Unexpected tensors for a llama_mla checkpoint of this config: {unexpected[:5]}.")
+        raise UserError(f"Unexpected tensors for a llama_mla checkpoint of this config: {unexpected[:5]}.")
     biases = zero_bias_names({n: s for n, s in src_shapes.items() if n in names})
     for name in biases:
         bias = read(name)
@@ -280,14 +279,14 @@ def export_tensors(
     needed = {s for sources in mapping.values() for s in sources}
     missing = sorted(needed - set(names))
     if missing:
-        raise ValueError(f"Missing tensors in the llama_mla checkpoint: {missing[:5]}.")
+        raise UserError(f"Missing tensors in the llama_mla checkpoint: {missing[:5]}.")
     unused = sorted(set(names) - needed - set(biases))
     assert not unused, unused  # the key map consumes every source tensor
 
     def load(name: str) -> torch.Tensor:
         tensor = read(name)
         if tuple(tensor.shape) != src_shapes[name]:
-            raise ValueError(
+            raise UserError(
                 f"{name} has shape {list(tensor.shape)}, but its config implies {list(src_shapes[name])}."
             )
         return tensor
@@ -345,23 +344,24 @@ def export_checkpoint(
 ) -> Path:
     """Write `dst`: the llama_mla checkpoint `src` as an exact deepseek_v3 checkpoint (see the module doc)."""
     if to not in TARGETS:
-        raise ValueError(f"--to must be one of {TARGETS}, got {to!r}.")
+        raise UserError(f"--to must be one of {TARGETS}, got {to!r}.")
     src_dir = resolve_model(src)
     raw = read_config(src_dir)
     if raw.get("model_type") != "llama_mla":
         check_supported(raw)  # a source no converter covers: name the feature, not only "convert first"
-        raise ValueError(
+        raise UserError(
             f"--model {src_dir} has model_type {raw.get('model_type')!r}; the export reads llama_mla "
             "checkpoints: convert first with `hf-attn convert mla --layout deepseek`."
         )
     fields = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map", "transformers_version")}
-    config = LlamaMLAConfig(**fields)
-    plan = plan_export(
-        config=config,
-        engine_dims=engine_dims,
-        latent_norm_eps_for=latent_norm_eps_for,
-        max_position_embeddings=max_position_embeddings,
-    )
+    with user_input():  # llama_mla's own config checks and the export plan's (engine dims included)
+        config = LlamaMLAConfig(**fields)
+        plan = plan_export(
+            config=config,
+            engine_dims=engine_dims,
+            latent_norm_eps_for=latent_norm_eps_for,
+            max_position_embeddings=max_position_embeddings,
+        )
     dst = check_output(src_dir, dst, overwrite=overwrite)
     cast = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     index = tensor_index(src_dir)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from hf_attn.conversion.checkpoint import dtype_name
 from hf_attn.conversion.engine_dims import target_dims
 from hf_attn.models.llama_mla import LlamaMLAConfig
+from hf_attn.tooling.errors import UserError
 
 TRANSFORMERS_KV_NORM_EPS = 1e-6  # DeepseekV3Attention builds kv_a_layernorm with the RMSNorm default eps
 LATENT_NORM_EPS_TARGETS = ("transformers", "engines")
@@ -79,7 +80,7 @@ class ExportPlan:
 
 
 def _refuse(reason: str, fix: str) -> ValueError:
-    return ValueError(f"cannot export exactly to deepseek_v3: {reason}; {fix}")
+    return UserError(f"cannot export exactly to deepseek_v3: {reason}; {fix}")
 
 
 def plan_export(
@@ -99,7 +100,7 @@ def plan_export(
     convert = "convert with `hf-attn convert mla --layout deepseek`"
     target = target_dims(engine_dims)
     if latent_norm_eps_for not in LATENT_NORM_EPS_TARGETS:
-        raise ValueError(
+        raise UserError(
             f"--latent-norm-eps-for must be one of {LATENT_NORM_EPS_TARGETS}, got {latent_norm_eps_for!r}."
         )
     L, Hkv, d = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
@@ -134,7 +135,7 @@ def plan_export(
         raise _refuse(f"partial_rotary_factor={rope['partial_rotary_factor']}", "use a source with full RoPE")
     max_pos = config.max_position_embeddings if max_position_embeddings is None else max_position_embeddings
     if not isinstance(max_pos, int) or max_pos < 1:
-        raise ValueError(f"--max-position-embeddings must be a positive integer, got {max_pos!r}.")
+        raise UserError(f"--max-position-embeddings must be a positive integer, got {max_pos!r}.")
     sliding = [i for i, kind in enumerate(config.layer_types) if kind == "sliding_attention"]
     if sliding and config.sliding_window < max_pos:
         raise _refuse(

@@ -37,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from hf_attn.tooling.errors import UserError
+
 PROG = "hf-attn bench scale"
 
 # (shape notation) H query heads, G KV heads, D head dim, d hidden, f intermediate, V vocabulary, L layers
@@ -194,7 +196,7 @@ def write_synthetic(
     from hf_attn.conversion.checkpoint import ShardedWriter, write_config
 
     if shape not in SHAPES:
-        raise ValueError(f"Unknown shape {shape!r}; choose one of {sorted(SHAPES)}")
+        raise UserError(f"Unknown shape {shape!r}; choose one of {sorted(SHAPES)}")
     dims = SHAPES[shape]
     directory = Path(directory)
     directory.mkdir(parents=True)
@@ -581,9 +583,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def body() -> int:
         if args.calibration_tokens <= 0:
-            raise ValueError(f"--calibration-tokens must be positive, got {args.calibration_tokens}")
+            raise UserError(f"--calibration-tokens must be positive, got {args.calibration_tokens}")
         if args.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda: no CUDA device here; pass --device cpu")
+            raise UserError("--device cuda: no CUDA device here; pass --device cpu")
         made = args.workdir is None
         workdir = Path(tempfile.mkdtemp(prefix="hf-attn-bench-scale-")) if made else Path(args.workdir)
         workdir.mkdir(parents=True, exist_ok=True)
