@@ -158,6 +158,15 @@ def operating_point_lines(source: dict, mla: dict, saturation: float = 0.9) -> l
             f"saving turns into throughput where the source's cache holds fewer than {knee} sequences of the "
             "served context."
         )
+        gains = [
+            (lv["concurrency"], _ratio(_tps(best, True), _tps(lv, True))) for lv in s_dec["levels_measured"]
+        ]
+        out.append(
+            "- Source held to c sequences by its cache (a longer context in the same memory; both measured "
+            "at this context), MLA's best decode over the source's (fastest steps): "
+            + ", ".join(f"c = {c}: {g}" for c, g in gains if g != "–")
+            + "."
+        )
     return out
 
 
