@@ -176,7 +176,9 @@ def _profile_lines(s_lv: dict, m_lv: dict, top: int = 6) -> list[str]:
         for c, level in levels.items():
             if "profile" in level:
                 prof = level["profile"]
-                ops = ", ".join(f"{t['op']} {100 * t['share']:.0f}%" for t in prof["top"][:top])
+                ops = ", ".join(
+                    f"{t['op']} {100 * t['share']:.0f}%" for t in prof["top"][:top] if t["share"] >= 0.005
+                )
                 out.append(
                     f"- decode step profile, {label} at concurrency {c} ({prof['device']}, "
                     f"{prof['total_ms_per_step']:.0f} ms/step of op self time): {ops}"
