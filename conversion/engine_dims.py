@@ -72,17 +72,21 @@ def platform_sizes(platform: str) -> tuple[int, ...] | None:
     return tuple(sorted({s for b in backends for s in b.head_sizes}))
 
 
-def conversion_ranks(engine_dims: str, *, head_dim: int) -> tuple[int, int]:
-    """(kv_lora_rank, rope_pairs) of a DeepSeek-layout conversion whose export has exactly the named dims (no
-    zero padding): the latent takes the size minus 64 and the shared RoPE key 32 pairs. ValueError when the
-    source's heads have fewer than 32 pairs."""
+def conversion_ranks(engine_dims: str, *, head_dim: int, num_kv_heads: int) -> tuple[int, int]:
+    """(kv_lora_rank, rope_pairs) of a DeepSeek-layout conversion whose export has exactly the named size,
+    no zero padding: the shared RoPE key keeps 32 pairs (64 dims) and the latent takes the rest. ValueError
+    naming the fix when the source cannot carry them (fewer than 32 pairs per head, or a full rank
+    Hkv (d - 64) + Hkv d below the latent width: then convert with --kv-budget and let the export pad)."""
     dims = target_dims(engine_dims)
     if dims is None:
         raise ValueError("--engine-dims native keeps the conversion's own ranks: give --kv-budget or ranks.")
     rank, rope = dims
-    if head_dim // 2 < rope // 2:
+    pairs = rope // 2
+    full = num_kv_heads * (head_dim - rope) + num_kv_heads * head_dim if head_dim >= rope else 0
+    if head_dim < rope or full < rank:
         raise ValueError(
-            f"--engine-dims {engine_dims} needs {rope // 2} RoPE pairs per head, but head_dim {head_dim} has "
-            f"{head_dim // 2}; convert with --kv-budget and export with --engine-dims {engine_dims} (it pads)"
+            f"--engine-dims {engine_dims} needs {pairs} RoPE pairs per head and a latent of {rank}, but this "
+            f"source has {head_dim // 2} pairs per head and a full rank of {full} at {pairs} pairs; convert "
+            f"with --kv-budget and export with --engine-dims {engine_dims} (the export zero-pads, exactly)"
         )
-    return rank, rope // 2
+    return rank, pairs

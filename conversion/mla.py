@@ -33,6 +33,7 @@ from hf_attn.conversion import factorization as fac
 from hf_attn.conversion import rope_selection as rs
 from hf_attn.conversion import shared_rope as sr
 from hf_attn.conversion.checkpoint import DEFAULT_MAX_SHARD_BYTES, add_record, open_source, save_streamed
+from hf_attn.conversion.engine_dims import conversion_ranks
 from hf_attn.conversion.mla_calibration import DEFAULT_CALIBRATION_TOKENS, Calibration, calibrate
 from hf_attn.conversion.mla_layer import (
     DEFAULT_FACTORIZATION,
@@ -110,6 +111,7 @@ def convert_to_mla(
     device: str = "cpu",
     forward_dtype: str = "float32",
     allocation: str | None = None,
+    engine_dims: str | None = None,
 ) -> Path:
     """Write `dst`: checkpoint `src` (None: the embedded SmolLM2) converted to `llama_mla`.
     `layout`: "per-head" (a RoPE key per KV head on its own pairs) or "deepseek" (see `plan_conversion`).
@@ -126,6 +128,17 @@ def convert_to_mla(
     with user_input():
         layerwise.resolve_forward(device, forward_dtype)  # fails before any slow work
     source = open_source(src, dst=dst, overwrite=overwrite, dtype=dtype)  # fails before any slow calibration
+    if engine_dims is not None:  # d_c and r whose export has exactly a size vLLM's MLA backends take
+        if layout != "deepseek" or (kv_lora_rank, kv_budget, rope_pairs) != (None, None, None):
+            raise UserError(
+                "--engine-dims sets d_c and r of --layout deepseek: drop --kv-lora-rank, --kv-budget "
+                "and --rope-pairs, and give --layout deepseek"
+            )
+        with user_input():
+            g = source.geometry
+            kv_lora_rank, rope_pairs = conversion_ranks(
+                engine_dims, head_dim=g.head_dim, num_kv_heads=g.num_kv_heads
+            )
     check_options(
         source.geometry,
         kv_lora_rank=kv_lora_rank,
@@ -251,6 +264,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = cli.converter_parser(PROG, __doc__, output_help="converted checkpoint dir")
     ranks = parser.add_mutually_exclusive_group()
     ranks.add_argument(
+        "--engine-dims",
+        choices=("576", "512", "320"),
+        default=None,
+        help="--layout deepseek: d_c = size - 64 and 32 shared RoPE pairs, so that `hf-attn export "
+        "--engine-dims SIZE` needs no padding (sizes vLLM's MLA backends take: conversion/engine_dims.py)",
+    )
+    ranks.add_argument(
         "--kv-lora-rank",
         type=int,
         default=None,
@@ -295,7 +315,12 @@ def main(argv: list[str] | None = None) -> int:
     cli.add_refine_arguments(parser)
     cli.add_write_arguments(parser)
     args = parser.parse_args(argv)
-    if args.kv_lora_rank is None and args.kv_budget is None and args.rope_pairs is None:
+    if (
+        args.kv_lora_rank is None
+        and args.kv_budget is None
+        and args.rope_pairs is None
+        and not args.engine_dims
+    ):
         args.kv_budget = DEFAULT_KV_BUDGET
     return cli.run(
         parser.prog,
@@ -309,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         factorization=args.factorization,
         layout=args.layout,
         allocation=args.allocation,
+        engine_dims=args.engine_dims,
         **cli.calibration_options(args),
     )
 

@@ -35,6 +35,7 @@ from hf_attn.conversion.engine_dims import accepting_backends, platform_sizes
 from hf_attn.eval.engine import environment as env
 from hf_attn.eval.engine import reference as ref
 from hf_attn.tooling.cli import error, run_command
+from hf_attn.tooling.errors import UserError
 
 PROG = "hf-attn engine-check"
 FLOAT_TOL = 1e-3  # nats; fp32 kernels differ by ~1e-5 here (docs/serve.md), real faults by >= 1e-1
@@ -78,24 +79,24 @@ class Comparison:
 
 
 def resolve_target(model: str | Path, source: str | Path | None = None) -> Target:
-    """Validate `model` (an `hf-attn export` deepseek_v3 directory) and find its source; ValueError naming
+    """Validate `model` (an `hf-attn export` deepseek_v3 directory) and find its source; UserError naming
     the problem and the fix."""
     model = Path(model)
     cfg_path = model / "config.json"
     if not cfg_path.is_file():
-        raise ValueError(
+        raise UserError(
             f"--model {model} has no config.json; give an `hf-attn export --to deepseek_v3` output"
         )
     cfg = json.loads(cfg_path.read_text())
     if cfg.get("model_type") != "deepseek_v3":
-        raise ValueError(
+        raise UserError(
             f"--model {model} has model_type {cfg.get('model_type')!r}, not deepseek_v3; export it first "
             "with `hf-attn export --to deepseek_v3`"
         )
     record = (cfg.get("hf_attn") or {}).get("last") or {}
     if source is None:
         if record.get("kind") != "export":
-            raise ValueError(
+            raise UserError(
                 f"--model {model} has no hf-attn export record in config.json to find its llama_mla source; "
                 "pass --source MLA_DIR"
             )
@@ -103,7 +104,7 @@ def resolve_target(model: str | Path, source: str | Path | None = None) -> Targe
     source = Path(source)
     src_cfg = source / "config.json"
     if not src_cfg.is_file() or json.loads(src_cfg.read_text()).get("model_type") != "llama_mla":
-        raise ValueError(
+        raise UserError(
             f"source {source} is not a llama_mla checkpoint; pass --source MLA_DIR (what you exported)"
         )
     return Target(
@@ -117,11 +118,11 @@ def resolve_target(model: str | Path, source: str | Path | None = None) -> Targe
 
 
 def check_dims(target: Target, platform: str) -> None:
-    """ValueError when no vLLM MLA backend of `platform` takes the kv_lora_rank + qk_rope_head_dim."""
+    """UserError when no vLLM MLA backend of `platform` takes the kv_lora_rank + qk_rope_head_dim."""
     sizes = platform_sizes(platform)
     if sizes is not None and target.head_size not in sizes:
         names = ", ".join(accepting_backends(max(sizes), platform))
-        raise ValueError(
+        raise UserError(
             f"--model {target.model}: kv_lora_rank + qk_rope_head_dim = {target.head_size}, but vLLM's MLA "
             f"backends on {platform} ({names}) accept only {', '.join(map(str, sizes))}; re-export with "
             f"`hf-attn export --engine-dims {max(sizes)}`"
@@ -140,7 +141,7 @@ def prompts_from_text(text: str, target: Target, lengths: tuple[int, ...]) -> li
     need = PROMPT_STRIDE * (len(lengths) - 1) + max(lengths)
     ids = tok(text[: 8 * need]).input_ids
     if len(ids) < need:
-        raise ValueError(f"the prompt text has {len(ids)} tokens, {need} needed")
+        raise UserError(f"the prompt text has {len(ids)} tokens, {need} needed")
     return [
         [t % target.vocab_size for t in ids[i * PROMPT_STRIDE : i * PROMPT_STRIDE + n]]
         for i, n in enumerate(lengths)
@@ -180,8 +181,9 @@ def references(target: Target, prompts: list[list[int]], new_tokens: int) -> dic
     out = {"export": ref.run_model(export, prompts, new_tokens)}
     eps_effect = 0.0
     if target.rms_norm_eps != TRANSFORMERS_KV_NORM_EPS:
-        ref.set_latent_norm_eps(export, target.rms_norm_eps)
-        eps_effect = ref.max_logprob_gap(out["export"], ref.run_model(export, prompts, new_tokens))
+        ref.set_latent_norm_eps(export, target.rms_norm_eps)  # vLLM's: the same tokens, scored
+        engine_eps = ref.run_model(export, prompts, new_tokens, continuations=out["export"].tokens)
+        eps_effect = ref.max_logprob_gap(out["export"], engine_eps)
     del export
     out["source"] = ref.run_model(ref.load(target.source), prompts, new_tokens)
     out["eps_effect"] = eps_effect
@@ -235,7 +237,7 @@ def engine_check_many(
     from hf_attn.tooling import assets
 
     if rotary_workaround not in ("auto", "on", "off"):
-        raise ValueError(f"--rotary-workaround must be auto, on or off, got {rotary_workaround!r}")
+        raise UserError(f"--rotary-workaround must be auto, on or off, got {rotary_workaround!r}")
     targets = [resolve_target(m, s) for m, s in models]
     info = env.engine_info(env.engine_python(engine_python))
     for target in targets:

@@ -16,6 +16,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from hf_attn.tooling.errors import UserError
+
 ENGINE_VENV = ".venv-engine"
 PYTHON_ENV_VAR = "HF_ATTN_ENGINE_PYTHON"
 HERE = Path(__file__).resolve().parent
@@ -34,7 +36,7 @@ _INFO = (
 )
 
 
-class EngineUnavailable(ValueError):
+class EngineUnavailable(UserError):
     """No usable engine environment (a user-fixable problem: build it)."""
 
 

@@ -24,7 +24,7 @@ class Reference:
 
 
 @torch.inference_mode()
-def _run_one(model, ids: list[int], new_tokens: int) -> tuple[tuple[int, ...], torch.Tensor, torch.Tensor]:
+def _greedy(model, ids: list[int], new_tokens: int) -> tuple[int, ...]:
     prompt = torch.tensor([ids])  # (1, n)
     out = model.generate(
         input_ids=prompt,
@@ -34,19 +34,34 @@ def _run_one(model, ids: list[int], new_tokens: int) -> tuple[tuple[int, ...], t
         min_new_tokens=new_tokens,
         pad_token_id=0,
     )  # (1, n + new_tokens)
-    logprobs = torch.log_softmax(model(input_ids=out).logits[0].float(), dim=-1)  # (n + k, V)
+    return tuple(out[0, len(ids) :].tolist())
+
+
+@torch.inference_mode()
+def _scored(model, ids: list[int], continuation: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prompt log-probs (n - 1,), log-softmax at each continuation step (k, V)) in one forward."""
+    seq = torch.tensor([list(ids) + list(continuation)])  # (1, n + k)
+    logprobs = torch.log_softmax(model(input_ids=seq).logits[0].float(), dim=-1)  # (n + k, V)
     n = len(ids)
-    prompt_lp = logprobs[: n - 1].gather(1, prompt[0, 1:, None])[:, 0]  # (n - 1,)
-    return tuple(out[0, n:].tolist()), prompt_lp, logprobs[n - 1 : n - 1 + new_tokens]
+    prompt_lp = logprobs[: n - 1].gather(1, seq[0, 1:n, None])[:, 0]  # (n - 1,)
+    return prompt_lp, logprobs[n - 1 : n - 1 + len(continuation)]
 
 
-def run_model(model, prompts: list[list[int]], new_tokens: int) -> Reference:
-    """Greedy continuations and log-probs of `model` (in eval mode) on every prompt."""
-    runs = [_run_one(model, ids, new_tokens) for ids in prompts]
+def run_model(
+    model,
+    prompts: list[list[int]],
+    new_tokens: int,
+    *,
+    continuations: tuple[tuple[int, ...], ...] | None = None,
+) -> Reference:
+    """Greedy continuations and log-probs of `model` (in eval mode) on every prompt; with `continuations`,
+    those tokens are scored instead of generated (teacher forcing: one forward per prompt)."""
+    tokens = continuations or tuple(_greedy(model, ids, new_tokens) for ids in prompts)
+    scored = [_scored(model, ids, cont) for ids, cont in zip(prompts, tokens)]
     return Reference(
-        tokens=tuple(r[0] for r in runs),
-        prompt_logprobs=tuple(r[1] for r in runs),
-        step_logprobs=tuple(r[2] for r in runs),
+        tokens=tuple(tokens),
+        prompt_logprobs=tuple(p for p, _ in scored),
+        step_logprobs=tuple(s for _, s in scored),
     )
 
 
