@@ -1,7 +1,7 @@
 """Measure the deepseek_v3 export's exactness on real text: source llama_mla vs vanilla transformers.
 
     python -m experiments.deepseek_export_check [--source MLA_DIR] [--tokens 512] [--new-tokens 32]
-        [--flashmla-dims]
+        [--engine-dims native|576|512|320]
 
 The source (a llama_mla checkpoint in the DeepSeek layout; default: a SmolLM2-shaped demo built from
 SmolLM2's weights, see `demo_source`) runs here in fp32; its export is loaded by
@@ -140,6 +140,7 @@ def check_export(
 
 
 def main(argv: list[str] | None = None) -> int:
+    from hf_attn.conversion.engine_dims import ENGINE_DIMS
     from hf_attn.conversion.export import export_checkpoint
     from hf_attn.tooling import assets
 
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--flashmla-dims", action="store_true")
+    parser.add_argument("--engine-dims", choices=ENGINE_DIMS, default="native", help="as hf-attn export's")
     args = parser.parse_args(argv)
     text = assets.austen_file(assets.EVAL_NOVEL).read_text()
     with tempfile.TemporaryDirectory(prefix="deepseek-export-check-") as tmp:
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.source
             else demo_source(smollm2_dir=assets.smollm2_dir(), dst=work / "src")
         )
-        exported = export_checkpoint(src=source, dst=work / "out", flashmla_dims=args.flashmla_dims)
+        exported = export_checkpoint(src=source, dst=work / "out", engine_dims=args.engine_dims)
         res = check_export(
             source=source,
             exported=exported,
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             new_tokens=args.new_tokens,
             workdir=work,
         )
-    print(json.dumps({"source": args.source or "smollm2-demo", "flashmla_dims": args.flashmla_dims, **res}))
+    print(json.dumps({"source": args.source or "smollm2-demo", "engine_dims": args.engine_dims, **res}))
     return 0
 
 
