@@ -10,7 +10,8 @@ SPEC.json (written by `hf-attn bench engine`, `eval/engine/bench.py`):
     token_range [low, high), seed, and
     runs: a list of {"kind": "batch", "name", "num_requests", "prompt_len", "output_len"}
                  or {"kind": "decode", "name", "levels", "prompt_len", "horizon", "steps", "profile_steps",
-                     "profile_at" (concurrencies, or "max": the highest level measured)}.
+                     "profile_at": concurrencies, or "max" = the highest level measured (also the
+                     level used for one above it)}.
 
 The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set by the caller), so each
 `LLMEngine.step()` is exactly one scheduler step and one model execution, timed here and visible to the torch
@@ -213,7 +214,7 @@ def run_decode(llm, run: dict, spec: dict) -> dict:
     levels = sorted(
         {c for c in run["levels"] if c <= most} | ({most} if most < max(run["levels"]) else set())
     )
-    profile_at = {levels[-1] if c == "max" else c for c in run.get("profile_at", [])}
+    profile_at = {levels[-1] if c == "max" else min(c, levels[-1]) for c in run.get("profile_at", [])}
     max_tokens = horizon - run["prompt_len"]
     tokens = prompts(levels[-1], run["prompt_len"], token_range=spec["token_range"], seed=spec["seed"] + 1)
     tracker = Tracker(llm, [], max_tokens, run["name"])
