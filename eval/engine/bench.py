@@ -68,7 +68,7 @@ WORKLOADS: dict[str, Workload] = {
     # sized for a small CPU share: every decode-sweep sequence stays within one 128-token block of vLLM-CPU's
     # MHA cache (prompt 64 + at most 64 new tokens), so the source's capacity is whole requests
     "smollm2": Workload(
-        32 * MiB, prompt_len=64, output_len=32, num_requests=8, levels=(1, 2, 4, 8, 16), steps=5
+        32 * MiB, prompt_len=64, output_len=32, num_requests=16, levels=(1, 2, 4, 8, 16), steps=5
     ),
     "llama-2-7b": Workload(
         16 * MiB, prompt_len=64, output_len=32, num_requests=8, levels=(1, 2, 4, 8, 16), steps=5
