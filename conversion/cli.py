@@ -17,14 +17,14 @@ from hf_attn.conversion import calibration as cal
 from hf_attn.conversion import layerwise
 from hf_attn.conversion.refine import RefineSettings, refine, refine_summary
 from hf_attn.tooling import assets, loading
-from hf_attn.tooling.cli import HelpFormatter, add_deprecated_alias, add_settings_arguments, run_command
+from hf_attn.tooling.cli import ArgumentParser, add_deprecated_alias, add_settings_arguments, run_command
 from hf_attn.tooling.errors import check_number, user_input
 from hf_attn.tooling.files import check_output, check_text_files, scratch_directory
 
 
 def converter_parser(prog: str, doc: str, *, output_help: str) -> argparse.ArgumentParser:
     """A parser with --model (default: the embedded SmolLM2) and --output; described by `doc`'s first line."""
-    parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0], formatter_class=HelpFormatter)
+    parser = ArgumentParser(prog=prog, description=doc.split("\n")[0])
     parser.add_argument("--model", default=None, help="checkpoint dir or hub id (default: embedded SmolLM2)")
     parser.add_argument("--output", required=True, help=output_help)
     return parser
@@ -122,7 +122,7 @@ def check_options(args: argparse.Namespace) -> None:
         check_number("--refine-steps", args.refine_steps, inclusive=True, integer=True)
         check_number("--refine-tokens", args.refine_tokens, minimum=1, inclusive=True, integer=True)
     if args.save_dtype is not None:
-        loading.parse_dtype(args.save_dtype)
+        loading.parse_dtype(args.save_dtype, "--save-dtype")
     source = loading.resolve_model(args.model)
     check_output(source, args.output, overwrite=args.overwrite)
 

@@ -45,7 +45,6 @@ same model) and `latent_norm=True`. Per layer, with source rows in llama_mla's o
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import time
@@ -78,7 +77,7 @@ from hf_attn.conversion.export_plan import (  # noqa: F401  (re-exported: the pl
     plan_export,
 )
 from hf_attn.models.llama_mla import LlamaMLAConfig
-from hf_attn.tooling.cli import add_deprecated_alias, run_command
+from hf_attn.tooling.cli import ArgumentParser, add_deprecated_alias, run_command
 from hf_attn.tooling.errors import UserError, user_input
 from hf_attn.tooling.files import atomic_directory, check_output, checkpoint_hash
 from hf_attn.tooling.loading import parse_dtype, resolve_model
@@ -408,7 +407,7 @@ def export_checkpoint(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])  # one-line usage errors
     parser.add_argument("--to", choices=TARGETS, required=True, help="target format")
     parser.add_argument("--model", required=True, help="llama_mla checkpoint dir (DeepSeek layout)")
     parser.add_argument("--output", required=True, help="output checkpoint dir")

@@ -96,9 +96,9 @@ from hf_attn.conversion.training.state import (
     prepare_state_dir,
 )
 from hf_attn.tooling import loading
-from hf_attn.tooling.cli import HelpFormatter, add_settings_arguments, run_command, settings_from_args
+from hf_attn.tooling.cli import ArgumentParser, add_settings_arguments, run_command, settings_from_args
 from hf_attn.tooling.errors import user_input
-from hf_attn.tooling.files import check_output, checkpoint_hash
+from hf_attn.tooling.files import check_output, check_text_files, checkpoint_hash
 from hf_attn.tooling.loading import resolve_model
 
 __all__ = [  # the public names of healing, wherever they live (conversion/training/)
@@ -151,10 +151,11 @@ def heal(settings: HealSettings, *, progress: bool = True) -> dict:
     s = settings
     with user_input():  # the settings' own checks are about the input
         s.validate()
+    for flag, files in (("--train-text", s.train_text), ("--eval-text", s.eval_text)):
+        check_text_files(files or [], flag)  # binary or missing text: refused before any loading
     output, state_dir = s.paths()
     source = resolve_model(s.model)
-    loading.load_config(source)  # a readable config and complete weight files, before any training
-    loading.check_weight_files(source)
+    loading.check_checkpoint_complete(source)  # a readable config and every weight, before any training
     check_output(source, output, overwrite=s.overwrite)  # fail fast: before any training
     check_output(source, state_dir, overwrite=True, flag="--state-dir", kind="directory")
     with user_input():
@@ -254,9 +255,7 @@ def heal(settings: HealSettings, *, progress: bool = True) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
-    )
+    p = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     add_settings_arguments(p, HealSettings)
     p.add_argument("--no-progress", action="store_true")
     return p

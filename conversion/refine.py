@@ -59,7 +59,7 @@ from hf_attn.conversion.checkpoint import (
 from hf_attn.conversion.layerwise import DEVICES, LayerwiseModel, resolve_forward
 from hf_attn.tooling import assets, loading
 from hf_attn.tooling.cli import (
-    HelpFormatter,
+    ArgumentParser,
     add_settings_arguments,
     check_choices,
     run_command,
@@ -364,9 +364,7 @@ _ATTENTION = re.compile(r"model\.layers\.(\d+)\.self_attn\.(.+)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
-    )
+    parser = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     add_settings_arguments(parser, RefineSettings)
     parser.add_argument("--no-progress", action="store_true")
     return parser

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from hf_attn.tooling import loading
-from hf_attn.tooling.cli import HelpFormatter, add_deprecated_alias, run_command
+from hf_attn.tooling.cli import ArgumentParser, add_deprecated_alias, run_command
 from hf_attn.tooling.errors import UserError, check_number, one_line
 from hf_attn.tooling.files import check_output
 
@@ -196,8 +196,7 @@ def validate(
         check_output(None, output, overwrite=True, kind="json")
     model_path = str(loading.resolve_model(model))
     if Path(model_path).is_dir():
-        loading.load_config(model_path)
-        loading.check_weight_files(model_path)
+        loading.check_checkpoint_complete(model_path)
     return model_path
 
 
@@ -294,9 +293,7 @@ def summary_lines(record: dict) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
-    )
+    p = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--model", default=None, help="checkpoint directory or hub id (default: the embedded SmolLM2)"
     )

@@ -24,7 +24,7 @@ import torch
 from hf_attn.eval.kv_cache import kv_bytes_per_token, measured_kv_bytes_per_token
 from hf_attn.tooling import assets, loading
 from hf_attn.tooling.cli import (
-    HelpFormatter,
+    ArgumentParser,
     add_settings_arguments,
     run_command,
     setting,
@@ -108,8 +108,7 @@ def validate(settings: PerplexitySettings) -> str:
     if s.output is not None:
         check_output(None, s.output, overwrite=True, flag="--output", kind="json")
     model_path = str(loading.resolve_model(s.model))
-    config = loading.load_config(model_path)
-    loading.check_weight_files(model_path)
+    config = loading.check_checkpoint_complete(model_path)
     limit = loading.max_positions(config)
     if limit is not None and s.context_length > limit:
         raise UserError(
@@ -217,9 +216,7 @@ def write_json(record: dict, output: str | Path, *, prog: str = PROG) -> Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
-    )
+    p = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     add_settings_arguments(p, PerplexitySettings)
     return p
 

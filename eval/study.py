@@ -22,7 +22,6 @@ Re-runs are cheap and safe:
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import json
@@ -38,7 +37,7 @@ from hf_attn.conversion.refine import RELATIVE_LR
 from hf_attn.eval.rows import RowStore
 from hf_attn.eval.rows import row_key as _key
 from hf_attn.tooling import assets
-from hf_attn.tooling.cli import HelpFormatter, run_command
+from hf_attn.tooling.cli import ArgumentParser, run_command
 from hf_attn.tooling.errors import UserError, check_number, one_line
 from hf_attn.tooling.files import check_output, checkpoint_hash
 
@@ -620,9 +619,7 @@ def run_study(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog=PROG, description=__doc__.splitlines()[0], formatter_class=HelpFormatter
-    )
+    parser = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--profile", choices=PROFILES, default="default")
     parser.add_argument(
         "--quick", action="store_const", const="quick", dest="profile", help="= --profile quick"

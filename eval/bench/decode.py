@@ -20,7 +20,6 @@ measurement; where that reset is impossible, the process-lifetime `ru_maxrss`, m
 
 from __future__ import annotations
 
-import argparse
 import functools
 import time
 from collections.abc import Callable
@@ -32,7 +31,7 @@ from hf_attn.eval.bench import decoding
 from hf_attn.eval.bench.memory import PeakMemory
 from hf_attn.eval.kv_cache import cache_tensor_bytes, kv_bytes_per_token
 from hf_attn.tooling import loading
-from hf_attn.tooling.cli import HelpFormatter, add_deprecated_alias, run_command
+from hf_attn.tooling.cli import ArgumentParser, add_deprecated_alias, run_command
 from hf_attn.tooling.errors import UserError, check_number
 from hf_attn.tooling.files import check_output
 
@@ -162,8 +161,7 @@ def run(
     if output is not None:
         check_output(None, output, overwrite=True, kind="json")
     model_path = str(loading.resolve_model(model))
-    config = loading.load_config(model_path)
-    loading.check_weight_files(model_path)
+    config = loading.check_checkpoint_complete(model_path)
     limit = loading.max_positions(config)
     longest = max(prompt_tokens) + new_tokens + decoding.WARMUP
     if limit is not None and longest > limit:
@@ -212,9 +210,7 @@ def result_line(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
-    )
+    p = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--model", default=None, help="checkpoint directory or hub id (default: the embedded SmolLM2)"
     )

@@ -16,7 +16,6 @@ the most robust statistic on a shared machine, plus every pass. Target: eval >= 
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import torch
 
 from hf_attn.eval.perplexity import evaluate_perplexity, write_json
 from hf_attn.tooling import loading
-from hf_attn.tooling.cli import HelpFormatter, add_deprecated_alias, run_command
+from hf_attn.tooling.cli import ArgumentParser, add_deprecated_alias, run_command
 from hf_attn.tooling.corpus import load_corpus, tokenize
 from hf_attn.tooling.errors import UserError, check_number
 from hf_attn.tooling.files import check_output
@@ -57,7 +56,7 @@ def bench_perplexity(
     check_number("--repeats", repeats, minimum=1, inclusive=True, integer=True)
     loading.check_attn_implementation(attn_implementation)
     model_path = str(loading.resolve_model(model_path))
-    config = loading.load_config(model_path)
+    config = loading.check_checkpoint_complete(model_path)
     limit = loading.max_positions(config)
     if limit is not None and context_length > limit:
         raise UserError(f"--context-length {context_length} exceeds the model's {limit} positions")
@@ -103,9 +102,7 @@ def bench_perplexity(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
-    )
+    p = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--model", default=None, help="checkpoint directory or hub id (default: the embedded SmolLM2)"
     )

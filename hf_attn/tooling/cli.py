@@ -115,6 +115,21 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return f"{help_text} (default: {default})".lstrip()
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with every option's default in --help (`HelpFormatter`) and a usage mistake (an unknown
+    option, a missing one, a value of the wrong type) told in one line, exit status 2, as every other
+    user mistake."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        _close_progress_bars()
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def _field_type(tp) -> tuple[type, bool]:
     """(scalar type, is a list) of a settings field annotation (Optional stripped)."""
     if isinstance(tp, str):

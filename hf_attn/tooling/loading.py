@@ -213,15 +213,17 @@ def _safetensors_shapes(model: str | Path) -> dict[str, tuple[int, ...]]:
 def check_checkpoint_complete(model: str | Path):
     """UserError unless a local safetensors checkpoint holds exactly the weights its config describes (names
     and shapes, tied copies excepted), checked from the headers against the model built on the meta device
-    (nothing is loaded): for readers that take weights layer by layer instead of `load_causal_lm`. Returns
-    the config."""
+    (nothing is loaded): for readers that take weights layer by layer instead of `load_causal_lm`, and
+    before slow work that ends in `load_causal_lm`. Returns the config."""
     import re
 
     from transformers import AutoModelForCausalLM
 
     config = load_config(model)
     check_weight_files(model)
-    present = _safetensors_shapes(model)
+    present = _safetensors_shapes(model) if Path(model).is_dir() else {}
+    if not present:  # a hub id or .bin weights: `load_causal_lm` checks them as it loads
+        return config
     with torch.device("meta"):
         lm = AutoModelForCausalLM.from_config(config)
     expected, seen = {}, set()
