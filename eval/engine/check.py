@@ -303,12 +303,15 @@ def _pair(name: str, c: dict) -> str:
 def format_report(r: dict) -> str:
     eps = r["latent_norm_eps"]
     lengths = r["prompt_tokens"]
-    workaround = (
-        "applied (compilation_config custom_ops -rotary_embedding: vLLM's CPU rotary op mis-rotates the MLA "
-        "query; docs/vllm-cpu-rotary-bug.md)"
-        if r["rotary_workaround"]
-        else "not needed"
-    )
+    if r["rotary_workaround"]:
+        workaround = (
+            "applied (compilation_config custom_ops -rotary_embedding: vLLM's CPU rotary op mis-rotates the "
+            "MLA query; docs/vllm-cpu-rotary-bug.md)"
+        )
+    elif r["rotary_probe"] is None:
+        workaround = "off (--rotary-workaround off)"
+    else:
+        workaround = "not needed (the installed vLLM rotates the MLA query correctly)"
     return "\n".join(
         [
             f"engine-check {r['model']}: {'PASS' if r['passed'] else 'FAIL'}",
