@@ -68,6 +68,12 @@ def capacity_lines(source: dict, mla: dict) -> list[str]:
             _ratio(mc["vllm_tokens"], sc["vllm_tokens"]),
         ),
         _row(
+            "vLLM's log: KV cache size (tokens; max concurrency x max_model_len)",
+            f"{sc['kv_cache_tokens']:,}",
+            f"{mc['kv_cache_tokens']:,}",
+            _ratio(mc["kv_cache_tokens"], sc["kv_cache_tokens"]),
+        ),
+        _row(
             f"vLLM: max concurrency at {sc['max_model_len']} tokens",
             f"{sc['max_concurrency']:.2f}",
             f"{mc['max_concurrency']:.2f}",
