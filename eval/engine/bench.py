@@ -214,7 +214,7 @@ def prepare(name: str, workdir: Path, *, layers: int) -> Pair:
         source = write_mha_source(work / "source", shape=shape)
         rank = ["--kv-lora-rank", "512", "--rope-pairs", "32", "--allocation", "uniform"]
         export = convert_and_export(
-            source, work, convert_args=[*rank, "--calibration-tokens", "256"], pad_to_576=False
+            source, work, convert_args=[*rank, "--calibration-tokens", "4608"], pad_to_576=False
         )
         note = f"Llama-2-7B shape, {layers} layers, random bf16 weights; MLA 512 + 64 (no padding)"
         return Pair(name, source, export, note)
@@ -222,7 +222,7 @@ def prepare(name: str, workdir: Path, *, layers: int) -> Pair:
         source = write_mha_source(work / "source", shape=TINY_SHAPE, tokenizer_texts=1)
         rank = ["--kv-lora-rank", "64", "--rope-pairs", "8", "--allocation", "uniform"]
         export = convert_and_export(
-            source, work, convert_args=[*rank, "--calibration-tokens", "64"], pad_to_576=True
+            source, work, convert_args=[*rank, "--calibration-tokens", "256"], pad_to_576=True
         )
         return Pair(name, source, export, "tiny random Llama (4 heads x 32), MLA 64 + 16 padded to 512 + 64")
     raise ValueError(f"unknown model {name!r}")
