@@ -48,7 +48,7 @@ $(ENGINE_STAMP):
 
 # `make test` builds the engine, but a failed build only makes the engine tests skip (their reason names it)
 engine-or-skip:
-	@$(MAKE) --no-print-directory engine || echo "make engine failed: see $(ENGINE_LOG); the engine tests skip"
+	@$(MAKE) --no-print-directory -f $(firstword $(MAKEFILE_LIST)) engine || echo "make engine failed: see $(ENGINE_LOG); the engine tests skip"
 
 test: $(ASSETS) engine-or-skip
 	$(PY) -m pytest -q

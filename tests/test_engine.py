@@ -28,13 +28,18 @@ NEW_TOKENS = 8
 
 
 def engine_or_skip() -> env.EngineInfo:
-    """The engine environment, or a skip naming why it is missing (and `make engine`'s log, if any)."""
+    """The engine environment, or a skip naming why it is missing (with `make engine`'s last log line)."""
+    log = Path(env.ENGINE_VENV) / "install.log"
+    tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.exists() else []
+    why = f" (install.log: {tail[0]})" if tail else ""
     try:
-        return env.engine_info(env.engine_python())
+        python = env.engine_python()
+        venv = python.parent.parent
+        if venv.name == env.ENGINE_VENV and not list(venv.glob(".installed-*")):
+            pytest.skip(f"`make engine` did not finish in {venv}{why}")
+        return env.engine_info(python)
     except env.EngineUnavailable as err:
-        log = Path(env.ENGINE_VENV) / "install.log"
-        tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.exists() else []
-        pytest.skip(f"no vLLM engine environment: {err}" + (f" (install.log: {tail[0]})" if tail else ""))
+        pytest.skip(f"no vLLM engine environment: {err}{why}")
 
 
 @pytest.fixture(scope="module")
