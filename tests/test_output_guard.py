@@ -1,9 +1,11 @@
 """The one output guard (`hf_attn.tooling.files.check_output`): an output that is, lies inside or contains its
-source is refused, and an existing output needs overwrite; the streamed converters go through it too. Scratch
-and half-written outputs of killed processes are swept by the next run."""
+source is refused, an existing output needs overwrite, and overwrite replaces only what hf-attn wrote
+(atomically, leaving nothing behind); the streamed converters go through it too. Scratch and half-written
+outputs of killed processes are swept by the next run."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import signal
@@ -30,7 +32,9 @@ def test_check_output_refuses_the_source_its_inside_and_its_parents(tmp_path):
         (tmp_path / "a", "contains"),
         (tmp_path, "contains"),
     ):
-        with pytest.raises(ValueError, match=f"--output {out.resolve()} {where} the source checkpoint"):
+        with pytest.raises(
+            ValueError, match=f"--output {out.resolve()} {where} the source checkpoint"
+        ):  # UserError
             check_output(src, out, overwrite=True)
     sibling = tmp_path / "a" / "src-out"  # a name that starts like the source's is outside it
     assert check_output(src, sibling, overwrite=False) == sibling.resolve()
@@ -132,3 +136,55 @@ def test_what_a_killed_process_left_is_swept_by_the_next_one(tmp_path):
             (tmp / "model.safetensors").write_bytes(b"y")
         now = sorted(p.name for p in tmp_path.iterdir())
         assert now == sorted([*keep, "out", Path(fresh).name]), now  # both leftovers gone, the rest kept
+
+
+# ------------------------------------------------------------------------------- what --overwrite may replace
+
+
+def test_overwrite_replaces_only_what_hf_attn_wrote(tmp_path):
+    from hf_attn.tooling.errors import UserError
+    from hf_attn.tooling.files import json_record, write_text_atomic
+
+    src = tmp_path / "src"
+    src.mkdir()
+    user = tmp_path / "user"
+    (user / "sub").mkdir(parents=True)
+    (user / "notes.txt").write_text("mine")
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    (ours / "config.json").write_text(json.dumps({"model_type": "llama", "hf_attn": {"history": []}}))
+    plain = tmp_path / "plain"  # a checkpoint, but not one hf-attn wrote
+    plain.mkdir()
+    (plain / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    for path, what in ((user, "notes.txt, sub/"), (plain, "config.json")):
+        with pytest.raises(UserError, match=f"is a directory holding {what}, not a checkpoint hf-attn wrote"):
+            check_output(src, path, overwrite=True)
+    assert check_output(src, ours, overwrite=True) == ours.resolve()
+    record = write_text_atomic(tmp_path / "r.json", json_record({"x": 1}, "hf-attn perplexity"))
+    assert check_output(None, record, overwrite=True, kind="json") == record
+    for path in (user / "notes.txt", ours / "config.json", user):
+        with pytest.raises(UserError, match="not a JSON record hf-attn wrote"):
+            check_output(None, path, overwrite=True, kind="json")
+    with pytest.raises(UserError, match="not a directory"):
+        check_output(None, user / "notes.txt", overwrite=False, kind="directory")
+
+
+def test_atomic_replacement_leaves_nothing_and_a_failed_write_keeps_the_old(tmp_path):
+    final = tmp_path / "out"
+    for text in ("one", "two"):
+        with atomic_directory(final, overwrite=True, kind="checkpoint") as tmp:
+            (tmp / "config.json").write_text(json.dumps({"hf_attn": {"run": text}}))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no .out.*.tmp, no .out.*.old
+    with pytest.raises(RuntimeError, match="disk full"):
+        with atomic_directory(final, overwrite=True) as tmp:
+            (tmp / "config.json").write_text("{}")
+            raise RuntimeError("disk full")
+    assert json.loads((final / "config.json").read_text()) == {"hf_attn": {"run": "two"}}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    (final / "config.json").write_text("{}")  # no longer hf-attn's: the swap refuses it, keeps it
+    with pytest.raises(ValueError, match="not a checkpoint hf-attn wrote"):
+        with atomic_directory(final, overwrite=True, kind="checkpoint") as tmp:
+            (tmp / "config.json").write_text("{}")
+    assert (final / "config.json").read_text() == "{}" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "out"
+    ]
