@@ -367,8 +367,12 @@ def test_existing_output_needs_overwrite(tmp_path, capsys):
     argv = ["--to", "deepseek_v3", "--model", str(src), "--output", str(out)]
     assert exit_status(export.main, argv) == 2 and "--overwrite" in capsys.readouterr().err
     assert (out / "keep.txt").read_text() == "mine"
-    assert export.main([*argv, "--overwrite"]) == 0
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").exists()
+    assert exit_status(export.main, [*argv, "--overwrite"]) == 2  # a directory hf-attn did not write
+    assert "not a checkpoint hf-attn wrote" in capsys.readouterr().err
+    assert (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()
+    assert export.main([*argv, "--overwrite"]) == 0  # an empty directory, then its own export
+    assert export.main([*argv, "--overwrite"]) == 0 and (out / "model.safetensors").exists()
 
 
 def test_max_position_embeddings_makes_a_short_window_exportable(tmp_path):
