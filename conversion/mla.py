@@ -184,10 +184,8 @@ def check_options(
     bad one (a budget that is not a fraction in (0, 1], ranks that do not fit, too few calibration tokens)."""
     if kv_budget is not None and not (isinstance(kv_budget, (int, float)) and 0 < kv_budget <= 1):
         raise UserError(f"--kv-budget must be a fraction in (0, 1] of the source's KV cache, got {kv_budget}")
-    check_number("--kv-lora-rank", kv_lora_rank, minimum=1, inclusive=True, integer=True)
-    check_number("--rope-pairs", rope_pairs, inclusive=True, integer=True)
     check_number("--calibration-tokens", calibration_tokens, minimum=1, inclusive=True, integer=True)
-    with user_input():  # the ranks fit the source (rope_selection's own check included)
+    with user_input():  # the ranks fit the source (--kv-lora-rank, --rope-pairs: rope_selection's check)
         plan_shape(
             geometry,
             kv_lora_rank=kv_lora_rank,

@@ -134,9 +134,9 @@ def plan_shape(
         if rank < 1:
             fits = (numbers - 1) // (2 * hkv)  # RoPE pairs that leave the latent one number
             least = (hkv * 2 * r + 1) / (2 * geometry.kv_dim)  # the smallest budget with these r pairs
-            fix = f"raise --kv-budget to at least {least:.4g}" + (
-                f" or lower --rope-pairs to at most {fits}" if fits >= 1 else ""
-            )
+            fix = f"raise --kv-budget to at least {least:.4g}"
+            if fits >= 0:
+                fix = f"lower --rope-pairs (at most {fits}) or {fix}"
             raise UserError(
                 f"--kv-budget {kv_budget} allows {numbers} numbers per token and layer (source: "
                 f"{2 * geometry.kv_dim}), but {r} RoPE pairs on {hkv} KV heads already take {hkv * 2 * r} "

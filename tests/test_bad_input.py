@@ -163,10 +163,10 @@ ROWS = [
     (M, [*MLA, "--kv-budget", "2"], "--kv-budget must be a fraction in (0, 1]"),
     (M, [*MLA, "--kv-budget", "1e-9"], "raise --kv-budget to at least 0.1944"),
     (M, [*MLA, "--kv-budget", "half"], "invalid float value: 'half'"),
-    (M, [*MLA, "--kv-lora-rank", "0"], "--kv-lora-rank must be"),
+    (M, [*MLA, "--kv-lora-rank", "0"], "--kv-lora-rank must be in [1, "),
     (M, [*MLA, "--kv-lora-rank", "99", "--rope-pairs", "3"], "--kv-lora-rank must be in [1, 18]"),
     (M, [*MLA, "--kv-lora-rank", "4", "--kv-budget", "0.5"], "not allowed with argument"),
-    (M, [*MLA, "--rope-pairs", "-1"], "--rope-pairs must be"),
+    (M, [*MLA, "--rope-pairs", "-1"], "rope-pairs must be an integer in [0, head_dim / 2 = 3]"),
     (M, [*MLA, "--rope-pairs", "99"], "99"),
     (M, [*MLA, "--calibration-tokens", "10"], "needs at least 37 (hidden size 36 + 1) tokens"),
     (M, [*MLA, "--calibration-text", "{ws}/binary.txt"], "is not UTF-8 text"),
@@ -351,6 +351,12 @@ def test_a_json_record_is_replaced_only_if_hf_attn_wrote_it(ws_text, tmp_path, c
 
 
 # ----------------------------------------------------------------------------------- help, version
+
+
+def test_benchmarks_write_json_only_where_asked(ws_text, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert bench_perplexity.main([a.format(ws=ws_text) for a in BP]) == 0
+    assert "ratio" in capsys.readouterr().out and list(tmp_path.iterdir()) == []
 
 
 def test_group_help_version_and_every_default_in_help(capsys):
