@@ -32,7 +32,7 @@ from hf_attn.conversion import mla
 from hf_attn.conversion.checkpoint import AttentionGeometry, read_config
 from hf_attn.conversion.factorization import FACTORIZATIONS
 from hf_attn.conversion.rope_selection import SELECTIONS
-from hf_attn.tooling.cli import error
+from hf_attn.tooling.cli import run_command
 from hf_attn.tooling.tables import markdown_table
 
 PROG = "python -m experiments.mla_curve"
@@ -427,19 +427,17 @@ def main(argv: list[str] | None = None) -> int:
         (out / "curve.md").write_text(markdown(record))
         plot_curve(record, out / "curve.png")
         return 0
-    try:
-        run_curve(
+    options = dict(grid_name=args.grid, max_tokens=args.max_tokens, context_length=args.context_length)
+    return run_command(
+        PROG,
+        lambda: run_curve(
             model=args.model,
             output_dir=out,
-            grid_name=args.grid,
-            max_tokens=args.max_tokens,
-            context_length=args.context_length,
             calibration_tokens=args.calibration_tokens,
             fresh=args.fresh,
-        )
-    except (ValueError, OSError, KeyError) as err:
-        return error(PROG, err)
-    return 0
+            **options,
+        ),
+    )
 
 
 if __name__ == "__main__":
