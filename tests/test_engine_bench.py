@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from hf_attn.eval.engine import bench
+from hf_attn.eval.engine import bench, bench_report
 
 
 def test_cache_bytes_per_token_llama2_7b_and_its_576_export():
@@ -81,4 +81,4 @@ def test_quick_decode_and_batch_ran_every_request(quick_rows):
         levels = [lv["concurrency"] for lv in row["decode"]["levels_measured"]]
         assert levels and levels == sorted(levels)
         assert all(lv["steps_timed"] >= 1 for lv in row["decode"]["levels_measured"])
-    assert "| vLLM: KV blocks x block size |" in bench.markdown(rows)
+    assert "| vLLM: KV blocks x block size |" in bench_report.markdown(rows)
