@@ -18,7 +18,8 @@ Models: `smollm2` (the embedded SmolLM2-135M, `convert mla --layout deepseek --k
 `llama-2-7b` (Llama-2-7B's shape with `--layers` layers and seeded random bf16 weights, `eval/bench/scale.py`,
 converted to exactly 512 + 64: 576 numbers per token and layer against 8192, 14.2x), `tiny` (`--quick`).
 The same code runs on a GPU build of vLLM (the device is vLLM's); `--cpu-threads` only sets OMP_NUM_THREADS.
-Prepared checkpoints are kept in `--workdir` and reused; rows are written after every worker.
+Prepared checkpoints are kept in `--workdir` and reused; the JSON rows and the tables are written there (or
+to --output / --markdown) after every pair, a pair measured again replacing its rows.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ PROG = "hf-attn bench engine"
 WORKER = Path(__file__).with_name("bench_worker.py")
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 MiB = 1024**2
-ROWS, TABLES = Path("docs/results/rows/engine-bench.json"), Path("docs/results/engine-bench.md")
 NULL_BLOCKS = 1  # vLLM's block pool keeps one block as its null block: never given to a request
 
 
@@ -401,10 +401,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=2, help="layers of the Llama-2-7B-shaped checkpoint")
     parser.add_argument("--cpu-threads", type=int, default=None, help="OMP_NUM_THREADS of the engine (CPU)")
     parser.add_argument(
-        "--output", type=Path, default=None, help=f"JSON rows (default {ROWS}; --quick: in WORKDIR)"
+        "--output", type=Path, default=None, help="JSON rows (default WORKDIR/engine-bench.json)"
     )
     parser.add_argument(
-        "--markdown", type=Path, default=None, help=f"tables (default {TABLES}; --quick: in WORKDIR)"
+        "--markdown", type=Path, default=None, help="markdown tables (default WORKDIR/engine-bench.md)"
     )
     args = parser.parse_args(argv)
     from hf_attn.eval.engine import bench_report as report
@@ -412,8 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.layers < 1:
         parser.error(f"--layers {args.layers}: give at least 1")
     models = ["tiny"] if args.quick else args.models
-    output = args.output or (args.workdir / "quick.json" if args.quick else ROWS)
-    tables = args.markdown or (args.workdir / "quick.md" if args.quick else TABLES)
+    output = args.output or args.workdir / "engine-bench.json"
+    tables = args.markdown or args.workdir / "engine-bench.md"
     from hf_attn.eval.engine.environment import EngineUnavailable, engine_python
 
     try:
