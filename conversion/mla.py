@@ -181,7 +181,8 @@ def check_options(
     calibration_tokens: int,
 ) -> None:
     """The MLA options checked against the source's geometry before any work: UserError naming the first
-    bad one (a budget that is not a fraction in (0, 1], ranks that do not fit, too few calibration tokens)."""
+    bad one (a budget that is not a fraction in (0, 1], ranks that do not fit, too few calibration tokens
+    for the attention statistics)."""
     if kv_budget is not None and not (isinstance(kv_budget, (int, float)) and 0 < kv_budget <= 1):
         raise UserError(f"--kv-budget must be a fraction in (0, 1] of the source's KV cache, got {kv_budget}")
     check_number("--calibration-tokens", calibration_tokens, minimum=1, inclusive=True, integer=True)
@@ -194,17 +195,11 @@ def check_options(
             rope_selection=rope_selection,
             layout=layout,
         )
-    calibrates = (
-        layout == "deepseek"
-        or factorization in fac.CALIBRATED_FACTORIZATIONS
-        or rope_selection in rs.CALIBRATED_SELECTIONS
-    )
-    needed = geometry.hidden_size + 1  # a full-rank (C + 1) x (C + 1) second moment of the layer inputs
-    if calibrates and calibration_tokens < needed:
-        raise UserError(
-            f"--calibration-tokens {calibration_tokens} is too few for the calibrated fit: it needs at least "
-            f"{needed} (hidden size {geometry.hidden_size} + 1) tokens; the default is "
-            f"{DEFAULT_CALIBRATION_TOKENS}"
+    if "attention" in (factorization, rope_selection) and calibration_tokens <= rs.QUERY_STRIDE:
+        raise UserError(  # one query per window: a singular attention statistic (LinAlgError in the fit)
+            f"--calibration-tokens {calibration_tokens} is too few for --factorization / --rope-selection "
+            f"attention, whose statistics use one query in {rs.QUERY_STRIDE} of a window: give at least "
+            f"{rs.QUERY_STRIDE + 1} (the default is {DEFAULT_CALIBRATION_TOKENS})"
         )
 
 

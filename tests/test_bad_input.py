@@ -30,7 +30,7 @@ from hf_attn.tooling import assets
 from hf_attn.tooling.cli import run_command
 
 REPO = Path(__file__).resolve().parents[1]
-# 6 query / 3 KV heads of dim 6, hidden 36: `--num-kv-heads 2` divides nothing, MLA needs >= 37 tokens.
+# 6 query / 3 KV heads of dim 6, hidden 36: `--num-kv-heads 2` divides nothing.
 TINY = dict(
     vocab_size=49152,  # SmolLM2's tokenizer
     hidden_size=36,
@@ -168,7 +168,7 @@ ROWS = [
     (M, [*MLA, "--kv-lora-rank", "4", "--kv-budget", "0.5"], "not allowed with argument"),
     (M, [*MLA, "--rope-pairs", "-1"], "rope-pairs must be an integer in [0, head_dim / 2 = 3]"),
     (M, [*MLA, "--rope-pairs", "99"], "99"),
-    (M, [*MLA, "--calibration-tokens", "10"], "needs at least 37 (hidden size 36 + 1) tokens"),
+    (M, [*MLA, "--calibration-tokens", "10"], "one query in 32 of a window: give at least 33"),
     (M, [*MLA, "--calibration-text", "{ws}/binary.txt"], "is not UTF-8 text"),
     (M, [*MLA[:2], "--output", "{ws}/userdir", "--overwrite"], "not a checkpoint hf-attn wrote"),
     (M, ["--model", "{ws}/gpt2cfg", "--output", O], "model_type 'gpt2'"),
