@@ -29,8 +29,9 @@ NEW_TOKENS = 8
 
 def engine_or_skip() -> env.EngineInfo:
     """The engine environment, or a skip naming why it is missing (with `make engine`'s last log line)."""
-    log = Path(env.ENGINE_VENV) / "install.log"
-    tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log.exists() else []
+    log, venv = Path(env.ENGINE_VENV) / "install.log", Path(env.ENGINE_VENV)
+    failed = log.exists() and not list(venv.glob(".installed-*"))  # make engine started and did not finish
+    tail = log.read_text(errors="replace").strip().splitlines()[-1:] if failed else []
     why = f" (install.log: {tail[0]})" if tail else ""
     try:
         python = env.engine_python()
