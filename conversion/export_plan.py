@@ -83,27 +83,11 @@ def _refuse(reason: str, fix: str) -> ValueError:
     return UserError(f"cannot export exactly to deepseek_v3: {reason}; {fix}")
 
 
-def plan_export(
-    *,
-    config: LlamaMLAConfig,
-    engine_dims: str = "native",
-    latent_norm_eps_for: str = "transformers",
-    max_position_embeddings: int | None = None,
-) -> ExportPlan:
-    """Check that `config` is exactly representable as a dense DeepSeek-V3 and derive the mapping.
-
-    `engine_dims`: "native" (the conversion's own kv_lora_rank and RoPE slots) or a size a vLLM MLA backend
-    accepts ("576", "512", "320": kv_lora_rank = size - 64, qk_rope_head_dim = 64, zero-padded exactly).
-    ValueError (naming the value, the reason and the option that avoids it) for everything DeepSeek cannot
-    represent exactly.
-    """
+def _check_representable(config: LlamaMLAConfig, max_pos: int) -> None:
+    """UserError naming the reason and the option that avoids it for what a dense DeepSeek-V3 cannot
+    represent exactly (up to `max_pos` positions)."""
     convert = "convert with `hf-attn convert mla --layout deepseek`"
-    target = target_dims(engine_dims)
-    if latent_norm_eps_for not in LATENT_NORM_EPS_TARGETS:
-        raise UserError(
-            f"--latent-norm-eps-for must be one of {LATENT_NORM_EPS_TARGETS}, got {latent_norm_eps_for!r}."
-        )
-    L, Hkv, d = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+    Hkv = config.num_key_value_heads
     if config.num_rope_keys != 1:
         raise _refuse(
             f"rope_layout={config.rope_layout!r} with num_key_value_heads={Hkv} caches {Hkv} RoPE keys per "
@@ -133,9 +117,6 @@ def plan_export(
         )
     if rope.get("partial_rotary_factor", 1.0) not in (None, 1, 1.0):
         raise _refuse(f"partial_rotary_factor={rope['partial_rotary_factor']}", "use a source with full RoPE")
-    max_pos = config.max_position_embeddings if max_position_embeddings is None else max_position_embeddings
-    if not isinstance(max_pos, int) or max_pos < 1:
-        raise UserError(f"--max-position-embeddings must be a positive integer, got {max_pos!r}.")
     sliding = [i for i, kind in enumerate(config.layer_types) if kind == "sliding_attention"]
     if sliding and config.sliding_window < max_pos:
         raise _refuse(
@@ -151,6 +132,34 @@ def plan_export(
     eps_source = float(config.rms_norm_eps)
     if eps_source <= 0:
         raise _refuse(f"rms_norm_eps={eps_source}", "export a checkpoint with rms_norm_eps > 0")
+
+
+def plan_export(
+    *,
+    config: LlamaMLAConfig,
+    engine_dims: str = "native",
+    latent_norm_eps_for: str = "transformers",
+    max_position_embeddings: int | None = None,
+) -> ExportPlan:
+    """Check that `config` is exactly representable as a dense DeepSeek-V3 and derive the mapping.
+
+    `engine_dims`: "native" (the conversion's own kv_lora_rank and RoPE slots) or a size a vLLM MLA backend
+    accepts ("576", "512", "320": kv_lora_rank = size - 64, qk_rope_head_dim = 64, zero-padded exactly).
+    ValueError (naming the value, the reason and the option that avoids it) for everything DeepSeek cannot
+    represent exactly.
+    """
+    target = target_dims(engine_dims)
+    if latent_norm_eps_for not in LATENT_NORM_EPS_TARGETS:
+        raise UserError(
+            f"--latent-norm-eps-for must be one of {LATENT_NORM_EPS_TARGETS}, got {latent_norm_eps_for!r}."
+        )
+    L, Hkv, d = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+    max_pos = config.max_position_embeddings if max_position_embeddings is None else max_position_embeddings
+    if not isinstance(max_pos, int) or max_pos < 1:
+        raise UserError(f"--max-position-embeddings must be a positive integer, got {max_pos!r}.")
+    _check_representable(config, max_pos)
+    rope = dict(config.rope_parameters or {})
+    eps_source = float(config.rms_norm_eps)
     eps_target = TRANSFORMERS_KV_NORM_EPS if latent_norm_eps_for == "transformers" else eps_source
 
     pairs = tuple(tuple(config.pair_indices(i)[0]) for i in range(L))

@@ -152,14 +152,9 @@ def run_worker(
 
 
 def run_rotary_repro(*, python: Path, timeout: float = 600) -> dict:
-    """`rotary_repro.py` in the engine environment: its JSON report."""
-    with tempfile.TemporaryDirectory(prefix="hf-attn-rotary-") as tmp:
-        log = Path(tmp) / "repro.log"
-        env = engine_environ()
-        proc = subprocess.run(
-            [str(python), str(ROTARY_REPRO)], capture_output=True, text=True, env=env, timeout=timeout
-        )
-        log.write_text(proc.stderr)
-        if proc.returncode:
-            raise RuntimeError(f"rotary_repro.py failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
-        return json.loads(proc.stdout.strip().splitlines()[-1])
+    """`rotary_repro.py` in the engine environment: its JSON report (RuntimeError with stderr on failure)."""
+    argv = [str(python), str(ROTARY_REPRO)]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=engine_environ(), timeout=timeout)
+    if proc.returncode:
+        raise RuntimeError(f"rotary_repro.py failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
