@@ -194,7 +194,7 @@ def goals(row: dict) -> str:
         missed.append("2x PyTorch")
     if row["context"] >= TARGET_VS_GQA_FROM and (row["vs_gqa"] or 0) <= 1:
         missed.append("vs GQA")
-    return "met" if not missed else "MISSED " + ", ".join(missed)
+    return "met" if not missed else "not met: " + ", ".join(missed)
 
 
 def run(settings: dict, emit) -> None:
