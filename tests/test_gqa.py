@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Mistr
 
 from hf_attn.conversion import gqa
 from hf_attn.conversion.expand import expand_checkpoint
+from hf_attn.tooling.errors import UserError
 from hf_attn.tooling.files import checkpoint_hash, sha256_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -413,9 +414,9 @@ def test_records_side_files_and_model_resolution(tmp_path, smollm2_path):
 
     assert resolve_model(None) == assets.smollm2_dir()
     assert resolve_model(str(smollm2_path)) == smollm2_path.resolve()
-    with pytest.raises(FileNotFoundError, match="not a checkpoint directory"):
+    with pytest.raises(UserError, match="not a checkpoint directory"):
         resolve_model(tmp_path / "missing")
-    with pytest.raises(FileNotFoundError, match="hub"):
+    with pytest.raises(UserError, match="hub"):
         resolve_model("nobody-here/no-such-model-hf-attn")  # offline in tests, not cached
 
     base = {"model_type": "llama", "num_attention_heads": 8, "num_hidden_layers": 2, "hidden_size": 64}

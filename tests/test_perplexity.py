@@ -248,7 +248,7 @@ BAD = {
     "stride > context": (["--context-length", "64", "--stride", "65"], "stride"),
     "context > max positions": (["--context-length", "9000"], "maximum positions (8192)"),
     "unknown attention": (["--attn-implementation", "nope"], ("eager, sdpa", "hf_attn_grouped")),
-    "no config": (["--model", "{d}/nomodel"], "not a causal LM"),
+    "no config": (["--model", "{d}/nomodel"], "has no config.json"),
     "not causal": (["--model", "{d}/vit"], "not a causal LM"),
     "missing dataset": (["--dataset", "no_such_dataset_hf_attn"], "Could not load dataset"),
 }

@@ -235,7 +235,7 @@ def run(
 
 
 def summarize(record: dict) -> list[dict]:
-    """One entry per case: the three implementations side by side, ratios to sdpa and whether the goal is met."""
+    """Per case: the three implementations side by side, ratios to sdpa, whether the goal is met."""
     by = {}
     for r in record["rows"]:
         key = (r["query_length"], r["kv_length"], r["group_size"], r["padding"])

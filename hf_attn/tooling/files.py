@@ -164,7 +164,7 @@ def scratch_directory(prefix: str, dir: str | os.PathLike | None = None) -> temp
 
 
 def _partial(final: Path, suffix: str, *, directory: bool) -> Path:
-    """A new, registered sibling of `final` named .NAME.HOST-PID-XXXX`suffix` (a directory or an empty file)."""
+    """A registered sibling of `final`, .NAME.HOST-PID-XXXX`suffix` (a directory or an empty file)."""
     sweep_stale(final.parent, f".{final.name}.", suffix)  # a killed writer's leftovers
     make = tempfile.mkdtemp if directory else tempfile.mkstemp
     made = make(prefix=f".{final.name}.{_owner_tag()}", suffix=suffix, dir=final.parent)
