@@ -27,152 +27,19 @@ import hashlib
 import json
 import shutil
 import time
-import tomllib
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from hf_attn.conversion.calibration import DEFAULT_CORPUS
-from hf_attn.conversion.refine import RELATIVE_LR
 from hf_attn.eval.rows import RowStore
 from hf_attn.eval.rows import row_key as _key
+from hf_attn.eval.study_config import DEFAULT_CONFIG, PROFILES, Settings, Variant, check_settings, load_config
 from hf_attn.tooling import assets
 from hf_attn.tooling.cli import ArgumentParser, run_command
-from hf_attn.tooling.errors import UserError, check_number, one_line
+from hf_attn.tooling.errors import UserError
 from hf_attn.tooling.files import check_output, checkpoint_hash
 
 PROG = "hf-attn study"
-
-DEFAULT_CONFIG = Path(__file__).with_name("study.toml")
-PROFILES = ("default", "quick")
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    """One profile of `study.toml`: the budgets every row is measured with."""
-
-    eval_tokens: int
-    context_length: int
-    decode_prompt_tokens: int
-    decode_new_tokens: int
-    calibration_tokens: int
-    heal_minutes: float
-    heal_seq_len: int
-    heal_batch_size: int
-    heal_lr: float
-    heal_trainable: str
-    task_items: int  # first N items of the local last-word task (eval/tasks), for the accuracy column
-    second_corpus_tokens: int = 0  # > 0: also the first N tokens of the Python FAQ (the cross-domain check)
-    refine_steps: int = 0  # variants with `refine = true`: `hf-attn refine --steps` after the closed form
-    refine_tokens: int = 0  # ... and its `--calibration-tokens` (the default `mix` corpus)
-    heal_corpus: str = "austen"  # `hf-attn heal --train-corpus`: austen | python-docs | mix
-
-    @property
-    def protocol(self) -> str:
-        return (
-            f"Persuasion, first {self.eval_tokens} tokens, disjoint {self.context_length}-token windows, "
-            f"fp32; decode: batch 1, {self.decode_prompt_tokens}-token prompt, "
-            f"{self.decode_new_tokens} new tokens; accuracy: first {self.task_items} items of the local "
-            "last-word task (persuasion_lastword, zero-shot, lm-eval)"
-        ) + (
-            f"; second corpus: the Python 3.11 FAQ, first {self.second_corpus_tokens} tokens, same windows"
-            if self.second_corpus_tokens
-            else ""
-        )
-
-    @property
-    def refinement(self) -> str:
-        """How rows marked refined were refined (one home for the report and the README)."""
-        return (
-            f"`hf-attn refine` after the closed form: {self.refine_steps} Adam steps per layer on "
-            f"{self.refine_tokens} calibration tokens ({DEFAULT_CORPUS} corpus), learning rate {RELATIVE_LR} "
-            "x each tensor's RMS, layer-local, no labels"
-        )
-
-    def key(self) -> dict:
-        """The settings a row's key depends on (an unset second corpus leaves earlier keys unchanged)."""
-        out = dataclasses.asdict(self)
-        if not self.second_corpus_tokens:
-            del out["second_corpus_tokens"]
-        return out
-
-
-@dataclasses.dataclass(frozen=True)
-class Variant:
-    name: str
-    label: str
-    kind: str  # source | expand | gqa | mla
-    heal: bool
-    options: dict  # converter keyword options
-
-
-KINDS = ("source", "expand", "gqa", "mla")
-
-
-_POSITIVE = (
-    "eval_tokens",
-    "context_length",
-    "decode_prompt_tokens",
-    "decode_new_tokens",
-    "calibration_tokens",
-    "heal_minutes",
-    "heal_seq_len",
-    "heal_batch_size",
-    "heal_lr",
-    "task_items",
-)
-
-
-def check_settings(settings: Settings, where: str) -> None:
-    """UserError naming the field and the file for a value of the wrong type or out of range."""
-    for f in dataclasses.fields(Settings):
-        value, integer = getattr(settings, f.name), f.type in ("int", int)
-        if f.type in ("str", str):
-            if not isinstance(value, str):
-                raise UserError(f"{f.name} = {value!r} in {where} must be a string")
-            continue
-        check_number(f"{f.name} in {where}", value, inclusive=f.name not in _POSITIVE, integer=integer)
-    if settings.heal_corpus not in assets.CORPORA:
-        raise UserError(
-            f"unknown heal_corpus {settings.heal_corpus!r} in {where}; choose one of {list(assets.CORPORA)}"
-        )
-
-
-def load_config(path: str | Path, profile: str) -> tuple[Settings, list[Variant]]:
-    """The settings of `profile` and the variants of the study TOML at `path`; UserError naming the file and
-    the entry for anything malformed."""
-    try:
-        raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
-        raise UserError(
-            f"--config {path} is not a TOML file ({one_line(err)}); fix it or pass another"
-        ) from err
-    if not isinstance(raw.get(profile), dict):
-        raise UserError(f"profile {profile!r} not in {path}; it has {[k for k in raw if k != 'variants']}")
-    fields = {f.name for f in dataclasses.fields(Settings)}
-    unknown = set(raw[profile]) - fields
-    if unknown:
-        raise UserError(
-            f"unknown settings {sorted(unknown)} in [{profile}] of {path}; known: {sorted(fields)}"
-        )
-    required = {f.name for f in dataclasses.fields(Settings) if f.default is dataclasses.MISSING}
-    missing = sorted(required - set(raw[profile]))
-    if missing:
-        raise UserError(f"[{profile}] of {path} lacks the settings {missing}; add them")
-    settings = Settings(**raw[profile])
-    check_settings(settings, f"[{profile}] of {path}")
-    variants = []
-    for entry in raw.get("variants", []):
-        entry = dict(entry)
-        if not isinstance(entry.get("name"), str) or "kind" not in entry:
-            raise UserError(f"a [[variants]] entry of {path} lacks a name or a kind: {entry}")
-        name, kind = entry.pop("name"), entry.pop("kind")
-        if kind not in KINDS:
-            raise UserError(f"variant {name!r}: unknown kind {kind!r}; choose one of {KINDS}")
-        variants.append(Variant(name, entry.pop("label", name), kind, bool(entry.pop("heal", False)), entry))
-    if len({v.name for v in variants}) != len(variants):
-        raise UserError(f"variant names in {path} must be unique")
-    return settings, variants
 
 
 # The code a checkpoint or a row depends on: editing it invalidates what it built (no `--fresh` needed).
