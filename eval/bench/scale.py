@@ -183,36 +183,38 @@ def write_tokenizer(directory: Path, *, vocab_size: int, files: list[Path]) -> N
 def write_synthetic(
     directory: str | os.PathLike,
     *,
-    shape: str,
+    shape: str | dict,
     seed: int = 0,
     max_shard_bytes: int = HUB_SHARD_BYTES,
     tokenizer_files: list[Path] | None = None,
     progress: bool = True,
 ) -> Path:
-    """Write a random bf16 Llama checkpoint of `shape` (a SHAPES key) into new `directory`; returns it."""
+    """Write a random bf16 Llama checkpoint of `shape` (a SHAPES key, or such dims themselves) into new
+    `directory`; returns it. config.json comes last: its presence marks a complete checkpoint."""
     from tqdm import tqdm
 
     from hf_attn.conversion.calibration import default_calibration_files
     from hf_attn.conversion.checkpoint import ShardedWriter, write_config
 
-    if shape not in SHAPES:
+    if isinstance(shape, str) and shape not in SHAPES:
         raise UserError(f"Unknown shape {shape!r}; choose one of {sorted(SHAPES)}")
-    dims = SHAPES[shape]
+    dims = SHAPES[shape] if isinstance(shape, str) else shape
+    label = shape if isinstance(shape, str) else f"{dims['num_hidden_layers']}-layer checkpoint"
     directory = Path(directory)
     directory.mkdir(parents=True)
     generator = torch.Generator().manual_seed(seed)
     names = tensor_shapes(dims)
     with ShardedWriter(directory, max_shard_bytes=max_shard_bytes) as writer:
-        for name, tensor_shape in tqdm(names, desc=f"write {shape}", unit="tensor", disable=not progress):
+        for name, tensor_shape in tqdm(names, desc=f"write {label}", unit="tensor", disable=not progress):
             tensor = random_tensor(name, tensor_shape, generator)
             writer.add(name, tensor)
             del tensor
-    write_config(directory, llama_config(dims))
     (directory / "generation_config.json").write_text(
         json.dumps({"bos_token_id": dims["bos_token_id"], "eos_token_id": dims["eos_token_id"]}) + "\n"
     )
     files = default_calibration_files() if tokenizer_files is None else tokenizer_files
     write_tokenizer(directory, vocab_size=dims["vocab_size"], files=files)
+    write_config(directory, llama_config(dims))
     return directory
 
 

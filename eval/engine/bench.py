@@ -158,26 +158,14 @@ def convert_and_export(source: Path, work: Path, *, convert_args: list[str], pad
 
 def write_mha_source(directory: Path, *, shape: dict, seed: int = 0, tokenizer_texts: int = 5) -> Path:
     """A Llama checkpoint of `shape` (eval/bench/scale.py's dims) with seeded random bf16 weights and a
-    word-level tokenizer trained on the first `tokenizer_texts` calibration texts."""
-    import torch
-
+    word-level tokenizer trained on the first `tokenizer_texts` calibration texts; reused when complete."""
     from hf_attn.conversion.calibration import default_calibration_files
-    from hf_attn.conversion.checkpoint import ShardedWriter, write_config
     from hf_attn.eval.bench import scale
 
     if (directory / "config.json").exists():
         return directory
-    directory.mkdir(parents=True, exist_ok=True)
-    generator = torch.Generator().manual_seed(seed)
-    with ShardedWriter(directory, max_shard_bytes=scale.HUB_SHARD_BYTES) as writer:
-        for name, tensor_shape in scale.tensor_shapes(shape):
-            writer.add(name, scale.random_tensor(name, tensor_shape, generator))
-    ids = {"bos_token_id": shape["bos_token_id"], "eos_token_id": shape["eos_token_id"]}
-    (directory / "generation_config.json").write_text(json.dumps(ids) + "\n")
     files = default_calibration_files()[:tokenizer_texts]
-    scale.write_tokenizer(directory, vocab_size=shape["vocab_size"], files=files)
-    write_config(directory, scale.llama_config(shape))  # last: its presence marks a complete checkpoint
-    return directory
+    return scale.write_synthetic(directory, shape=shape, seed=seed, tokenizer_files=files, progress=False)
 
 
 TINY_SHAPE = dict(
