@@ -500,13 +500,19 @@ def conversion_record(
 
 
 def add_record(config: dict, record: dict) -> dict:
-    """Copy of `config` with `record` appended to `config["hf_attn"]["history"]` and set as its `last`."""
+    """Copy of `config` with `record` appended to `config["hf_attn"]["history"]` (each record once; a
+    `last` key that older checkpoints carry beside it is dropped)."""
     out = copy.deepcopy(config)
-    section = dict(out.get("hf_attn") or {})
+    section = {k: v for k, v in (out.get("hf_attn") or {}).items() if k != "last"}
     section["history"] = [*section.get("history", []), copy.deepcopy(record)]
-    section["last"] = copy.deepcopy(record)
     out["hf_attn"] = section
     return out
+
+
+def latest_record(config: dict) -> dict:
+    """The newest conversion record of a checkpoint's `config` ({} when hf-attn never wrote it)."""
+    history = (config.get("hf_attn") or {}).get("history") or []
+    return history[-1] if history else {}
 
 
 # --------------------------------------------------------------------------------------------- validation

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from hf_attn.conversion import calibration as cal
 from hf_attn.conversion import layerwise
+from hf_attn.conversion.checkpoint import latest_record
 from hf_attn.conversion.refine import RefineSettings, refine, refine_summary
 from hf_attn.tooling import assets, loading
 from hf_attn.tooling.cli import ArgumentParser, add_deprecated_alias, add_settings_arguments, run_command
@@ -104,8 +105,8 @@ def calibration_options(args: argparse.Namespace) -> dict:
 
 
 def last_record(out: Path) -> dict:
-    """The newest conversion record of the checkpoint at `out` (config.json["hf_attn"]["last"])."""
-    return json.loads((Path(out) / "config.json").read_text())["hf_attn"]["last"]
+    """The newest conversion record of the checkpoint at `out` (the end of config.json["hf_attn"]["history"])."""
+    return latest_record(json.loads((Path(out) / "config.json").read_text()))
 
 
 def check_options(args: argparse.Namespace) -> None:

@@ -62,6 +62,7 @@ from hf_attn.conversion.checkpoint import (
     conversion_record,
     copy_side_files,
     dtype_name,
+    latest_record,
     read_config,
     read_tensor,
     tensor_index,
@@ -448,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         config = json.loads((dst / "config.json").read_text())
         out = config["kv_lora_rank"] + config["qk_rope_head_dim"]
-        src_n = config["hf_attn"]["last"]["cache_numbers_per_token_and_layer"]["source"]
+        src_n = latest_record(config)["cache_numbers_per_token_and_layer"]["source"]
         pad = f" (+{out - src_n} zero-padded: {out / src_n:.2f}x the source's cache)" if out > src_n else ""
         cpu = accepting_backends(out, "cpu")
         serve = (

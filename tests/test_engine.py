@@ -227,7 +227,7 @@ def test_convert_to_engine_dims_exports_without_padding(wide_heads, tmp_path):
     cfg = json.loads((out / "config.json").read_text())
     assert (cfg["kv_lora_rank"], cfg["rope_pairs"]) == (256, 32)
     exported = export.export_checkpoint(src=out, dst=tmp_path / "ds", engine_dims="320")
-    cache = json.loads((exported / "config.json").read_text())["hf_attn"]["last"]
+    cache = json.loads((exported / "config.json").read_text())["hf_attn"]["history"][-1]
     assert cache["cache_numbers_per_token_and_layer"] == {"source": 320, "export": 320}
 
 

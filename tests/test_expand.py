@@ -50,7 +50,7 @@ def test_smollm2_expand_to_mha_reproduces_logits(tmp_path, smollm2_path):
     assert {p.name: sha256_file(p) for p in smollm2_path.iterdir()} == before
     config = json.loads((dst / "config.json").read_text())
     assert config["num_key_value_heads"] == 9 == config["num_attention_heads"]
-    assert config["hf_attn"]["last"]["source_hash"] == checkpoint_hash(smollm2_path)
+    assert config["hf_attn"]["history"][-1]["source_hash"] == checkpoint_hash(smollm2_path)
     assert (dst / "tokenizer.json").exists() and (dst / "generation_config.json").exists()
 
     ids = torch.randint(0, 49152, (2, 48), generator=torch.Generator().manual_seed(0))

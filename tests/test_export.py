@@ -242,7 +242,7 @@ def test_exported_files_are_what_the_engines_read(exported):
     # pairs {0, 2} and {1, 3}: s = 1, four slots (8 RoPE dims for 4 kept): theta' = theta ** (2 * 4 / 8)
     assert (cfg["qk_rope_head_dim"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]) == (8, 4, 8)
     assert cfg["rope_theta"] == pytest.approx(model.config.rope_parameters["rope_theta"])
-    assert cfg["hf_attn"]["last"]["cache_numbers_per_token_and_layer"] == {"source": 16, "export": 20}
+    assert cfg["hf_attn"]["history"][-1]["cache_numbers_per_token_and_layer"] == {"source": 16, "export": 20}
     from transformers import AutoConfig
 
     from hf_attn.eval.kv_cache import kv_bytes_per_token  # what an MLA engine caches for the export
@@ -278,7 +278,7 @@ def test_flashmla_dims_and_cache_cost(exported):
     _, _, out = sources["flashmla_dims"]
     cfg = json.loads((out / "config.json").read_text())
     assert (cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]) == (512, 64)
-    assert cfg["hf_attn"]["last"]["cache_numbers_per_token_and_layer"] == {"source": 16, "export": 576}
+    assert cfg["hf_attn"]["history"][-1]["cache_numbers_per_token_and_layer"] == {"source": 16, "export": 576}
 
 
 def test_pure_mapping_matches_streamed_export(exported):

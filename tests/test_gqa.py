@@ -98,7 +98,7 @@ def test_mean_pooling_matches_independent_computation(tmp_path, model_type, grou
     config = json.loads((dst / "config.json").read_text())
     assert config["num_key_value_heads"] == groups
     assert config["num_attention_heads"] == TINY["num_attention_heads"]
-    record = config["hf_attn"]["last"]
+    record = config["hf_attn"]["history"][-1]
     assert record["settings"]["method"] == "mean" and record["source_hash"] == checkpoint_hash(src)
     assert record["kind"] == "gqa" and record["source"] == str(src.resolve())
     assert record["groups"] == [list(range(g * 4 // groups, (g + 1) * 4 // groups)) for g in range(groups)]
@@ -198,7 +198,7 @@ def test_calibrated_pooling_of_repeated_heads_is_exact(tmp_path, smollm2_path):
         with torch.no_grad():
             logits.append(model(input_ids=ids).logits)
     torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-4)
-    record = json.loads((back / "config.json").read_text())["hf_attn"]["last"]
+    record = json.loads((back / "config.json").read_text())["hf_attn"]["history"][-1]
     assert record["settings"]["method"] == "calibrated" and record["calibration"]["tokens"] == 256
 
 
@@ -268,7 +268,7 @@ def test_smollm2_calibrated_beats_mean_on_held_out_text(tmp_path, smollm2_path, 
         dst=tmp_path / "cal", method="calibrated", calibration_tokens=1024, calibration_window=512, **common
     )
     assert checkpoint_hash(smollm2_path) == before
-    record = json.loads((calibrated / "config.json").read_text())["hf_attn"]["last"]
+    record = json.loads((calibrated / "config.json").read_text())["hf_attn"]["history"][-1]
     assert record["calibration"]["tokens"] == 1024
     assert "persuasion.txt" not in [f["name"] for f in record["calibration"]["files"]]
 
@@ -403,9 +403,9 @@ def test_records_side_files_and_model_resolution(tmp_path, smollm2_path):
     from hf_attn.tooling import assets
     from hf_attn.tooling.loading import resolve_model
 
-    config = {"model_type": "llama", "hf_attn": {"history": [{"step": 1}], "last": {"step": 1}}}
+    config = {"model_type": "llama", "hf_attn": {"history": [{"step": 1}], "last": {"step": 1}}}  # older form
     out = add_record(config, {"step": 2})
-    assert out["hf_attn"]["history"] == [{"step": 1}, {"step": 2}] and out["hf_attn"]["last"] == {"step": 2}
+    assert out["hf_attn"]["history"] == [{"step": 1}, {"step": 2}] and out["hf_attn"]["history"][-1] == {"step": 2}
     assert config["hf_attn"]["history"] == [{"step": 1}]  # the input is not modified
 
     copied = copy_side_files(smollm2_path, tmp_path)

@@ -67,7 +67,7 @@ def test_scrambled_expansion_pools_back_exactly_with_search(tmp_path, smollm2_pa
         kw = dict(num_kv_heads=2, method=method, calibration_tokens=256, calibration_window=128)
         out = gqa.convert_gqa(src=scrambled, dst=tmp_path / method, grouping="search", **kw)
         torch.testing.assert_close(logits_of(out, ids), want, rtol=0, atol=1e-4)
-        record = json.loads((out / "config.json").read_text())["hf_attn"]["last"]
+        record = json.loads((out / "config.json").read_text())["hf_attn"]["history"][-1]
         assert record["settings"]["grouping"] == "search"
         for layer, perm in enumerate(perms):  # each group: the copies of one source KV head (j // 4)
             assert sorted(sorted(g) for g in record["groups"][layer]) == sorted(
@@ -117,7 +117,7 @@ def test_smollm2_scrambled_expansion_pools_back_exactly(tmp_path, smollm2_path):
             calibration_tokens=128,
             calibration_window=128,
         )
-        record = json.loads((out / "config.json").read_text())["hf_attn"]["last"]
+        record = json.loads((out / "config.json").read_text())["hf_attn"]["history"][-1]
         for layer, perm in enumerate(perms):
             assert sorted(sorted(g) for g in record["groups"][layer]) == sorted(
                 sorted(j for j in range(9) if perm[j] // 3 == src_head) for src_head in range(3)

@@ -162,12 +162,14 @@ def test_tiny_llama_learns_and_output_has_the_input_format(tiny, tmp_path):
     src_cfg, out_cfg = (json.loads((d / "config.json").read_text()) for d in (model_dir, out))
     record = out_cfg.pop("hf_attn")
     assert out_cfg == src_cfg
-    assert record["last"]["kind"] == "heal" and record["history"] == [record["last"]]
-    assert record["last"]["source_hash"] == checkpoint_hash(model_dir)
-    assert record["last"]["settings"]["lr"] == 3e-3 and record["last"]["settings"]["seq_len"] == 32
-    assert record["last"]["steps"] == 15 and record["last"]["tokens"] == 15 * 4 * 32
-    assert record["last"]["final_loss"] == pytest.approx(losses[15])
-    assert record["last"]["train_data"]["corpus"] == "train.txt"
+    assert list(record) == ["history"] and len(record["history"]) == 1
+    last = record["history"][-1]
+    assert last["kind"] == "heal"
+    assert last["source_hash"] == checkpoint_hash(model_dir)
+    assert last["settings"]["lr"] == 3e-3 and last["settings"]["seq_len"] == 32
+    assert last["steps"] == 15 and last["tokens"] == 15 * 4 * 32
+    assert last["final_loss"] == pytest.approx(losses[15])
+    assert last["train_data"]["corpus"] == "train.txt"
     assert {"tokenizer.json", "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
     healed = AutoModelForCausalLM.from_pretrained(out)
     assert healed.config.model_type == "llama" and healed.dtype == torch.float32

@@ -183,11 +183,11 @@ def test_converters_record_the_forward_settings(tmp_path, smollm2_path):
     out = tmp_path / "mqa"
     argv = [*common, "--num-kv-heads", "1", "--method", "calibrated", "--forward-dtype", "bfloat16"]
     assert exit_status(gqa.main, [*argv, "--output", str(out)]) == 0
-    record = json.loads((out / "config.json").read_text())["hf_attn"]["last"]
+    record = json.loads((out / "config.json").read_text())["hf_attn"]["history"][-1]
     assert record["settings"]["device"] == "cpu" and record["settings"]["forward_dtype"] == "bfloat16"
     out = tmp_path / "mla"
     assert exit_status(mla.main, [*common, "--kv-budget", "0.5", "--output", str(out)]) == 0
-    record = json.loads((out / "config.json").read_text())["hf_attn"]["last"]
+    record = json.loads((out / "config.json").read_text())["hf_attn"]["history"][-1]
     assert record["settings"]["device"] == "cpu" and record["settings"]["forward_dtype"] == "float32"
     assert record["calibration"]["forward_dtype"] == "float32"
 

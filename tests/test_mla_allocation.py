@@ -220,7 +220,7 @@ def test_greedy_conversion_honours_the_budget_and_loads(tiny_root, tmp_path, all
     assert sum(numbers) <= int(0.5 * 2 * geo.kv_dim) * geo.num_layers
     out = mla.write_conversion(plan, tmp_path / "mla")
     config = json.loads((out / "config.json").read_text())
-    record = config["hf_attn"]["last"]
+    record = config["hf_attn"]["history"][-1]
     assert record["allocation"]["layer_kv_lora_ranks"] == [s.kv_lora_rank for s in plan.layer_shapes]
     from transformers import AutoModelForCausalLM
 

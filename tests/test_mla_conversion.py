@@ -348,8 +348,8 @@ def test_low_rank_conversion_record_cache_and_side_files(tiny_root, tmp_path, fa
     )
     assert dir_hashes(src) == before
     config = json.loads((out / "config.json").read_text())
-    record = config["hf_attn"]["last"]
-    assert config["hf_attn"]["history"][-1] == record
+    record = config["hf_attn"]["history"][-1]
+    assert "last" not in config["hf_attn"]  # each record once, in history
     assert record["kind"] == "mla" and record["settings"]["factorization"] == factorization
     assert record["rope_pairs"] == 1 and record["settings"]["rope_selection"] == "uniform"
     assert record["kv_lora_rank"] == config["kv_lora_rank"] == 16 - 2 * 2 == 12
@@ -489,7 +489,7 @@ def test_cli_default_is_half_the_cache(tiny_root, tmp_path):
     cfg = json.loads((tmp_path / "o" / "config.json").read_text())
     numbers = cfg["kv_lora_rank"] + cfg["num_key_value_heads"] * 2 * cfg["rope_pairs"]
     assert numbers == 2 * 2 * 8 // 2  # half of the source's 2 Hkv d
-    assert cfg["hf_attn"]["last"]["settings"]["kv_budget"] == mla.DEFAULT_KV_BUDGET == 0.5
+    assert cfg["hf_attn"]["history"][-1]["settings"]["kv_budget"] == mla.DEFAULT_KV_BUDGET == 0.5
 
 
 # ------------------------------------------------------------------------------ attention-aware selection
@@ -569,7 +569,7 @@ def test_attention_selection_applies_its_query_fit(monkeypatch, tiny_root, tmp_p
         calibration_files=files,
         calibration_tokens=tokens,
     )
-    record = json.loads((out / "config.json").read_text())["hf_attn"]["last"]
+    record = json.loads((out / "config.json").read_text())["hf_attn"]["history"][-1]
     assert record["settings"]["rope_selection"] == "attention" and record["query_fit"] is True
     from transformers import AutoTokenizer
 

@@ -301,7 +301,7 @@ def test_deepseek_layout_is_exact_for_shared_keys_and_constant_latent_rms(
     assert config["rope_layout"] == "shared" and config["latent_norm"] is True
     assert config["rope_pair_indices"] == [[[0, 1, 2, 3]]] * 2
     assert config["kv_lora_rank"] == num_kv_heads * 8  # Hkv (d - 2r) + Hkv d at r = d/2
-    record = config["hf_attn"]["last"]
+    record = config["hf_attn"]["history"][-1]
     assert record["settings"]["layout"] == "deepseek" and record["rope_pair_stride"] == 1
     assert record["kv_numbers_per_token_per_layer"]["mla"] == config["kv_lora_rank"] + 8
     assert max(record["shared_key_residual_per_layer"]) < 1e-9
@@ -317,11 +317,11 @@ def test_deepseek_layout_lossy_conversion_within_budget(smollm2_path, tmp_path):
     dst = _convert(src, tmp_path / "ds", kv_budget=0.5)
     config = json.loads((dst / "config.json").read_text())
     kept = config["rope_pair_indices"][0][0]
-    stride = config["hf_attn"]["last"]["rope_pair_stride"]
+    stride = config["hf_attn"]["history"][-1]["rope_pair_stride"]
     assert all(layer == [kept] for layer in config["rope_pair_indices"])
     assert kept == [j * stride for j in range(config["rope_pairs"])]
     numbers = config["kv_lora_rank"] + 2 * config["rope_pairs"]
-    assert numbers <= 0.5 * 2 * 2 * 8 and config["hf_attn"]["last"]["kv_fraction"] <= 0.5
+    assert numbers <= 0.5 * 2 * 2 * 8 and config["hf_attn"]["history"][-1]["kv_fraction"] <= 0.5
     ids = torch.randint(0, VOCAB, (1, 30), generator=torch.Generator().manual_seed(1))
     assert torch.isfinite(_logits(dst, ids)).all()
 
@@ -347,7 +347,7 @@ def test_cli_layout_flag_and_refusals(smollm2_path, tmp_path, capsys):
         mla.main([*base, "--output", str(tmp_path / "ok"), "--layout", "deepseek", "--kv-budget", "0.5"]) == 0
     )
     config = json.loads((tmp_path / "ok" / "config.json").read_text())
-    assert config["rope_layout"] == "shared" and config["hf_attn"]["last"]["settings"]["layout"] == "deepseek"
+    assert config["rope_layout"] == "shared" and config["hf_attn"]["history"][-1]["settings"]["layout"] == "deepseek"
     assert mla.main([*base, "--output", str(tmp_path / "ph"), "--kv-budget", "0.5"]) == 0  # default: per-head
     assert (
         json.loads((tmp_path / "ph" / "config.json").read_text()).get("rope_layout", "per_head") == "per_head"

@@ -124,7 +124,7 @@ def test_command_refines_against_the_recorded_source(converted_pair, tmp_path):
     ]
     assert exit_status(refine.main, argv) == 0
     assert {p.name: p.read_bytes() for p in conv.iterdir() if p.is_file()} == before, "source modified"
-    record = json.loads((out / "config.json").read_text())["hf_attn"]["last"]
+    record = json.loads((out / "config.json").read_text())["hf_attn"]["history"][-1]
     assert record["kind"] == "refine" and record["reference"] == str(src.resolve())
     assert len(record["layers"]) == TINY_SHAPE["num_hidden_layers"]
     AutoModelForCausalLM.from_pretrained(out)  # loads in the converted checkpoint's format

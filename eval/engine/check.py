@@ -31,6 +31,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from hf_attn.conversion.checkpoint import latest_record
 from hf_attn.conversion.engine_dims import accepting_backends, platform_sizes
 from hf_attn.eval.engine import environment as env
 from hf_attn.eval.engine import reference as ref
@@ -93,7 +94,7 @@ def resolve_target(model: str | Path, source: str | Path | None = None) -> Targe
             f"--model {model} has model_type {cfg.get('model_type')!r}, not deepseek_v3; export it first "
             "with `hf-attn export --to deepseek_v3`"
         )
-    record = (cfg.get("hf_attn") or {}).get("last") or {}
+    record = latest_record(cfg)
     if source is None:
         if record.get("kind") != "export":
             raise UserError(
