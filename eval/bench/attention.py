@@ -49,7 +49,9 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from hf_attn.tooling.cli import error
+from hf_attn.tooling.cli import ArgumentParser, run_command
+from hf_attn.tooling.errors import UserError, check_number
+from hf_attn.tooling.files import check_output, json_record, write_text_atomic
 from hf_attn.tooling.loading import dtype_name, library_versions, parse_dtype
 
 PROG = "hf-attn bench attention"
@@ -189,6 +191,25 @@ def bench_case(*, T, S, G, padded, kv_heads, head_dim, batch, dtype, repeats, wa
     ]
 
 
+def check_options(*, query_lengths, kv_lengths, group_sizes, kv_heads, head_dim, batch, repeats, warmup):
+    """UserError naming the flag and the value for a length, count or size that is not a positive integer, or
+    a query length longer than a KV length (the new tokens are part of the cache)."""
+    for flag, values in (("--query-lengths", query_lengths), ("--kv-lengths", kv_lengths),
+                         ("--group-sizes", group_sizes)):  # fmt: skip
+        if not values:
+            raise UserError(f"{flag} needs at least one value")
+        for value in values:
+            check_number(flag, value, minimum=1, inclusive=True, integer=True)
+    for flag, value in (("--kv-heads", kv_heads), ("--head-dim", head_dim), ("--batch", batch),
+                        ("--repeats", repeats), ("--warmup", warmup)):  # fmt: skip
+        check_number(flag, value, minimum=1, inclusive=True, integer=True)
+    if max(query_lengths) > min(kv_lengths):
+        raise UserError(
+            f"--query-lengths {max(query_lengths)} exceeds --kv-lengths {min(kv_lengths)}: every query "
+            "length must be <= every KV length (the new tokens are part of the cache)"
+        )
+
+
 def run(
     *,
     query_lengths,
@@ -201,16 +222,9 @@ def run(
     repeats=5,
     warmup=1,
 ) -> dict:
-    dtype = parse_dtype(dtype)
-    if repeats < 1 or warmup < 1:
-        raise ValueError(f"--repeats and --warmup must be >= 1, got {repeats} and {warmup}")
-    for name in (query_lengths, kv_lengths, group_sizes, [kv_heads, head_dim, batch]):
-        if any(n < 1 for n in name):
-            raise ValueError(f"lengths and group sizes must be >= 1, got {name}")
-    if any(T > S for T in query_lengths for S in kv_lengths):
-        raise ValueError(
-            "every query length must be <= every KV length (the new tokens are part of the cache)"
-        )
+    dtype = parse_dtype(dtype, "--dtype")
+    sizes = dict(kv_heads=kv_heads, head_dim=head_dim, batch=batch, repeats=repeats, warmup=warmup)
+    check_options(query_lengths=query_lengths, kv_lengths=kv_lengths, group_sizes=group_sizes, **sizes)
     cases = [
         (T, S, G, p) for S in kv_lengths for G in group_sizes for T in query_lengths for p in (False, True)
     ]
@@ -288,7 +302,7 @@ def format_table(record: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--quick",
         action="store_true",
@@ -310,28 +324,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    if parser.parse_args(argv).quick:  # the small grid as defaults: options given explicitly still win
-        parser.set_defaults(**QUICK)
-    args = parser.parse_args(argv)
-    if args.threads < 1:
-        return error(PROG, f"--threads must be >= 1, got {args.threads}")
+def bench(args: argparse.Namespace) -> None:
+    """The command's work: every option checked first (nothing measured or written for a bad one), then
+    the grid, the table, and the JSON record where `--output` asks."""
+    check_number("--threads", args.threads, minimum=1, inclusive=True, integer=True)
+    if args.output:
+        check_output(None, args.output, overwrite=True, kind="json")
     torch.set_num_threads(args.threads)
-    try:
-        record = run(
-            query_lengths=args.query_lengths,
-            kv_lengths=args.kv_lengths,
-            group_sizes=args.group_sizes,
-            kv_heads=args.kv_heads,
-            head_dim=args.head_dim,
-            batch=args.batch,
-            dtype=args.dtype,
-            repeats=args.repeats,
-            warmup=args.warmup,
-        )
-    except (ValueError, OSError, KeyError) as err:
-        return error(PROG, err)
+    record = run(
+        query_lengths=args.query_lengths,
+        kv_lengths=args.kv_lengths,
+        group_sizes=args.group_sizes,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        batch=args.batch,
+        dtype=args.dtype,
+        repeats=args.repeats,
+        warmup=args.warmup,
+    )
     print(format_table(record))
     print(
         f"\n{record['dtype']}, batch {record['batch']}, {record['kv_heads']} KV heads, head dim "
@@ -339,9 +349,15 @@ def main(argv: list[str] | None = None) -> int:
         f"load average before/after: {record['load_average']['before']} / {record['load_average']['after']}"
     )
     if args.output:
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps(record, indent=2) + "\n")
-    return 0
+        write_text_atomic(args.output, json_record(record, PROG))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    if parser.parse_args(argv).quick:  # the small grid as defaults: options given explicitly still win
+        parser.set_defaults(**QUICK)
+    args = parser.parse_args(argv)
+    return run_command(PROG, lambda: bench(args))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import signal
 import subprocess
@@ -52,8 +53,17 @@ print(json.dumps(out))
 """
 
 
+class _Parser(argparse.ArgumentParser):
+    """A usage mistake in one line, exit status 2, as `hf_attn.tooling.cli.ArgumentParser` says it; kept
+    here because this command runs before the carried wheels make `hf_attn` importable."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--parts", nargs="+", choices=list(PARTS), default=list(PARTS), help="default: all")
     p.add_argument("--output", default="results/gpu", help="directory of results.json and results.md")
     p.add_argument("--set", action="append", default=[], metavar="PART.KEY=JSON", help="change a setting")
@@ -92,10 +102,24 @@ def parse_limits(items: list[str]) -> dict[str, float]:
             seconds = float(text)
         except ValueError:
             seconds = -1.0
-        if not sep or part not in PARTS or seconds <= 0:
-            raise ValueError(f"--limit {item!r}: expected PART=SECONDS (> 0) with PART one of {list(PARTS)}")
+        if not sep or part not in PARTS or not 0 < seconds < math.inf:
+            raise ValueError(
+                f"--limit {item!r}: expected PART=SECONDS (finite, > 0) with PART one of {list(PARTS)}"
+            )
         out[part] = seconds
     return out
+
+
+def check_output_dir(output: Path) -> None:
+    """ValueError unless `output` is a directory this command may write into: not a file, and its nearest
+    existing ancestor writable (checked before any part runs, not after)."""
+    if output.exists() and not output.is_dir():
+        raise ValueError(f"--output {output} is a file, not a directory; choose a directory")
+    parent = output
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"--output {output} is not writable ({parent} is not); choose another --output")
 
 
 def load_existing(output: Path) -> dict:
@@ -148,8 +172,11 @@ def merge(files: list[str], output: Path) -> int:
     """Parts of several results.json files (later files win) merged into `output`'s record."""
     record = load_existing(output)
     for name in files:
-        other = json.loads(Path(name).read_text()) if Path(name).is_file() else {}
-        if other.get("benchmark") != NAME:
+        try:
+            other = json.loads(Path(name).read_text())
+        except (OSError, ValueError):  # missing, unreadable or not JSON
+            other = {}
+        if not isinstance(other, dict) or other.get("benchmark") != NAME:
             raise ValueError(f"--merge {name} is not a results.json of {PROG}")
         record["parts"].update(other["parts"])
     write(record, output)
@@ -296,8 +323,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         overrides, limits = parse_sets(args.set), parse_limits(args.limit)
-        if args.budget_s <= 0:
-            raise ValueError(f"--budget-s must be positive, got {args.budget_s}")
+        if not 0 < args.budget_s < math.inf:
+            raise ValueError(f"--budget-s must be a finite number of seconds > 0, got {args.budget_s}")
+        if args.merge or not (args.list or args.fetch or args.dry_run):  # what writes into --output
+            check_output_dir(Path(args.output))
+            load_existing(Path(args.output))  # a folder of other files: refused before any part runs
         if args.list:
             for part in PARTS.values():
                 print(f"{part.name:<13} {part.limit_s:>4} s  {part.about}")
@@ -326,7 +356,8 @@ def main(argv: list[str] | None = None) -> int:
             return dry_run(args.parts, overrides, gpu_bundle.child_env(install=False))
         return run_all(args, overrides, limits)
     except (ValueError, OSError) as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)
+        line = " | ".join(part.strip() for part in str(err).strip().splitlines()) or type(err).__name__
+        print(f"{PROG}: error: {line}", file=sys.stderr)  # one line, as every hf-attn command
         return 2
 
 

@@ -30,7 +30,6 @@ Results go to `--results` (JSON, default under `hf_attn.assets.cache_dir()/bench
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -39,8 +38,12 @@ import torch
 
 from hf_attn.conversion.heal import HealSettings, heal, read_log
 from hf_attn.conversion.train_data import ChunkOrder, chunk_tokens, load_train_corpus
+from hf_attn.conversion.training.recipe import CLOCKS, TRAINABLE
 from hf_attn.tooling import assets, loading
+from hf_attn.tooling.cli import ArgumentParser, run_command
 from hf_attn.tooling.corpus import tokenize
+from hf_attn.tooling.errors import UserError, check_number
+from hf_attn.tooling.files import check_output, json_record, write_text_atomic
 from hf_attn.tooling.loading import resolve_model
 
 PROG = "hf-attn bench heal"
@@ -221,12 +224,16 @@ def curve(
 # --------------------------------------------------------------------------------------------- CLI
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="what", required=True)
     t = sub.add_parser("throughput")
-    t.add_argument("--model", default=None)
-    t.add_argument("--steps", type=int, default=8)
+    t.add_argument(
+        "--model", default=None, help="checkpoint directory or hub id (default: the embedded SmolLM2)"
+    )
+    t.add_argument(
+        "--steps", type=int, default=8, help=f"optimizer steps per run (the first {SKIP} not timed)"
+    )
     t.add_argument("--rounds", type=int, default=2)
     t.add_argument("--seq-len", type=int, default=512)
     t.add_argument("--batch-size", type=int, default=1)
@@ -235,16 +242,48 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--name", default=None, help="work directory name (default: the model directory's name)")
     c.add_argument("--minutes", type=float, nargs="+", default=[5, 15, 30])
     c.add_argument("--lr", type=float, default=1e-4)
-    c.add_argument("--trainable", default="all")
+    c.add_argument("--trainable", default="all", choices=TRAINABLE)
     c.add_argument("--warmup-steps", type=int, default=10)
     c.add_argument("--seq-len", type=int, default=512)
     c.add_argument("--batch-size", type=int, default=1)
     c.add_argument("--eval-tokens", type=int, default=8192)
-    c.add_argument("--clock", default="wall", help="wall | cpu: what the minutes count")
+    c.add_argument("--clock", default="wall", choices=CLOCKS, help="what the minutes count")
     c.add_argument("--cpu-seconds-per-step", type=float, default=None, help="marks in steps: minutes*60/S")
     for sp in (t, c):
         sp.add_argument("--results", default=None, help="JSON file (default: under the bench_heal work dir)")
-    args = p.parse_args(argv)
+    return p
+
+
+def check_args(args: argparse.Namespace) -> Path:
+    """Every option, the model's files and the results path checked before any work; the results path."""
+    integer = dict(inclusive=True, integer=True)
+    check_number("--seq-len", args.seq_len, minimum=2, **integer)
+    check_number("--batch-size", args.batch_size, minimum=1, **integer)
+    if args.what == "throughput":
+        check_number("--steps", args.steps, minimum=SKIP + 1, **integer)  # the first SKIP are not timed
+        check_number("--rounds", args.rounds, minimum=1, **integer)
+        default = assets.cache_dir() / "bench_heal" / "throughput.json"
+    else:
+        for minutes in args.minutes:
+            check_number("--minutes", minutes)
+        check_number("--lr", args.lr)
+        check_number("--warmup-steps", args.warmup_steps, minimum=0, **integer)
+        check_number("--eval-tokens", args.eval_tokens, minimum=1024, **integer)  # one 1024-token window
+        check_number("--cpu-seconds-per-step", args.cpu_seconds_per_step)
+        if args.name is not None and (
+            not args.name or Path(args.name).name != args.name or args.name == ".."
+        ):
+            raise UserError(f"--name {args.name!r} is not a plain directory name; give one without '/'")
+        default = assets.cache_dir() / "bench_heal" / f"curve-{args.name or Path(args.model).name}.json"
+    loading.check_checkpoint_complete(resolve_model(args.model))
+    if args.results is None:  # hf-attn's own cache: its earlier results are replaced
+        return check_output(None, default, overwrite=True, flag="--results", kind=None)
+    return check_output(None, args.results, overwrite=True, flag="--results", kind="json")
+
+
+def bench(args: argparse.Namespace) -> None:
+    """The command's work: the checks, then the measurement, its summary and the JSON record."""
+    path = check_args(args)
     if args.what == "throughput":
         res = throughput(
             model=args.model,
@@ -259,12 +298,10 @@ def main(argv: list[str] | None = None) -> int:
             f"({res['steps_timed']} timed steps, median); CPU time: heal/bare = "
             f"{res['heal_over_bare_cpu']:.3f}"
         )
-        default = work_dir() / "throughput.json"
     else:
-        name = args.name or Path(args.model).name
         res = curve(
             model=args.model,
-            name=name,
+            name=args.name or Path(args.model).name,
             minutes=args.minutes,
             lr=args.lr,
             trainable=args.trainable,
@@ -275,11 +312,13 @@ def main(argv: list[str] | None = None) -> int:
             clock=args.clock,
             cpu_seconds_per_step=args.cpu_seconds_per_step,
         )
-        default = work_dir() / f"curve-{name}.json"
-    path = Path(args.results) if args.results else default
-    path.write_text(json.dumps(res, indent=2) + "\n")
+    write_text_atomic(path, json_record(res, PROG))
     print(f"results: {path}")
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_command(PROG, lambda: bench(args))
 
 
 if __name__ == "__main__":

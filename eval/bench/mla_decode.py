@@ -21,7 +21,6 @@ shapes only. `--random-weights` needs only the source's config.json (random weig
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -33,8 +32,16 @@ from hf_attn.eval.bench import decoding
 from hf_attn.eval.kv_cache import numbers_per_token_per_layer
 from hf_attn.models.llama_mla import LlamaMLAConfig, LlamaMLAForCausalLM
 from hf_attn.models.llama_mla.configuration_llama_mla import SOURCE_MODEL_TYPES
-from hf_attn.tooling.cli import error
-from hf_attn.tooling.loading import library_versions, load_causal_lm, load_config, resolve_model
+from hf_attn.tooling.cli import ArgumentParser, run_command
+from hf_attn.tooling.errors import UserError, check_number
+from hf_attn.tooling.files import check_output, json_record, write_text_atomic
+from hf_attn.tooling.loading import (
+    check_checkpoint_complete,
+    library_versions,
+    load_causal_lm,
+    load_config,
+    resolve_model,
+)
 
 PROG = "hf-attn bench mla-decode"
 
@@ -51,15 +58,59 @@ def load_source(source: str | Path, *, random_weights: bool = False, seed: int =
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
 
 
+def check_source_config(cfg, *, kv_lora_rank: int, rope_pairs: int) -> None:
+    """UserError unless `cfg` is a source model type llama_mla takes and the ranks fit its heads."""
+    if cfg.model_type not in SOURCE_MODEL_TYPES:
+        raise UserError(
+            f"--source must be a Llama / Mistral / Qwen2 model, got model type {cfg.model_type!r}"
+        )
+    check_number("--kv-lora-rank", kv_lora_rank, minimum=1, inclusive=True, integer=True)
+    half = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    half //= 2
+    if not isinstance(rope_pairs, int) or isinstance(rope_pairs, bool) or not 0 <= rope_pairs <= half:
+        raise UserError(f"--rope-pairs must be an integer in [0, {half}] (head_dim / 2), got {rope_pairs!r}")
+
+
+def check_run(
+    *,
+    model,
+    source: str,
+    contexts,
+    new_tokens,
+    warmup,
+    kv_lora_rank,
+    rope_pairs,
+    device,
+    random_weights,
+    prefill_threads,
+) -> None:
+    """Every option and both checkpoints' files checked before any weight is loaded: UserError naming the
+    flag, the value and the fix."""
+    if not contexts:
+        raise UserError("--contexts needs at least one context length")
+    for value in contexts:
+        check_number("--contexts", value, minimum=1, inclusive=True, integer=True)
+    check_number("--new-tokens", new_tokens, minimum=1, inclusive=True, integer=True)
+    check_number("--warmup", warmup, minimum=0, inclusive=True, integer=True)
+    check_number("--prefill-threads", prefill_threads, minimum=1, inclusive=True, integer=True)
+    kind, _, index = device.partition(":")
+    if kind not in ("cpu", "cuda") or (index and (kind != "cuda" or not index.isdigit())):
+        raise UserError(f"--device {device!r} is not a device; use cpu or cuda[:N]")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {device} asked for, but torch sees no CUDA device; use --device cpu")
+    cfg = load_config(source) if random_weights else check_checkpoint_complete(source)
+    if model is None:
+        check_source_config(cfg, kv_lora_rank=kv_lora_rank, rope_pairs=rope_pairs)
+    elif check_checkpoint_complete(model).model_type != "llama_mla":
+        raise UserError(
+            f"--model {model} is not a llama_mla checkpoint; convert it with `hf-attn convert mla`"
+        )
+
+
 def random_mla_like(src, *, kv_lora_rank: int, rope_pairs: int, seed: int = 0) -> LlamaMLAForCausalLM:
     """A llama_mla model with `src`'s config and non-attention weights, random MLA attention weights."""
     cfg = src.config
-    if cfg.model_type not in SOURCE_MODEL_TYPES:
-        raise ValueError(
-            f"--source must be a Llama / Mistral / Qwen2 model, got model type {cfg.model_type!r}"
-        )
-    if not 0 <= rope_pairs <= cfg.head_dim // 2:
-        raise ValueError(f"--rope-pairs must be in [0, {cfg.head_dim // 2}] for head_dim {cfg.head_dim}")
+    check_source_config(cfg, kv_lora_rank=kv_lora_rank, rope_pairs=rope_pairs)
     fields = {k: v for k, v in cfg.to_dict().items() if k not in _SOURCE_FIELDS_DROP}
     qwen2 = cfg.model_type == "qwen2"
     mla_cfg = LlamaMLAConfig(
@@ -115,18 +166,15 @@ def run(
     on_row: Callable[[dict], None] | None = None,
 ) -> dict:
     """Measure decode tokens/s; returns the record (rows: context x variant; `on_row` sees each row)."""
-    if new_tokens < 1 or min(contexts) < 1:
-        raise ValueError(f"--new-tokens and --contexts must be positive, got {new_tokens} and {contexts}")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {device} asked for, but torch sees no CUDA device")
     source = str(resolve_model(source))
+    check_run(model=model, source=source, contexts=contexts, new_tokens=new_tokens, warmup=warmup,
+              kv_lora_rank=kv_lora_rank, rope_pairs=rope_pairs, device=device, random_weights=random_weights,
+              prefill_threads=prefill_threads)  # fmt: skip
     src = load_source(source, random_weights=random_weights, seed=seed)
     if model is None:
         mla = random_mla_like(src, kv_lora_rank=kv_lora_rank, rope_pairs=rope_pairs, seed=seed)
         mla_desc = f"random MLA attention on {Path(source).name} (d_c={kv_lora_rank}, r={rope_pairs})"
     else:
-        if load_config(model).model_type != "llama_mla":
-            raise ValueError(f"--model {model} is not a llama_mla checkpoint")
         mla = load_causal_lm(model, attn_implementation="sdpa")
         mla_desc = str(model)
     mla, src = mla.to(device), src.to(device)
@@ -190,7 +238,7 @@ def format_table(record: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="llama_mla checkpoint (default: built here, random MLA attention weights)")
     p.add_argument("--source", help="source GQA checkpoint (default: the embedded SmolLM2)")
     p.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8192])
@@ -207,36 +255,38 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.threads < 1:
-        return error(PROG, f"--threads must be >= 1, got {args.threads}")
+def bench(args: argparse.Namespace) -> None:
+    """The command's work: options and `--output` checked first, then the measurements, table and JSON."""
+    check_number("--threads", args.threads, minimum=1, inclusive=True, integer=True)
+    if args.output:
+        check_output(None, args.output, overwrite=True, kind="json")
     torch.set_num_threads(args.threads)
-    try:
-        record = run(
-            model=args.model,
-            source=args.source,
-            contexts=tuple(args.contexts),
-            new_tokens=args.new_tokens,
-            warmup=args.warmup,
-            kv_lora_rank=args.kv_lora_rank,
-            rope_pairs=args.rope_pairs,
-            device=args.device,
-            random_weights=args.random_weights,
-            prefill_threads=args.prefill_threads,
-            seed=args.seed,
-            on_row=lambda r: print(
-                f"context {r['context']:>6}  {r['variant']:<18} {r['tokens_per_s']:8.2f} tok/s", flush=True
-            ),
-        )
-    except (ValueError, OSError, KeyError) as err:
-        return error(PROG, err)
+    record = run(
+        model=args.model,
+        source=args.source,
+        contexts=tuple(args.contexts),
+        new_tokens=args.new_tokens,
+        warmup=args.warmup,
+        kv_lora_rank=args.kv_lora_rank,
+        rope_pairs=args.rope_pairs,
+        device=args.device,
+        random_weights=args.random_weights,
+        prefill_threads=args.prefill_threads,
+        seed=args.seed,
+        on_row=lambda r: print(
+            f"context {r['context']:>6}  {r['variant']:<18} {r['tokens_per_s']:8.2f} tok/s", flush=True
+        ),
+    )
     print(format_table(record))
     load = record["load_average"]
     print(f"device {record['device']}, {record['threads']} threads, load average before/after: {load}")
     if args.output:
-        Path(args.output).write_text(json.dumps(record, indent=2) + "\n")
-    return 0
+        write_text_atomic(args.output, json_record(record, PROG))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_command(PROG, lambda: bench(args))
 
 
 if __name__ == "__main__":

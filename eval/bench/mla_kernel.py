@@ -27,14 +27,19 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
-import json
 import statistics
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-PROG = "python -m eval.bench.mla_kernel"
+from hf_attn.tooling.cli import ArgumentParser, run_command
+from hf_attn.tooling.errors import UserError, check_number
+from hf_attn.tooling.files import check_output, check_replaceable, json_record
+
+PROG = "hf-attn bench mla-kernel"
+OUTPUT_FILES = ("results.json", "table.md")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 ROPE_LAYOUTS = ("per-head", "shared")
 GQA_IMPLEMENTATIONS = ("sdpa", "hf_attn_grouped")
@@ -231,7 +236,7 @@ def format_table(record: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help=f"a small grid (explicit options still win): {QUICK}")
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
@@ -247,16 +252,35 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """ValueError (one line naming the value and the fix) for bad values."""
+    """UserError (one line naming the flag, the value and the fix) for a bad value or `--output`."""
     for name in ("batch", "context"):
-        if any(v < 1 for v in getattr(args, name)):
-            raise ValueError(f"--{name} values must be >= 1, got {getattr(args, name)}")
-    if args.repeats < 1 or args.warmup < 0:
-        raise ValueError(f"--repeats must be >= 1 and --warmup >= 0, got {args.repeats} and {args.warmup}")
+        for value in getattr(args, name):
+            check_number(f"--{name}", value, minimum=1, inclusive=True, integer=True)
+    check_number("--repeats", args.repeats, minimum=1, inclusive=True, integer=True)
+    check_number("--warmup", args.warmup, minimum=0, inclusive=True, integer=True)
     for name in args.shapes:
         half = SHAPES[name].head_dim // 2
         if args.rope_pairs is not None and not 0 <= args.rope_pairs <= half:
-            raise ValueError(f"--rope-pairs must be in [0, {half}] for shape {name}, got {args.rope_pairs}")
+            raise UserError(f"--rope-pairs must be in [0, {half}] for shape {name}, got {args.rope_pairs}")
+    if args.output:
+        check_output_dir(args.output, overwrite=args.overwrite)
+
+
+def check_output_dir(output: str, *, overwrite: bool) -> Path:
+    """`output` as an absolute path if this command may write it: new, empty, or (with `overwrite`) a
+    directory holding only what this command wrote; else UserError / FileExistsError naming it."""
+    out = check_output(None, output, overwrite=overwrite, kind=None)
+    check_output(None, out, overwrite=True, kind="directory")  # not a file; writable
+    if out.is_dir() and any(out.iterdir()):
+        others = sorted(p.name for p in out.iterdir() if p.name not in OUTPUT_FILES)
+        if others:
+            raise UserError(
+                f"--output {out} holds files this command did not write ({', '.join(others[:3])}); "
+                "choose a new directory"
+            )
+        if (out / "results.json").exists():
+            check_replaceable(out / "results.json", "json")
+    return out
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -307,8 +331,23 @@ def write_outputs(record: dict, directory: str, *, overwrite: bool) -> None:
     from hf_attn.tooling.files import atomic_directory
 
     with atomic_directory(directory, overwrite=overwrite) as tmp:
-        (tmp / "results.json").write_text(json.dumps(record, indent=2) + "\n")
+        (tmp / "results.json").write_text(json_record(record, PROG))
         (tmp / "table.md").write_text(format_table(record) + "\n")
+
+
+def bench(args: argparse.Namespace) -> None:
+    """The command's work: options, `--output` and the GPU checked first, then the grid and the outputs."""
+    check_args(args)
+    if not torch.cuda.is_available():
+        raise UserError("needs a CUDA GPU (torch.cuda.is_available() is False); run it on a GPU machine")
+    if importlib.util.find_spec("triton") is None:
+        raise UserError("needs triton; install it with `pip install hf-attn[kernels]`")
+    record = run(args)
+    print(format_table(record))
+    copy = f"copy bandwidth {record['copy_gbps']:.0f} GB/s (read + write)"
+    print(f"\n{record['device']}, {record['dtype']}, {copy}, median of {record['repeats']} calls")
+    if args.output:
+        write_outputs(record, args.output, overwrite=args.overwrite)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -316,27 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     if parser.parse_args(argv).quick:  # the small grid as defaults: options given explicitly still win
         parser.set_defaults(**QUICK)
     args = parser.parse_args(argv)
-    try:
-        check_args(args)
-        if not torch.cuda.is_available():
-            raise ValueError("needs a CUDA GPU (torch.cuda.is_available() is False); run it on a GPU machine")
-        if importlib.util.find_spec("triton") is None:
-            raise ValueError("needs triton; install it with `pip install hf-attn[kernels]`")
-        if args.output:  # fail before measuring, not after
-            from pathlib import Path
-
-            if Path(args.output).exists() and not args.overwrite:
-                raise ValueError(f"--output {args.output} exists; pass --overwrite or choose a new directory")
-    except ValueError as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)
-        return 2
-    record = run(args)
-    print(format_table(record))
-    copy = f"copy bandwidth {record['copy_gbps']:.0f} GB/s (read + write)"
-    print(f"\n{record['device']}, {record['dtype']}, {copy}, median of {record['repeats']} calls")
-    if args.output:
-        write_outputs(record, args.output, overwrite=args.overwrite)
-    return 0
+    return run_command(PROG, lambda: bench(args))
 
 
 if __name__ == "__main__":

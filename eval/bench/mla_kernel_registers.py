@@ -11,13 +11,16 @@ Each row is a launch configuration `mla_decode` picks by default for a shape (th
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import subprocess
-import sys
 import tempfile
 
-PROG = "python -m eval.bench.mla_kernel_registers"
+from hf_attn.tooling.cli import ArgumentParser, run_command
+from hf_attn.tooling.errors import UserError, check_number
+
+PROG = "hf-attn bench mla-kernel-registers"
 # name -> (d_c, RoPE width 2r, rows M = Hkv * G * T, RoPE-key heads per KV head (True) or shared (False))
 SHAPES = {
     "llama3-8b per-head T=1": (512, 48, 32, True),
@@ -80,7 +83,7 @@ def ptxas_report(
         None,
     )
     if ptxas is None:
-        raise ValueError(f"no ptxas under {bin_dir}; install triton's NVIDIA backend")
+        raise UserError(f"no ptxas under {bin_dir}; install triton's NVIDIA backend")
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "k.ptx")
         with open(src, "w") as f:
@@ -92,7 +95,8 @@ def ptxas_report(
             text=True,
         )
     if out.returncode != 0:
-        raise ValueError(f"ptxas failed: {out.stderr.strip().splitlines()[-1]}")
+        last = (out.stderr.strip().splitlines() or ["no message"])[-1]
+        raise UserError(f"ptxas failed for --arch {arch}: {last}; try another --arch (90: H100)")
     regs = re.search(r"Used (\d+) registers", out.stderr)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", out.stderr)
     return {
@@ -104,7 +108,7 @@ def ptxas_report(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", type=int, default=90, help="CUDA compute capability x10 (90: H100)")
     p.add_argument("--dtype", default="float16", choices=list(TRITON_DTYPES))
     p.add_argument("--block-n", type=int, nargs="*", default=[], help="extra BLOCK_N values to report")
@@ -112,13 +116,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        print(f"{PROG}: error: needs triton; install it with `pip install hf-attn[kernels]`", file=sys.stderr)
-        return 2
+def check_args(args: argparse.Namespace) -> None:
+    """UserError naming the flag and the value: an architecture below sm_70, a BLOCK_N or num_warps that is
+    not a power of two (Triton's blocks and warps are), BLOCK_N below 16 (tl.dot's smallest)."""
+    check_number("--arch", args.arch, minimum=70, inclusive=True, integer=True)
+    for flag, values, least in (("--block-n", args.block_n, 16), ("--num-warps", args.num_warps, 1)):
+        for value in values:
+            if value < least or value & (value - 1):
+                raise UserError(f"{flag} must be a power of two >= {least}, got {value}")
+    if importlib.util.find_spec("triton") is None:
+        raise UserError("needs triton; install it with `pip install hf-attn[kernels]`")
+
+
+def report(args: argparse.Namespace) -> None:
+    """The command's work: the checks, then one table row per shape and launch configuration."""
+    check_args(args)
     print("| shape | BLOCK_M | BLOCK_N | BLOCK_DC | BLOCK_R | warps | registers | spills st/ld | smem |")
     print("|:---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, (dc, rope, rows, per_head) in SHAPES.items():
@@ -127,20 +139,18 @@ def main(argv: list[str] | None = None) -> int:
         variants += [launch_config(dc, rope, rows, block_n=n) for n in args.block_n]
         variants += [launch_config(dc, rope, rows, num_warps=w) for w in args.num_warps]
         for cfg in variants:
-            try:
-                r = ptxas_report(
-                    dtype=args.dtype, arch=args.arch, per_head=per_head, has_rope=rope > 0, cfg=cfg
-                )
-            except ValueError as err:
-                print(f"{PROG}: error: {err}", file=sys.stderr)
-                return 2
+            r = ptxas_report(dtype=args.dtype, arch=args.arch, per_head=per_head, has_rope=rope > 0, cfg=cfg)
             print(
                 f"| {name}{' (default)' if cfg is default else ''} | {cfg['BLOCK_M']} | {cfg['BLOCK_N']} "
                 f"| {cfg['BLOCK_DC']} | {cfg['BLOCK_R']} | {cfg['num_warps']} | {r['registers']} "
                 f"| {r['spill_store_bytes']}/{r['spill_load_bytes']} | {r['shared_bytes']} |",
                 flush=True,
             )
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_command(PROG, lambda: report(args))
 
 
 if __name__ == "__main__":

@@ -35,8 +35,9 @@ from hf_attn.conversion.checkpoint import latest_record
 from hf_attn.conversion.engine_dims import accepting_backends, platform_sizes
 from hf_attn.eval.engine import environment as env
 from hf_attn.eval.engine import reference as ref
-from hf_attn.tooling.cli import error, run_command
-from hf_attn.tooling.errors import UserError
+from hf_attn.tooling.cli import ArgumentParser, run_command
+from hf_attn.tooling.errors import UserError, check_number, one_line
+from hf_attn.tooling.files import check_output, json_record, write_text_atomic
 
 PROG = "hf-attn engine-check"
 FLOAT_TOL = 1e-3  # nats; fp32 kernels differ by ~1e-5 here (docs/serve.md), real faults by >= 1e-1
@@ -79,6 +80,17 @@ class Comparison:
 # ------------------------------------------------------------------------------------------------ inputs
 
 
+def _read_config(path: Path) -> dict:
+    """A config.json as a dict; UserError naming the file when it is not a JSON object."""
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as err:
+        raise UserError(f"{path} is not valid JSON ({one_line(err)}); repair or replace it") from err
+    if not isinstance(cfg, dict):
+        raise UserError(f"{path} is not a JSON object; it is not a transformers config")
+    return cfg
+
+
 def resolve_target(model: str | Path, source: str | Path | None = None) -> Target:
     """Validate `model` (an `hf-attn export` deepseek_v3 directory) and find its source; UserError naming
     the problem and the fix."""
@@ -88,7 +100,7 @@ def resolve_target(model: str | Path, source: str | Path | None = None) -> Targe
         raise UserError(
             f"--model {model} has no config.json; give an `hf-attn export --to deepseek_v3` output"
         )
-    cfg = json.loads(cfg_path.read_text())
+    cfg = _read_config(cfg_path)
     if cfg.get("model_type") != "deepseek_v3":
         raise UserError(
             f"--model {model} has model_type {cfg.get('model_type')!r}, not deepseek_v3; export it first "
@@ -104,7 +116,7 @@ def resolve_target(model: str | Path, source: str | Path | None = None) -> Targe
         source = record["source"]
     source = Path(source)
     src_cfg = source / "config.json"
-    if not src_cfg.is_file() or json.loads(src_cfg.read_text()).get("model_type") != "llama_mla":
+    if not src_cfg.is_file() or _read_config(src_cfg).get("model_type") != "llama_mla":
         raise UserError(
             f"source {source} is not a llama_mla checkpoint; pass --source MLA_DIR (what you exported)"
         )
@@ -331,8 +343,8 @@ def format_report(r: dict) -> str:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True, help="deepseek_v3 directory written by `hf-attn export`")
     parser.add_argument(
         "--source", default=None, help="its llama_mla checkpoint (default: from the export record)"
@@ -348,33 +360,33 @@ def main(argv: list[str] | None = None) -> int:
         "--engine-python", default=None, help=f"the engine's Python (default: {env.ENGINE_VENV})"
     )
     parser.add_argument("--json", default=None, help="also write the report here")
-    args = parser.parse_args(argv)
-    if args.new_tokens < 2:
-        return error(PROG, f"--new-tokens must be >= 2 (decode must run), got {args.new_tokens}")
-    reports: list[dict] = []
+    return parser
 
-    def check() -> None:
-        reports.append(
-            engine_check(
-                model=args.model,
-                source=args.source,
-                new_tokens=args.new_tokens,
-                rotary_workaround=args.rotary_workaround,
-                engine_python=args.engine_python,
-            )
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+
+    def check() -> int:
+        check_number("--new-tokens", args.new_tokens, minimum=2, inclusive=True, integer=True)  # decode runs
+        if args.json:
+            check_output(None, args.json, overwrite=True, flag="--json", kind="json")
+        report = engine_check(
+            model=args.model,
+            source=args.source,
+            new_tokens=args.new_tokens,
+            rotary_workaround=args.rotary_workaround,
+            engine_python=args.engine_python,
         )
+        print(format_report(report))
+        if args.json:
+            write_text_atomic(args.json, json_record(report, PROG))
+        return 0 if report["passed"] else 1
 
     try:
-        status = run_command(PROG, check)
+        return run_command(PROG, check)
     except RuntimeError as err:  # the engine itself failed: not a user mistake
         print(f"{PROG}: the vLLM worker failed: {err}", file=sys.stderr)
         return 1
-    if status:
-        return status
-    print(format_report(reports[0]))
-    if args.json:
-        Path(args.json).write_text(json.dumps(reports[0], indent=2) + "\n")
-    return 0 if reports[0]["passed"] else 1
 
 
 if __name__ == "__main__":

