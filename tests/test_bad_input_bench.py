@@ -288,3 +288,14 @@ def test_no_bench_command_builds_a_plain_argparse_parser():
         if "argparse.ArgumentParser(" in path.read_text(encoding="utf-8")
     ]
     assert set(plain) <= {"eval/bench/stream.py", "eval/bench/scale.py", "eval/engine/bench.py"}, plain
+
+
+def test_mla_kernel_output_is_replaced_only_when_this_command_wrote_it(tmp_path):
+    """The guard lets `--overwrite` replace a directory `hf-attn bench mla-kernel` wrote, nothing else."""
+    out = tmp_path / "kernel"
+    mla_kernel.write_outputs({"copy_gbps": 1.0, "rows": []}, str(out), overwrite=False)
+    assert sorted(p.name for p in out.iterdir()) == sorted(mla_kernel.OUTPUT_FILES)
+    assert mla_kernel.check_output_dir(str(out), overwrite=True) == out
+    (out / "results.json").write_text("{}")  # no longer this command's record
+    with pytest.raises(ValueError, match="not a JSON record hf-attn wrote"):
+        mla_kernel.check_output_dir(str(out), overwrite=True)
