@@ -5,8 +5,8 @@
 - `read_config` / `check_supported` / `AttentionGeometry`: what a converter may rely on.
 - `tensor_index` / `iter_tensors` / `read_tensor`: safetensors read with plain file reads (no mmap), one
   tensor in memory at a time, over a single `model.safetensors` or a sharded `model.safetensors.index.json`.
-- `ShardedWriter`: streams converted tensors to safetensors shards (at most `max_shard_bytes` each) plus the
-  index; each tensor is written to disk as soon as it arrives, so memory stays at one tensor.
+- `save_streamed`: a complete checkpoint written atomically, its tensors streamed through
+  `shards.ShardedWriter` (one tensor in memory at a time).
 - `copy_side_files`, `conversion_record`, `add_record`, `write_config`: everything that is not weights, and
   the conversion record kept in `config.json["hf_attn"]` (`history`: every step so far, `last`: the newest
   one; one schema for converters and healing: `conversion_record`).
@@ -21,39 +21,28 @@ import json
 import os
 import shutil
 import struct
-from collections.abc import Callable, Iterable, Iterator, MutableMapping
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from hf_attn.conversion.shards import (
+    DEFAULT_MAX_SHARD_BYTES,
+    INDEX_FILE,
+    SAFETENSORS_DTYPES,
+    SINGLE_FILE,
+    ShardedWriter,
+    SpilledLayers,  # noqa: F401  (importers not yet moved to shards)
+)
 from hf_attn.models.llama_mla.configuration_llama_mla import SOURCE_MODEL_TYPES
 from hf_attn.tooling.errors import UserError, one_line
 from hf_attn.tooling.files import TENSOR_SUFFIXES, check_output
 from hf_attn.tooling.loading import check_safetensors_file, dtype_name, parse_dtype, resolve_model
 
 CONFIG_NAME = "config.json"
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 # A converter rewrites weights and config itself; every other file (not a TENSOR_SUFFIXES one) is a side file.
 _NOT_SIDE_FILES = (CONFIG_NAME, INDEX_FILE, "pytorch_model.bin.index.json")
-
-_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 
 
 # --------------------------------------------------------------------------------------------- model
@@ -254,11 +243,11 @@ def tensor_index(model_dir: str | os.PathLike) -> dict[str, TensorInfo]:
         header, data_start = _read_header(path)
         header.pop("__metadata__", None)
         for name, h in header.items():
-            if h["dtype"] not in _DTYPES:
+            if h["dtype"] not in SAFETENSORS_DTYPES:
                 raise UserError(f"{path.name}: tensor {name} has unsupported dtype {h['dtype']}")
             begin, end = h["data_offsets"]
             out[name] = TensorInfo(
-                path, _DTYPES[h["dtype"]], tuple(h["shape"]), data_start + begin, data_start + end
+                path, SAFETENSORS_DTYPES[h["dtype"]], tuple(h["shape"]), data_start + begin, data_start + end
             )
     return out
 
@@ -290,173 +279,6 @@ def iter_tensors(
         if name not in index:
             raise KeyError(f"Tensor {name!r} is missing from the checkpoint {model_dir}.")
         yield name, read_tensor(index[name])
-
-
-# --------------------------------------------------------------------------------------------- writing
-
-
-class ShardedWriter:
-    """Stream tensors into safetensors shards of at most `max_shard_bytes` (one tensor may exceed it).
-
-    Each tensor's bytes go to the shard file immediately, behind `HEADER_RESERVE` bytes kept for the header;
-    when the shard is full its header is written into them (padded with spaces, which the safetensors JSON
-    header allows), so every byte is written once and memory never holds more than the tensor being added.
-    A header longer than the reserve (thousands of tensors in a shard) falls back to copying the data
-    behind it in chunks.
-    Tensors whose byte size is not a multiple of 8 are held back to the end of their shard so every other
-    tensor stays 8-byte aligned. `close()` names the shards `model-0000k-of-0000n.safetensors` and writes
-    `model.safetensors.index.json`, or a single `model.safetensors` when everything fits in one shard.
-    """
-
-    HEADER_RESERVE = 64 * 1024  # bytes before a shard's data kept for its header (~150 bytes per tensor)
-
-    def __init__(self, directory: str | os.PathLike, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES):
-        if max_shard_bytes <= 0:
-            raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-        self.directory = Path(directory)
-        self.max_shard_bytes = max_shard_bytes
-        self.shards: list[tuple[Path, list[str]]] = []  # finished shard files and their tensor names
-        self.total_size = 0
-        self._names: set[str] = set()
-        self._data = None  # open scratch file of the current shard
-        self._entries: list[tuple[str, str, tuple[int, ...], int, int]] = []
-        self._held: list[tuple[str, torch.Tensor]] = []
-        self._size = 0
-
-    def __enter__(self) -> ShardedWriter:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        elif self._data is not None:
-            self._data.close()
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        if name in self._names:
-            raise ValueError(f"Tensor {name!r} written twice")
-        if tensor.dtype not in _DTYPE_NAMES:
-            raise ValueError(f"Tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot store")
-        self._names.add(name)
-        tensor = tensor.detach().to("cpu").contiguous()
-        nbytes = tensor.numel() * tensor.element_size()
-        if self._size and self._size + nbytes > self.max_shard_bytes:
-            self._finish_shard()
-        self._size += nbytes
-        self.total_size += nbytes
-        if nbytes % 8:
-            self._held.append((name, tensor))
-        else:
-            self._write(name, tensor)
-
-    def _write(self, name: str, tensor: torch.Tensor) -> None:
-        if self._data is None:
-            self._data = open(self.directory / f".shard-{len(self.shards)}.safetensors", "w+b")
-            self._data.seek(8 + self.HEADER_RESERVE)
-        begin = self._data.tell() - 8 - self.HEADER_RESERVE
-        if tensor.numel():
-            self._data.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
-        end = begin + tensor.numel() * tensor.element_size()
-        self._entries.append((name, _DTYPE_NAMES[tensor.dtype], tuple(tensor.shape), begin, end))
-
-    def _finish_shard(self) -> None:
-        for name, tensor in self._held:
-            self._write(name, tensor)
-        self._held = []
-        if self._data is None:
-            return
-        header = {"__metadata__": {"format": "pt"}}
-        for name, dtype, shape, begin, end in self._entries:
-            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [begin, end]}
-        blob = json.dumps(header, separators=(",", ":")).encode()
-        blob += b" " * (-len(blob) % 8)  # pad so the data section starts 8-byte aligned
-        path = self.directory / f".shard-{len(self.shards)}.safetensors"
-        if len(blob) <= self.HEADER_RESERVE:  # the header fits the room left before the data: write it there
-            self._data.seek(0)
-            self._data.write(struct.pack("<Q", self.HEADER_RESERVE))
-            self._data.write(blob + b" " * (self.HEADER_RESERVE - len(blob)))
-            self._data.close()
-        else:  # too many tensors for the reserve: header first, then the data copied behind it
-            moved = self.directory / f".shard-{len(self.shards)}.data"
-            self._data.close()
-            os.rename(path, moved)
-            with open(moved, "rb") as data, open(path, "wb") as out:
-                out.write(struct.pack("<Q", len(blob)))
-                out.write(blob)
-                data.seek(8 + self.HEADER_RESERVE)
-                shutil.copyfileobj(data, out, 16 * 1024 * 1024)
-            os.unlink(moved)
-        self.shards.append((path, [e[0] for e in self._entries]))
-        self._data, self._entries, self._size = None, [], 0
-
-    def close(self) -> list[Path]:
-        """Finish the last shard, give the shards their final names, write the index; returns the files."""
-        self._finish_shard()
-        if not self.shards:
-            raise ValueError("ShardedWriter closed without any tensor")
-        if len(self.shards) == 1:
-            final = self.directory / SINGLE_FILE
-            self.shards[0][0].rename(final)
-            return [final]
-        n = len(self.shards)
-        weight_map, files = {}, []
-        for k, (path, names) in enumerate(self.shards):
-            final = self.directory / f"model-{k + 1:05d}-of-{n:05d}.safetensors"
-            path.rename(final)
-            files.append(final)
-            weight_map.update(dict.fromkeys(names, final.name))
-        index = {"metadata": {"total_size": self.total_size}, "weight_map": dict(sorted(weight_map.items()))}
-        (self.directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        return files
-
-
-class SpilledLayers(MutableMapping):
-    """New attention tensors per layer ("q_proj.weight", ... of `model.layers.i.self_attn`), kept on disk:
-    layer i is written to `directory`/layer-i.safetensors in the dtype of the tensor it replaces (`index`:
-    name -> TensorInfo of the checkpoint being rewritten; what the save casts to anyway) and read back on
-    access, the last layer read cached (calibrated GQA's fits, refinement's refitted layers). None entries
-    (absent biases) are not stored and read back as absent (`.get` gives None)."""
-
-    def __init__(self, directory: Path, index: dict[str, TensorInfo]) -> None:
-        self.directory, self.index = Path(directory), index
-        self._layers: set[int] = set()
-        self._cached: tuple[int, dict[str, torch.Tensor]] | None = None
-
-    def _path(self, layer: int) -> Path:
-        return self.directory / f"layer-{layer}.safetensors"
-
-    def __setitem__(self, layer: int, tensors: dict[str, torch.Tensor | None]) -> None:
-        from safetensors.torch import save_file
-
-        kept = {}
-        for key, tensor in tensors.items():
-            if tensor is not None:
-                dtype = self.index[f"model.layers.{layer}.self_attn.{key}"].dtype
-                kept[key] = tensor.to(device="cpu", dtype=dtype).contiguous()
-        save_file(kept, str(self._path(layer)))
-        self._layers.add(layer)
-        self._cached = None
-
-    def __getitem__(self, layer: int) -> dict[str, torch.Tensor]:
-        from safetensors.torch import load_file
-
-        if layer not in self._layers:
-            raise KeyError(layer)
-        if self._cached is None or self._cached[0] != layer:
-            self._cached = None  # drop the previous layer before reading the next
-            self._cached = (layer, load_file(str(self._path(layer))))
-        return self._cached[1]
-
-    def __delitem__(self, layer: int) -> None:
-        self._layers.remove(layer)
-        self._path(layer).unlink()
-        self._cached = None
-
-    def __iter__(self):
-        return iter(sorted(self._layers))
-
-    def __len__(self) -> int:
-        return len(self._layers)
 
 
 # --------------------------------------------------------------------------------------------- side files
@@ -645,8 +467,6 @@ def save_streamed(
 __all__ = [
     "ATTENTION_PROJECTIONS",
     "AttentionGeometry",
-    "ShardedWriter",
-    "SpilledLayers",
     "Source",
     "TensorInfo",
     "add_record",

@@ -55,8 +55,6 @@ import torch
 
 from hf_attn.conversion import cli
 from hf_attn.conversion.checkpoint import (
-    DEFAULT_MAX_SHARD_BYTES,
-    ShardedWriter,
     add_record,
     check_supported,
     conversion_record,
@@ -77,6 +75,7 @@ from hf_attn.conversion.export_plan import (  # noqa: F401  (re-exported: the pl
     deepseek_config,
     plan_export,
 )
+from hf_attn.conversion.shards import DEFAULT_MAX_SHARD_BYTES, ShardedWriter
 from hf_attn.models.llama_mla import LlamaMLAConfig
 from hf_attn.tooling.cli import ArgumentParser, add_deprecated_alias, run_command
 from hf_attn.tooling.errors import UserError, user_input

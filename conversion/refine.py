@@ -29,7 +29,7 @@ on. The parameter shapes never change, so the output has the converted checkpoin
 
 Both models are read from their safetensors one decoder layer at a time (`layerwise.LayerwiseModel`), in fp32
 on `--device`: memory is one layer of each model plus 3 N T E floats of hidden states, whatever the depth (a
-7B pair fits one GPU). Refitted layers wait in a scratch directory (`checkpoint.SpilledLayers`) until the
+7B pair fits one GPU). Refitted layers wait in a scratch directory (`shards.SpilledLayers`) until the
 output is streamed: every other tensor is copied from the converted checkpoint as it is.
 """
 
@@ -48,7 +48,6 @@ from tqdm.auto import tqdm
 
 from hf_attn.conversion.calibration import DEFAULT_CORPUS, DEFAULT_WINDOW, calibration_ids, corpus_record
 from hf_attn.conversion.checkpoint import (
-    SpilledLayers,
     add_record,
     conversion_record,
     names_in_file_order,
@@ -57,6 +56,7 @@ from hf_attn.conversion.checkpoint import (
     save_streamed,
 )
 from hf_attn.conversion.layerwise import DEVICES, LayerwiseModel, resolve_forward
+from hf_attn.conversion.shards import SpilledLayers
 from hf_attn.tooling import assets, loading
 from hf_attn.tooling.cli import (
     ArgumentParser,

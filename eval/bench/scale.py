@@ -194,7 +194,8 @@ def write_synthetic(
     from tqdm import tqdm
 
     from hf_attn.conversion.calibration import default_calibration_files
-    from hf_attn.conversion.checkpoint import ShardedWriter, write_config
+    from hf_attn.conversion.checkpoint import write_config
+    from hf_attn.conversion.shards import ShardedWriter
 
     if isinstance(shape, str) and shape not in SHAPES:
         raise UserError(f"Unknown shape {shape!r}; choose one of {sorted(SHAPES)}")
