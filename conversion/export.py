@@ -97,6 +97,15 @@ def _attn(layer: int, name: str) -> str:
     return f"model.layers.{layer}.self_attn.{name}"
 
 
+def _dense_layer_shapes(prefix: str, *, hidden: int, intermediate: int) -> dict[str, tuple[int, ...]]:
+    """The norm and MLP weights of one decoder layer (`prefix` "model.layers.i."), alike in both layouts."""
+    shapes = {prefix + n + ".weight": (hidden,) for n in _LAYER_NORMS}
+    shapes[prefix + "mlp.gate_proj.weight"] = (intermediate, hidden)
+    shapes[prefix + "mlp.up_proj.weight"] = (intermediate, hidden)
+    shapes[prefix + "mlp.down_proj.weight"] = (hidden, intermediate)
+    return shapes
+
+
 def source_shapes(plan: ExportPlan, config: LlamaMLAConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the source may hold (lm_head.weight only if untied; biases only if configured)."""
     E, Hq, Hkv, d, dc, dn = (
@@ -111,9 +120,7 @@ def source_shapes(plan: ExportPlan, config: LlamaMLAConfig) -> dict[str, tuple[i
     shapes = {"model.embed_tokens.weight": (V, E), "model.norm.weight": (E,), "lm_head.weight": (V, E)}
     for i in range(plan.num_layers):
         pre = f"model.layers.{i}."
-        shapes.update({pre + n + ".weight": (E,) for n in _LAYER_NORMS})
-        shapes.update({pre + "mlp.gate_proj.weight": (F, E), pre + "mlp.up_proj.weight": (F, E)})
-        shapes[pre + "mlp.down_proj.weight"] = (E, F)
+        shapes.update(_dense_layer_shapes(pre, hidden=E, intermediate=F))
         if getattr(config, "mlp_bias", False):
             shapes.update({pre + f"mlp.{n}.bias": (E if n == "down_proj" else F,) for n in _MLP})
         attn = {
@@ -153,9 +160,7 @@ def target_shapes(plan: ExportPlan, config: LlamaMLAConfig) -> dict[str, tuple[i
     shapes = {"model.embed_tokens.weight": (V, E), "model.norm.weight": (E,), "lm_head.weight": (V, E)}
     for i in range(plan.num_layers):
         pre = f"model.layers.{i}."
-        shapes.update({pre + n + ".weight": (E,) for n in _LAYER_NORMS})
-        shapes.update({pre + "mlp.gate_proj.weight": (F, E), pre + "mlp.up_proj.weight": (F, E)})
-        shapes[pre + "mlp.down_proj.weight"] = (E, F)
+        shapes.update(_dense_layer_shapes(pre, hidden=E, intermediate=F))
         shapes[_attn(i, "q_proj.weight")] = (Hq * (dn + R), E)
         shapes[_attn(i, "kv_a_proj_with_mqa.weight")] = (D + R, E)
         shapes[_attn(i, "kv_a_layernorm.weight")] = (D,)
