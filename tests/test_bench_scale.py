@@ -6,13 +6,13 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from hf_attn.eval.bench import scale
+from hf_attn.eval.bench import scale, synthetic
 
 
 def _tiny(tmp_path, max_shard_bytes=200_000):
     text = tmp_path / "text.txt"
     text.write_text("It is a truth universally acknowledged, that a single man in possession.\n" * 50)
-    return scale.write_synthetic(
+    return synthetic.write_synthetic(
         tmp_path / "src",
         shape="tiny",
         max_shard_bytes=max_shard_bytes,
@@ -23,7 +23,7 @@ def _tiny(tmp_path, max_shard_bytes=200_000):
 
 def test_synthetic_checkpoint_loads_with_the_intended_config(tmp_path):
     src = _tiny(tmp_path)
-    dims = scale.SHAPES["tiny"]
+    dims = synthetic.SHAPES["tiny"]
     index = json.loads((src / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 1  # sharded, like the hub's
@@ -36,7 +36,7 @@ def test_synthetic_checkpoint_loads_with_the_intended_config(tmp_path):
                 stored[key] = t
                 total += t.numel() * t.element_size()
     assert index["metadata"]["total_size"] == total
-    assert {k: tuple(v.shape) for k, v in stored.items()} == dict(scale.tensor_shapes(dims))
+    assert {k: tuple(v.shape) for k, v in stored.items()} == dict(synthetic.tensor_shapes(dims))
     assert all(t.dtype == torch.bfloat16 for t in stored.values())
 
     config = AutoConfig.from_pretrained(src)
@@ -54,7 +54,7 @@ def test_synthetic_checkpoint_loads_with_the_intended_config(tmp_path):
     assert not torch.equal(params["lm_head.weight"], params["model.embed_tokens.weight"])  # untied
     assert torch.equal(params["model.norm.weight"], torch.ones(dims["hidden_size"], dtype=torch.bfloat16))
     std = stored["model.layers.0.self_attn.q_proj.weight"].float().std().item()
-    assert abs(std - scale.WEIGHT_STD) < 0.1 * scale.WEIGHT_STD
+    assert abs(std - synthetic.WEIGHT_STD) < 0.1 * synthetic.WEIGHT_STD
 
     tokenizer = AutoTokenizer.from_pretrained(src)
     ids = tokenizer("a single man in possession of an unseen word", add_special_tokens=False)["input_ids"]
@@ -65,7 +65,7 @@ def test_synthetic_checkpoint_loads_with_the_intended_config(tmp_path):
 
 
 def test_runner_gives_a_row_for_mean_pooling(tmp_path):
-    src = _tiny(tmp_path, max_shard_bytes=scale.HUB_SHARD_BYTES)
+    src = _tiny(tmp_path, max_shard_bytes=synthetic.HUB_SHARD_BYTES)
     dst = tmp_path / "out"
     row = scale.run_step(
         shape="tiny",
@@ -80,7 +80,7 @@ def test_runner_gives_a_row_for_mean_pooling(tmp_path):
     assert row.status == "ok", row.note
     assert not dst.exists()  # deleted right after measuring
     # the output: the source less half the K/V projection bytes (2 KV heads pooled into 1)
-    dims = scale.SHAPES["tiny"]
+    dims = synthetic.SHAPES["tiny"]
     kv = (
         2
         * dims["num_hidden_layers"]
@@ -96,7 +96,7 @@ def test_runner_gives_a_row_for_mean_pooling(tmp_path):
 
 
 def test_failed_step_is_a_row_not_a_crash(tmp_path):
-    src = _tiny(tmp_path, max_shard_bytes=scale.HUB_SHARD_BYTES)
+    src = _tiny(tmp_path, max_shard_bytes=synthetic.HUB_SHARD_BYTES)
     row = scale.run_step(
         shape="tiny",
         converter="gqa mean 2->3",
@@ -111,7 +111,7 @@ def test_failed_step_is_a_row_not_a_crash(tmp_path):
 
 
 def test_a_converter_over_the_rss_limit_is_killed_and_said_so(tmp_path):
-    src = _tiny(tmp_path, max_shard_bytes=scale.HUB_SHARD_BYTES)
+    src = _tiny(tmp_path, max_shard_bytes=synthetic.HUB_SHARD_BYTES)
     row = scale.run_step(
         shape="tiny",
         converter="gqa mean 2->1",
@@ -127,7 +127,7 @@ def test_a_converter_over_the_rss_limit_is_killed_and_said_so(tmp_path):
 
 
 def test_refine_rows_stream_the_pooled_model_against_its_source(tmp_path):
-    src = _tiny(tmp_path, max_shard_bytes=scale.HUB_SHARD_BYTES)
+    src = _tiny(tmp_path, max_shard_bytes=synthetic.HUB_SHARD_BYTES)
     rows = scale.refine_rows("tiny", src=src, workdir=tmp_path, device="cpu", rss_limit=None)
     assert [r.status for r in rows] == ["ok", "ok"], [r.note for r in rows]
     assert rows[1].converter.startswith("refine") and rows[1].peak_rss_bytes > 0

@@ -221,11 +221,11 @@ def plan_calibration(settings: dict) -> list[str]:
     import importlib
 
     from hf_attn.conversion.calibration import default_calibration_files
-    from hf_attn.eval.bench import scale
+    from hf_attn.eval.bench import scale, synthetic
 
     s = settings
-    if s["shape"] not in scale.SHAPES:
-        raise ValueError(f"calibration.shape: unknown {s['shape']!r}; choose from {sorted(scale.SHAPES)}")
+    if s["shape"] not in synthetic.SHAPES:
+        raise ValueError(f"calibration.shape: unknown {s['shape']!r}; choose from {sorted(synthetic.SHAPES)}")
     if s["calibration_tokens"] < 1:
         raise ValueError(f"calibration.calibration_tokens must be positive, got {s['calibration_tokens']}")
     default_calibration_files()  # the synthetic tokenizer is trained on it
@@ -249,8 +249,8 @@ def plan_calibration(settings: dict) -> list[str]:
         raise ValueError(
             f"calibration.steps {s['steps']} select nothing; use 'gqa calibrated', 'mla', 'refine'"
         )
-    dims = scale.SHAPES[s["shape"]]
-    gb = 2 * sum(math.prod(size) for _, size in scale.tensor_shapes(dims)) / 1e9
+    dims = synthetic.SHAPES[s["shape"]]
+    gb = 2 * sum(math.prod(size) for _, size in synthetic.tensor_shapes(dims)) / 1e9
     return [f"synthetic {s['shape']} source, {gb:.1f} GB bf16"] + lines
 
 
@@ -269,7 +269,7 @@ def _scale_row(r, shape: str) -> dict:
 
 
 def run_calibration(settings: dict, emit) -> None:
-    from hf_attn.eval.bench import scale
+    from hf_attn.eval.bench import scale, synthetic
 
     if not torch.cuda.is_available():
         raise RuntimeError("calibration needs a CUDA GPU")
@@ -279,7 +279,7 @@ def run_calibration(settings: dict, emit) -> None:
     try:
         src = work / f"{shape}-source"
         start = time.perf_counter()
-        scale.write_synthetic(src, shape=shape, progress=False)
+        synthetic.write_synthetic(src, shape=shape, progress=False)
         emit(
             dict(
                 converter="write synthetic source", status="ok", wall_s=round(time.perf_counter() - start, 1)

@@ -25,6 +25,7 @@ Rows are written (JSON and markdown) after every measurement, so an interrupted 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -37,186 +38,12 @@ from pathlib import Path
 
 import torch
 
+from hf_attn.eval.bench.synthetic import SHAPES, write_synthetic
 from hf_attn.tooling.errors import UserError
 
 PROG = "hf-attn bench scale"
 
-# (shape notation) H query heads, G KV heads, D head dim, d hidden, f intermediate, V vocabulary, L layers
-SHAPES: dict[str, dict] = {
-    "llama-2-7b": dict(
-        hidden_size=4096,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=32,
-        head_dim=128,
-        intermediate_size=11008,
-        vocab_size=32000,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        rope_scaling=None,
-        bos_token_id=1,
-        eos_token_id=2,
-    ),
-    "llama-3-8b": dict(
-        hidden_size=4096,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        intermediate_size=14336,
-        vocab_size=128256,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        rope_scaling=dict(
-            rope_type="llama3",
-            factor=8.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=8192,
-        ),
-        bos_token_id=128000,
-        eos_token_id=128001,
-    ),
-    # a few-MB stand-in with the same structure (GQA, llama3 scaling, untied), for tests and dry runs
-    "tiny": dict(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        vocab_size=1024,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        rope_scaling=dict(
-            rope_type="llama3",
-            factor=8.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=128,
-        ),
-        bos_token_id=1,
-        eos_token_id=2,
-    ),
-}
-HUB_SHARD_BYTES = 5_000_000_000  # the hub's max_shard_size="5GB"
-WEIGHT_STD = 0.02
-ROW_BLOCK_BYTES = 64 * 1024**2  # float32 bytes drawn at a time
 REFINE_TOKENS = 256  # calibration tokens of the refine step (one window, one Adam step per layer)
-UNK = "[UNK]"
-
-
-def llama_config(shape: dict) -> dict:
-    """config.json of a Llama checkpoint with these dimensions, in the hub's (transformers 4) spelling."""
-    config = dict(
-        architectures=["LlamaForCausalLM"],
-        model_type="llama",
-        attention_bias=False,
-        attention_dropout=0.0,
-        hidden_act="silu",
-        initializer_range=WEIGHT_STD,
-        mlp_bias=False,
-        pretraining_tp=1,
-        tie_word_embeddings=False,
-        torch_dtype="bfloat16",
-        use_cache=True,
-        **shape,
-    )
-    if config["rope_scaling"] is None:
-        del config["rope_scaling"]
-    return config
-
-
-def tensor_shapes(shape: dict) -> list[tuple[str, tuple[int, ...]]]:
-    """Every weight of the Llama checkpoint with its shape, in the hub's order (embeddings, layers, head)."""
-    d, f, V = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
-    H, G, D = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
-    out = [("model.embed_tokens.weight", (V, d))]
-    for i in range(shape["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        out += [
-            (p + "input_layernorm.weight", (d,)),
-            (p + "mlp.down_proj.weight", (d, f)),
-            (p + "mlp.gate_proj.weight", (f, d)),
-            (p + "mlp.up_proj.weight", (f, d)),
-            (p + "post_attention_layernorm.weight", (d,)),
-            (p + "self_attn.k_proj.weight", (G * D, d)),
-            (p + "self_attn.o_proj.weight", (d, H * D)),
-            (p + "self_attn.q_proj.weight", (H * D, d)),
-            (p + "self_attn.v_proj.weight", (G * D, d)),
-        ]
-    out += [("model.norm.weight", (d,)), ("lm_head.weight", (V, d))]
-    return out
-
-
-def random_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
-    """bf16 weight: ones for norms, else N(0, WEIGHT_STD^2) drawn in float32 blocks of rows, (shape)."""
-    if name.endswith("norm.weight"):
-        return torch.ones(shape, dtype=torch.bfloat16)
-    out = torch.empty(shape, dtype=torch.bfloat16)
-    rows = max(1, ROW_BLOCK_BYTES // (4 * shape[-1]))
-    for start in range(0, shape[0], rows):
-        block = torch.randn((min(rows, shape[0] - start), shape[-1]), generator=generator)  # (rows, cols)
-        out[start : start + rows] = block.mul_(WEIGHT_STD)
-    return out
-
-
-def write_tokenizer(directory: Path, *, vocab_size: int, files: list[Path]) -> None:
-    """A word-level tokenizer trained on `files`, with fewer than `vocab_size` ids (all valid embeddings)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    size = min(vocab_size, 16000)
-    tokenizer = Tokenizer(models.WordLevel(unk_token=UNK))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.WordLevelTrainer(vocab_size=size, special_tokens=[UNK, "<s>", "</s>"])
-    tokenizer.train([str(f) for f in files], trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, unk_token=UNK, bos_token="<s>", eos_token="</s>"
-    )
-    fast.save_pretrained(directory)
-
-
-def write_synthetic(
-    directory: str | os.PathLike,
-    *,
-    shape: str | dict,
-    seed: int = 0,
-    max_shard_bytes: int = HUB_SHARD_BYTES,
-    tokenizer_files: list[Path] | None = None,
-    progress: bool = True,
-) -> Path:
-    """Write a random bf16 Llama checkpoint of `shape` (a SHAPES key, or such dims themselves) into new
-    `directory`; returns it. config.json comes last: its presence marks a complete checkpoint."""
-    from tqdm import tqdm
-
-    from hf_attn.conversion.calibration import default_calibration_files
-    from hf_attn.conversion.checkpoint import write_config
-    from hf_attn.conversion.shards import ShardedWriter
-
-    if isinstance(shape, str) and shape not in SHAPES:
-        raise UserError(f"Unknown shape {shape!r}; choose one of {sorted(SHAPES)}")
-    dims = SHAPES[shape] if isinstance(shape, str) else shape
-    label = shape if isinstance(shape, str) else f"{dims['num_hidden_layers']}-layer checkpoint"
-    directory = Path(directory)
-    directory.mkdir(parents=True)
-    generator = torch.Generator().manual_seed(seed)
-    names = tensor_shapes(dims)
-    with ShardedWriter(directory, max_shard_bytes=max_shard_bytes) as writer:
-        for name, tensor_shape in tqdm(names, desc=f"write {label}", unit="tensor", disable=not progress):
-            tensor = random_tensor(name, tensor_shape, generator)
-            writer.add(name, tensor)
-            del tensor
-    (directory / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": dims["bos_token_id"], "eos_token_id": dims["eos_token_id"]}) + "\n"
-    )
-    files = default_calibration_files() if tokenizer_files is None else tokenizer_files
-    write_tokenizer(directory, vocab_size=dims["vocab_size"], files=files)
-    write_config(directory, llama_config(dims))
-    return directory
 
 
 # --------------------------------------------------------------------------------------------- measuring
@@ -299,11 +126,7 @@ def child_argv(module: str, *, cuda: bool) -> list[str]:
         "from hf_attn.eval.bench.memory import status_bytes\n"
         "def report():\n"
         "    print('PEAK_RSS', status_bytes('VmHWM'), file=sys.stderr)\n"
-        + (
-            "    import torch; print('CUDA_PEAK', torch.cuda.max_memory_allocated(), file=sys.stderr)\n"
-            if cuda
-            else ""
-        )
+        + (_CUDA_REPORT if cuda else "")
         + "atexit.register(report)\n"
         f"sys.argv = [{module!r}] + sys.argv[1:]\n"
         f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n"
@@ -350,12 +173,17 @@ def run_step(
     return row
 
 
+def pooled_kv_heads(dims: dict) -> int:
+    """KV heads of the pooled GQA steps for a shape's `dims`: 32 -> 8 (Llama-2-7B), 8 -> 1 (Llama-3-8B)."""
+    G = dims["num_key_value_heads"]
+    return G // 4 if G >= 32 else 1
+
+
 def refine_rows(shape: str, *, src: Path, workdir: Path, device: str, rss_limit: int | None) -> list[Row]:
     """`hf-attn refine` of the mean-pooled model against the source, both streamed layer by layer: its
     memory and time with one Adam step per layer on REFINE_TOKENS tokens (a measurement of the streaming,
     not a quality run). The pooled input is written first (its own row) and both are deleted afterwards."""
-    dims = SHAPES[shape]
-    pooled = dims["num_key_value_heads"] // 4 if dims["num_key_value_heads"] >= 32 else 1
+    pooled = pooled_kv_heads(SHAPES[shape])
     mean = workdir / f"{shape}-gqa-mean"
     rows = [
         run_step(
@@ -415,7 +243,7 @@ def plan(shape: str, *, calibration: list[str], device_args: list[str]) -> list[
     """(converter label, module, arguments after --model/--output) for one shape, in running order."""
     dims = SHAPES[shape]
     H, G = dims["num_attention_heads"], dims["num_key_value_heads"]
-    pooled = G // 4 if G >= 32 else 1  # 32 -> 8 (Llama-2-7B), 8 -> 1 (Llama-3-8B)
+    pooled = pooled_kv_heads(dims)
     steps = []
     expand_note = "expand (no-op: already MHA)" if G == H else f"expand {G}->{H} (MHA)"
     steps.append((expand_note, "hf_attn.conversion.expand", []))
@@ -437,6 +265,58 @@ def plan(shape: str, *, calibration: list[str], device_args: list[str]) -> list[
     return steps
 
 
+def write_source(shape: str, src: Path) -> Row:
+    """Write the synthetic checkpoint of `shape` to `src`; its row (wall time, size, shard count)."""
+    start = time.perf_counter()
+    write_synthetic(src, shape=shape)
+    return Row(
+        shape=shape,
+        converter="write synthetic source",
+        command=f"write_synthetic(shape={shape!r})",
+        device="cpu",
+        wall_s=round(time.perf_counter() - start, 1),
+        output_bytes=weight_bytes(src),
+        note=f"{len(list(src.glob('*.safetensors')))} shards",
+    )
+
+
+def export_steps(
+    shape: str, *, src: Path, workdir: Path, mla_args: list[str], keep: bool, step, emit
+) -> None:
+    """The MLA DeepSeek-layout conversion of `src` (with `mla_args`), then its export to deepseek_v3 after
+    `src` is deleted (unless `keep`): at most two checkpoints on disk. `step`: `run_step` with the shape's
+    common arguments bound; each row goes to `emit` as soon as it is measured."""
+    mla = workdir / f"{shape}-mla-deepseek"
+    args = ["--model", str(src), "--output", str(mla), "--layout", "deepseek", "--kv-budget", "0.5"]
+    emit(
+        step(
+            converter="mla --layout deepseek --kv-budget 0.5",
+            module="hf_attn.conversion.mla",
+            args=[*args, *mla_args],
+            src=src,
+            dst=mla,
+            keep=True,
+        )
+    )
+    if not keep:
+        shutil.rmtree(src)  # at most two checkpoints on disk: the MLA source of the export and its output
+    if mla.exists():
+        dst = workdir / f"{shape}-deepseek-v3"
+        emit(
+            step(
+                converter="export --to deepseek_v3",
+                module="hf_attn.conversion.export",
+                args=["--to", "deepseek_v3", "--model", str(mla), "--output", str(dst)],
+                src=mla,
+                dst=dst,
+                device="cpu",
+                keep=keep,
+            )
+        )
+        if not keep:
+            shutil.rmtree(mla)
+
+
 def run_shape(
     shape: str,
     *,
@@ -448,41 +328,20 @@ def run_shape(
     emit,
     rss_limit: int | None = None,
 ) -> None:
+    """Every step of one shape, each row passed to `emit` as soon as it is measured."""
     src = workdir / f"{shape}-source"
-    start = time.perf_counter()
-    write_synthetic(src, shape=shape)
-    written = Row(
-        shape=shape,
-        converter="write synthetic source",
-        command=f"write_synthetic(shape={shape!r})",
-        device="cpu",
-        wall_s=round(time.perf_counter() - start, 1),
-        output_bytes=weight_bytes(src),
-        note=f"{len(list(src.glob('*.safetensors')))} shards",
-    )
-    written.peak_rss_bytes = None
-    emit(written)
+    emit(write_source(shape, src))
     if "cp" not in skip:
         emit(copy_reference(shape=shape, src=src, dst=workdir / f"{shape}-copy"))
     calibration = ["--calibration-tokens", str(calibration_tokens)]
     device_args = ["--device", device] if device != "cpu" else []
+    step = functools.partial(run_step, shape=shape, device=device, rss_limit=rss_limit)
     for label, module, args in plan(shape, calibration=calibration, device_args=device_args):
         if label.split()[0] in skip:
             continue
         dst = workdir / f"{shape}-out"
-        emit(
-            run_step(
-                shape=shape,
-                converter=label,
-                module=module,
-                args=["--model", str(src), "--output", str(dst), *args],
-                src=src,
-                dst=dst,
-                device=device,
-                keep=keep,
-                rss_limit=rss_limit,
-            )
-        )
+        args = ["--model", str(src), "--output", str(dst), *args]
+        emit(step(converter=label, module=module, args=args, src=src, dst=dst, keep=keep))
     if "refine" not in skip:
         for row in refine_rows(shape, src=src, workdir=workdir, device=device, rss_limit=rss_limit):
             emit(row)
@@ -490,50 +349,8 @@ def run_shape(
         if not keep:
             shutil.rmtree(src)
         return
-    mla = workdir / f"{shape}-mla-deepseek"
-    emit(
-        run_step(
-            shape=shape,
-            converter="mla --layout deepseek --kv-budget 0.5",
-            module="hf_attn.conversion.mla",
-            args=[
-                "--model",
-                str(src),
-                "--output",
-                str(mla),
-                "--layout",
-                "deepseek",
-                "--kv-budget",
-                "0.5",
-                *calibration,
-                *device_args,
-            ],
-            src=src,
-            dst=mla,
-            device=device,
-            keep=True,
-            rss_limit=rss_limit,
-        )
-    )
-    if not keep:
-        shutil.rmtree(src)  # at most two checkpoints on disk: the MLA source of the export and its output
-    if mla.exists():
-        dst = workdir / f"{shape}-deepseek-v3"
-        emit(
-            run_step(
-                shape=shape,
-                converter="export --to deepseek_v3",
-                module="hf_attn.conversion.export",
-                args=["--to", "deepseek_v3", "--model", str(mla), "--output", str(dst)],
-                src=mla,
-                dst=dst,
-                device="cpu",
-                keep=keep,
-                rss_limit=rss_limit,
-            )
-        )
-        if not keep:
-            shutil.rmtree(mla)
+    mla_args = [*calibration, *device_args]
+    export_steps(shape, src=src, workdir=workdir, mla_args=mla_args, keep=keep, step=step, emit=emit)
 
 
 def _gib(n: int | None) -> str:

@@ -15,7 +15,7 @@ Per model pair (source, export), each served by `eval/engine/bench_worker.py` in
 
 Models: `smollm2` (the embedded SmolLM2-135M, `convert mla --layout deepseek --kv-budget 0.5`, exported at 576
 = 512 + 64, the only size vLLM's CPU MLA backend takes: more cache per token than the source, an honest loss),
-`llama-2-7b` (Llama-2-7B's shape with `--layers` layers and seeded random bf16 weights, `eval/bench/scale.py`,
+`llama-2-7b` (Llama-2-7B's shape with `--layers` layers and seeded random bf16 weights, `bench/synthetic.py`,
 converted to exactly 512 + 64: 576 numbers per token and layer against 8192, 14.2x), `tiny` (`--quick`).
 The same code runs on a GPU build of vLLM (the device is vLLM's); `--cpu-threads` only sets OMP_NUM_THREADS.
 Prepared checkpoints are kept in `--workdir` and reused; the JSON rows and the tables are written there (or
@@ -157,15 +157,15 @@ def convert_and_export(source: Path, work: Path, *, convert_args: list[str], pad
 
 
 def write_mha_source(directory: Path, *, shape: dict, seed: int = 0, tokenizer_texts: int = 5) -> Path:
-    """A Llama checkpoint of `shape` (eval/bench/scale.py's dims) with seeded random bf16 weights and a
+    """A Llama checkpoint of `shape` (eval/bench/synthetic.py's dims) with seeded random bf16 weights and a
     word-level tokenizer trained on the first `tokenizer_texts` calibration texts; reused when complete."""
     from hf_attn.conversion.calibration import default_calibration_files
-    from hf_attn.eval.bench import scale
+    from hf_attn.eval.bench import synthetic
 
     if (directory / "config.json").exists():
         return directory
     files = default_calibration_files()[:tokenizer_texts]
-    return scale.write_synthetic(directory, shape=shape, seed=seed, tokenizer_files=files, progress=False)
+    return synthetic.write_synthetic(directory, shape=shape, seed=seed, tokenizer_files=files, progress=False)
 
 
 TINY_SHAPE = dict(
@@ -196,7 +196,7 @@ def prepare(name: str, workdir: Path, *, layers: int) -> Pair:
         export = convert_and_export(source, work, convert_args=["--kv-budget", "0.5"], pad_to_576=True)
         return Pair(name, source, export, "SmolLM2-135M-Instruct, MLA --kv-budget 0.5, exported at 512 + 64")
     if name == "llama-2-7b":
-        from hf_attn.eval.bench.scale import SHAPES
+        from hf_attn.eval.bench.synthetic import SHAPES
 
         shape = dict(SHAPES["llama-2-7b"], num_hidden_layers=layers)
         source = write_mha_source(work / "source", shape=shape)
