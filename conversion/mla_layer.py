@@ -305,36 +305,16 @@ def convert_layer(
         out["k_rope_proj.bias"] = weights["k_proj.bias"][rows["k_rope"]]
         stack_b = torch.cat([weights["k_proj.bias"][rows["k_nope"]], weights["v_proj.bias"]])  # (W,)
 
-    if shape.is_full_rank:
-        low = fac.full_rank(stack_w, stack_b)
-    elif factorization == "weight-svd":
-        low = fac.weight_svd(stack_w, stack_b, shape.kv_lora_rank)
-    elif factorization == "activation":
-        assert statistics is not None and statistics.moment is not None, "activation needs calibration"
-        low = fac.activation_pca(
-            stack_w, stack_b, shape.kv_lora_rank, moment=statistics.moment, num_key_rows=shape.num_key_rows
-        )
-    elif factorization == "attention":
-        assert statistics is not None and statistics.moment is not None, "attention needs calibration"
-        nk, rd = shape.num_key_rows, 2 * shape.rope_pairs
-        q_nope = out["q_proj.weight"].view(geo.num_heads, geo.head_dim, -1)[:, rd:]  # (Hq, d - 2r, C)
-        qb_nope = None if b_q is None else out["q_proj.bias"].view(geo.num_heads, geo.head_dim)[:, rd:]
-        low = fac.attention_pca(
-            w_k=stack_w[:nk],
-            b_k=None if stack_b is None else stack_b[:nk],
-            w_v=stack_w[nk:],
-            b_v=None if stack_b is None else stack_b[nk:],
-            w_q=q_nope.reshape(-1, q_nope.shape[-1]),
-            b_q=None if qb_nope is None else qb_nope.reshape(-1),
-            w_o=weights["o_proj.weight"],
-            moment=statistics.moment,
-            num_kv_heads=geo.num_kv_heads,
-            rank=shape.kv_lora_rank,
-        )
-    else:
-        raise ValueError(
-            f"Unknown --factorization {factorization!r}; choose one of {', '.join(fac.FACTORIZATIONS)}."
-        )
+    low = _factorize(
+        factorization,
+        shape=shape,
+        stack_w=stack_w,
+        stack_b=stack_b,
+        statistics=statistics,
+        q=out["q_proj.weight"],
+        q_bias=out.get("q_proj.bias"),
+        w_o=weights["o_proj.weight"],
+    )
     nk = shape.num_key_rows
     if shape.shared_rope:
         _deepseek_layer(
@@ -358,6 +338,61 @@ def convert_layer(
     for key, tensor in out.items():
         assert tuple(tensor.shape) == expected[key], (key, tuple(tensor.shape), expected[key])
     return out
+
+
+def _factorize(
+    factorization: str,
+    *,
+    shape: MLAShape,
+    stack_w: torch.Tensor,
+    stack_b: torch.Tensor | None,
+    statistics: LayerStatistics | None,
+    q: torch.Tensor,
+    q_bias: torch.Tensor | None,
+    w_o: torch.Tensor,
+) -> fac.LowRank:
+    """The low-rank factorization of one layer's stacked nope keys and values.
+
+    Args:
+        factorization: one of `fac.FACTORIZATIONS` (full rank whatever it is when `shape.is_full_rank`).
+        shape: the layer's ranks.
+        stack_w: (W, C) `[k_proj nope rows (all KV heads); v_proj]`; stack_b: (W,) or None, the same rows'
+            biases.
+        statistics: the calibration statistics (`activation` and `attention` read `statistics.moment`).
+        q: (Hq d, C) the permuted query rows, rope first in each head; q_bias: (Hq d,) or None.
+        w_o: (C, Hq d) o_proj.
+    """
+    geo = shape.geometry
+    if shape.is_full_rank:
+        return fac.full_rank(stack_w, stack_b)
+    elif factorization == "weight-svd":
+        return fac.weight_svd(stack_w, stack_b, shape.kv_lora_rank)
+    elif factorization == "activation":
+        assert statistics is not None and statistics.moment is not None, "activation needs calibration"
+        return fac.activation_pca(
+            stack_w, stack_b, shape.kv_lora_rank, moment=statistics.moment, num_key_rows=shape.num_key_rows
+        )
+    elif factorization == "attention":
+        assert statistics is not None and statistics.moment is not None, "attention needs calibration"
+        nk, rd = shape.num_key_rows, 2 * shape.rope_pairs
+        q_nope = q.view(geo.num_heads, geo.head_dim, -1)[:, rd:]  # (Hq, d - 2r, C)
+        qb_nope = None if q_bias is None else q_bias.view(geo.num_heads, geo.head_dim)[:, rd:]
+        return fac.attention_pca(
+            w_k=stack_w[:nk],
+            b_k=None if stack_b is None else stack_b[:nk],
+            w_v=stack_w[nk:],
+            b_v=None if stack_b is None else stack_b[nk:],
+            w_q=q_nope.reshape(-1, q_nope.shape[-1]),
+            b_q=None if qb_nope is None else qb_nope.reshape(-1),
+            w_o=w_o,
+            moment=statistics.moment,
+            num_kv_heads=geo.num_kv_heads,
+            rank=shape.kv_lora_rank,
+        )
+    else:
+        raise ValueError(
+            f"Unknown --factorization {factorization!r}; choose one of {', '.join(fac.FACTORIZATIONS)}."
+        )
 
 
 def _deepseek_layer(out, low, stack_w, stack_b, shape, shared_key, statistics, norm_eps, refine=0) -> None:
