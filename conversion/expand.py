@@ -18,9 +18,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from hf_attn.conversion import cli
 from hf_attn.conversion.checkpoint import (
-    DEFAULT_MAX_SHARD_BYTES,
     AttentionGeometry,
     TensorInfo,
     add_record,
@@ -32,6 +30,7 @@ from hf_attn.conversion.checkpoint import (
     read_tensor,
     save_streamed,
 )
+from hf_attn.conversion.specs import ExpandSpec, WriteSpec
 from hf_attn.tooling.errors import UserError
 from hf_attn.tooling.files import checkpoint_hash
 
@@ -86,54 +85,50 @@ def _expanded_tensors(
 
 
 def expand_checkpoint(
+    spec: ExpandSpec = ExpandSpec(),
     *,
     src: str | Path | None,
     dst: str | Path,
-    num_kv_heads: int | None = None,
-    dtype: str | torch.dtype | None = None,
-    overwrite: bool = False,
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    write: WriteSpec = WriteSpec(),
 ) -> Path:
-    """Write `dst`: the checkpoint `src` with its K/V heads repeated up to `num_kv_heads` (default: MHA)."""
-    source = open_source(src, dst=dst, overwrite=overwrite, dtype=dtype)
+    """Write `dst`: the checkpoint `src` (None: the embedded SmolLM2) with its K/V heads repeated up to
+    `spec.num_kv_heads` (default: MHA)."""
+    source = open_source(src, dst=dst, overwrite=write.overwrite, dtype=write.save_dtype)
     src_dir, config, geometry = source.dir, source.config, source.geometry
     index, dtype = source.index, source.dtype
-    target = check_expansion(geometry, num_kv_heads)
+    target = check_expansion(geometry, spec.num_kv_heads)
     repeats = target // geometry.num_kv_heads
     record = conversion_record(
         kind="expand",
         source=src_dir,
         source_hash=checkpoint_hash(src_dir),
-        settings={"method": "repeat", "num_kv_heads": num_kv_heads},
+        settings={"method": "repeat", "num_kv_heads": spec.num_kv_heads},
         num_key_value_heads={"from": geometry.num_kv_heads, "to": target},
         sources_of_new_heads=[j // repeats for j in range(target)],
         dtype=dtype_name(dtype) if dtype is not None else config.get("dtype", config.get("torch_dtype")),
     )
     new_config = add_record({**config, "num_key_value_heads": target}, record)
-    out = save_streamed(
+    return save_streamed(
         src_dir=src_dir,
         dst=dst,
         tensors=_expanded_tensors(index, geometry, target),
         config=new_config,
-        overwrite=overwrite,
+        overwrite=write.overwrite,
         dtype=dtype,
-        max_shard_bytes=max_shard_bytes,
+        max_shard_bytes=write.max_shard_bytes,
     )
-    return out
 
 
-def describe(out: Path) -> str:
-    """One line on the checkpoint `expand_checkpoint` wrote to `out` (for the command)."""
-    heads = cli.last_record(out)["num_key_value_heads"]
+def describe(record: dict) -> str:
+    """One line on an `expand_checkpoint` conversion record (for the command)."""
+    heads = record["num_key_value_heads"]
     return f"expanded {heads['from']} -> {heads['to']} KV heads"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = cli.converter_parser(PROG, __doc__, output_help="output checkpoint dir")
-    parser.add_argument("--num-kv-heads", type=int, default=None, help="target KV heads (default: MHA)")
-    cli.add_write_arguments(parser)
-    args = parser.parse_args(argv)
-    return cli.run(parser.prog, expand_checkpoint, args, describe=describe, num_kv_heads=args.num_kv_heads)
+    from hf_attn.conversion import cli
+
+    return cli.main(PROG, __doc__, ExpandSpec, argv)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,11 @@
 """MHA/GQA -> GQA/MQA: pool H key/value heads into G groups (Ainslie et al. 2023), or a calibrated variant.
 
-    hf-attn convert gqa --model SRC --num-kv-heads G --output DST [--method mean|calibrated]
-        [--calibration-text FILE ...] [--calibration-tokens N] [--save-dtype float32|bfloat16] [--overwrite]
+    hf-attn convert gqa --model SRC --num-kv-heads G --output DST [--method calibrated|mean]
+        [--grouping contiguous|search] [--calibration-text FILE ... | --calibration-corpus NAME]
+        [--calibration-tokens N] [--refine-steps 32] [--save-dtype float32|bfloat16] [--overwrite]
+
+The command's defaults are the recipe that measures best: calibrated pooling, then 32 steps of layer-local
+refinement (`--refine-steps 0`: the closed form only); `--method mean --refine-steps 0` is the GQA paper's.
 
 Group g of G takes the source KV heads g*H/G ... (g+1)*H/G - 1 (the order of transformers' `repeat_kv`:
 query head h reads KV head h // (Hq/G) after the conversion, as it read h // (Hq/H) before).
@@ -21,6 +25,7 @@ layer is then fitted and streamed like the mean method's. The derivation is in d
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
@@ -31,9 +36,8 @@ from tqdm.auto import tqdm
 from transformers.models.llama.modeling_llama import rotate_half
 
 from hf_attn.conversion import calibration as cal
-from hf_attn.conversion import cli, layerwise
+from hf_attn.conversion import layerwise
 from hf_attn.conversion.checkpoint import (
-    DEFAULT_MAX_SHARD_BYTES,
     AttentionGeometry,
     SpilledLayers,
     TensorInfo,
@@ -47,13 +51,11 @@ from hf_attn.conversion.checkpoint import (
     read_tensor,
     save_streamed,
 )
+from hf_attn.conversion.specs import CalibrationSpec, GQASpec, WriteSpec
 from hf_attn.tooling.errors import UserError
 from hf_attn.tooling.files import checkpoint_hash, scratch_directory
 
 PROG = "hf-attn convert gqa"
-
-METHODS = ("mean", "calibrated")
-DEFAULT_GROUPING = {"mean": "contiguous", "calibrated": "contiguous"}  # search is opt-in: README says why
 _RIDGE = 1e-9  # relative ridge on the covariances that are inverted or square-rooted
 _CG_STEPS, _CG_TOL = 50, 1e-4  # conjugate-gradient budget of one value refit (relative residual)
 
@@ -476,141 +478,101 @@ def calibrate(
     return out
 
 
+def _gqa_record(spec: GQASpec, source, pooling: Pooling) -> dict:
+    """The conversion record before calibration (`_calibrate_layers` adds what it ran on)."""
+    config = source.config
+    return conversion_record(
+        kind="gqa",
+        source=source.dir,
+        source_hash=checkpoint_hash(source.dir),
+        settings={**dataclasses.asdict(spec), "device": None, "forward_dtype": None},
+        num_key_value_heads={"from": source.geometry.num_kv_heads, "to": spec.num_kv_heads},
+        groups=pooling.groups,
+        calibration=None,
+        dtype=dtype_name(source.dtype)
+        if source.dtype is not None
+        else config.get("dtype", config.get("torch_dtype")),
+    )
+
+
+def _calibrate_layers(
+    spec: GQASpec,
+    source,
+    pooling: Pooling,
+    calibration: CalibrationSpec,
+    record: dict,
+    spill: Callable[[], Path],
+) -> MutableMapping | None:
+    """The calibrated attention tensors of every layer (None: mean pooling reads and pools tensor by
+    tensor); fills the record's calibration. spill(): a scratch directory for the fitted layers."""
+    searched = spec.grouping == "search" and pooling.heads_per_group > 1 and pooling.num_groups > 1
+    if not searched and not (spec.method == "calibrated" and pooling.heads_per_group > 1):
+        return None  # (one group, or one head per group: every grouping is the same; G == H: the identity)
+    files, c = calibration.files(), calibration
+    options = dict(
+        files=files, tokens=c.tokens, window=c.window, device=c.device, forward_dtype=c.forward_dtype
+    )
+    if searched:
+        from hf_attn.conversion import grouping as grp
+
+        layers, record["groups"] = grp.search_and_pool(
+            src_dir=source.dir, index=source.index, pooling=pooling, method=spec.method, **options
+        )  # groups: per layer, the source KV heads of each group (q_proj rows / o_proj columns permuted)
+    else:
+        layers = calibrate(
+            src_dir=source.dir, pooling=pooling, store=SpilledLayers(spill(), source.index), **options
+        )
+    record["settings"].update(layerwise.forward_record(c.device, c.forward_dtype))
+    record["calibration"] = {**cal.corpus_record(files, c.tokens), "window": c.window}
+    return layers
+
+
 def convert_gqa(
+    spec: GQASpec,
     *,
     src: str | Path | None,
     dst: str | Path,
-    num_kv_heads: int,
-    method: str = "mean",
-    calibration_files: list[str | Path] | None = None,
-    calibration_tokens: int = cal.DEFAULT_CALIBRATION_TOKENS,
-    calibration_window: int = cal.DEFAULT_WINDOW,
-    device: str = "cpu",
-    forward_dtype: str = "float32",
-    dtype: str | torch.dtype | None = None,
-    overwrite: bool = False,
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-    grouping: str | None = None,
+    calibration: CalibrationSpec = CalibrationSpec(),
+    write: WriteSpec = WriteSpec(),
 ) -> Path:
-    """Write `dst`: checkpoint `src` with its KV heads pooled into `num_kv_heads` groups by `method`.
-    `device`, `forward_dtype`: where the calibration forward runs (`layerwise.ForwardSettings`).
-    grouping: "contiguous" (groups of consecutive heads), "search" (per layer, the grouping whose pooled fit
-    loses least on the calibration text: `conversion/grouping.py`) or None (the method's default,
-    DEFAULT_GROUPING)."""
-    from hf_attn.conversion import grouping as grp
+    """Write `dst`: checkpoint `src` (None: the embedded SmolLM2) with its KV heads pooled into
+    `spec.num_kv_heads` groups by `spec.method` (calibrated: fitted on `calibration`'s text, layer by layer on
+    its device; mean: the GQA paper's), grouped by `spec.grouping` ("contiguous", or "search": per layer the
+    grouping whose pooled fit loses least on the calibration text, `conversion/grouping.py`). The closed form
+    only: `conversion.pipeline.convert` refines it."""
+    source = open_source(src, dst=dst, overwrite=write.overwrite, dtype=write.save_dtype)  # before slow work
+    pooling = check_pooling(source.geometry, spec.num_kv_heads)
+    record = _gqa_record(spec, source, pooling)
+    with contextlib.ExitStack() as stack:
+        parent = Path(dst).resolve().parent  # the fitted layers wait beside dst, one file per layer
 
-    if method not in METHODS:
-        raise UserError(f"Unknown --method {method!r}; choose one of {', '.join(METHODS)}")
-    grouping = DEFAULT_GROUPING[method] if grouping is None else grouping
-    if grouping not in grp.GROUPINGS:
-        raise UserError(f"Unknown --grouping {grouping!r}; choose one of {', '.join(grp.GROUPINGS)}")
-    layerwise.resolve_forward(device, forward_dtype)  # fails before any slow work
-    source = open_source(src, dst=dst, overwrite=overwrite, dtype=dtype)  # fails before any slow calibration
-    src_dir, config, geometry = source.dir, source.config, source.geometry
-    index, dtype = source.index, source.dtype
-    pooling = check_pooling(geometry, num_kv_heads)
-    record = conversion_record(
-        kind="gqa",
-        source=src_dir,
-        source_hash=checkpoint_hash(src_dir),
-        settings={
-            "method": method,
-            "num_kv_heads": num_kv_heads,
-            "grouping": grouping,
-            "device": None,
-            "forward_dtype": None,
-        },
-        num_key_value_heads={"from": geometry.num_kv_heads, "to": num_kv_heads},
-        groups=pooling.groups,
-        calibration=None,
-        dtype=dtype_name(dtype) if dtype is not None else config.get("dtype", config.get("torch_dtype")),
-    )
-    calibrated = None
-    stack = contextlib.ExitStack()
-    searched = grouping == "search" and pooling.heads_per_group > 1 and pooling.num_groups > 1
-    if searched:  # (with one group or one head per group every grouping is the same)
-        files = None if calibration_files is None else [Path(f) for f in calibration_files]
-        calibrated, record["groups"] = grp.search_and_pool(
-            src_dir=src_dir,
-            index=index,
-            pooling=pooling,
-            method=method,
-            files=files,
-            tokens=calibration_tokens,
-            window=calibration_window,
-            device=device,
-            forward_dtype=forward_dtype,
-        )  # groups: per layer, the source KV heads of each group (q_proj rows / o_proj columns permuted)
-        record["settings"].update(layerwise.forward_record(device, forward_dtype))
-        record["calibration"] = {**cal.corpus_record(files, calibration_tokens), "window": calibration_window}
-    elif method == "calibrated" and pooling.heads_per_group > 1:  # (G == H is the identity for every method)
-        files = None if calibration_files is None else [Path(f) for f in calibration_files]
-        # the fitted tensors go to a scratch directory beside dst, one file per layer, until the save
-        parent = Path(dst).resolve().parent
-        spill = stack.enter_context(
-            scratch_directory(".hf-attn-gqa-fit-", dir=parent if parent.is_dir() else None)
-        )
-        calibrated = calibrate(
-            src_dir=src_dir,
-            pooling=pooling,
-            files=files,
-            tokens=calibration_tokens,
-            window=calibration_window,
-            device=device,
-            forward_dtype=forward_dtype,
-            store=SpilledLayers(Path(spill), index),
-        )
-        record["settings"].update(layerwise.forward_record(device, forward_dtype))
-        record["calibration"] = {
-            **cal.corpus_record(files, calibration_tokens),
-            "window": calibration_window,
-        }
-    new_config = add_record({**config, "num_key_value_heads": num_kv_heads}, record)
-    with stack:
-        out = save_streamed(
-            src_dir=src_dir,
+        def spill() -> Path:
+            where = parent if parent.is_dir() else None
+            return Path(stack.enter_context(scratch_directory(".hf-attn-gqa-fit-", dir=where)))
+
+        layers = _calibrate_layers(spec, source, pooling, calibration, record, spill)
+        config = add_record({**source.config, "num_key_value_heads": spec.num_kv_heads}, record)
+        return save_streamed(
+            src_dir=source.dir,
             dst=dst,
-            tensors=_pooled_tensors(index, pooling, calibrated),
-            config=new_config,
-            overwrite=overwrite,
-            dtype=dtype,
-            max_shard_bytes=max_shard_bytes,
+            tensors=_pooled_tensors(source.index, pooling, layers),
+            config=config,
+            overwrite=write.overwrite,
+            dtype=source.dtype,
+            max_shard_bytes=write.max_shard_bytes,
         )
-    return out
 
 
-def describe(out: Path) -> str:
-    """One line on the checkpoint `convert_gqa` wrote to `out` (for the command)."""
-    record = cli.last_record(out)
+def describe(record: dict) -> str:
+    """One line on a `convert_gqa` conversion record (for the command)."""
     heads = record["num_key_value_heads"]
     return f"pooled {heads['from']} -> {heads['to']} KV heads ({record['settings']['method']})"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = cli.converter_parser(PROG, __doc__, output_help="converted checkpoint dir")
-    parser.add_argument("--num-kv-heads", type=int, required=True, help="G, the KV heads after pooling")
-    parser.add_argument("--method", choices=METHODS, default="mean", help="how the heads of a group pool")
-    parser.add_argument(
-        "--grouping",
-        choices=("contiguous", "search"),
-        default=None,
-        help="which KV heads pool together: consecutive ones, or searched per layer on the calibration text "
-        "(default: contiguous for mean, search for calibrated)",
-    )
-    cli.add_calibration_arguments(parser, default_tokens=cal.DEFAULT_CALIBRATION_TOKENS)
-    cli.add_refine_arguments(parser)
-    cli.add_write_arguments(parser)
-    args = parser.parse_args(argv)
-    return cli.run(
-        parser.prog,
-        convert_gqa,
-        args,
-        describe=describe,
-        num_kv_heads=args.num_kv_heads,
-        method=args.method,
-        grouping=args.grouping,
-        **cli.calibration_options(args),
-    )
+    from hf_attn.conversion import cli
+
+    return cli.main(PROG, __doc__, GQASpec, argv)
 
 
 if __name__ == "__main__":

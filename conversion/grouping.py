@@ -35,7 +35,6 @@ from hf_attn.conversion import calibration as cal
 from hf_attn.conversion import gqa, layerwise
 from hf_attn.conversion.checkpoint import ATTENTION_PROJECTIONS, AttentionGeometry, TensorInfo, read_tensor
 
-GROUPINGS = ("contiguous", "search")
 _MAX_PARTITIONS = 20_000  # exhaustive search up to this many partitions of the H heads into G groups
 
 

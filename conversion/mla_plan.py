@@ -15,7 +15,6 @@ import torch
 from tqdm.auto import tqdm
 
 from hf_attn.conversion import allocation as alloc
-from hf_attn.conversion import calibration as cal
 from hf_attn.conversion import factorization as fac
 from hf_attn.conversion import rope_selection as rs
 from hf_attn.conversion import shared_rope as sr
@@ -31,17 +30,17 @@ from hf_attn.conversion.checkpoint import (
     parse_attn_key,
     read_tensor,
 )
+from hf_attn.conversion.engine_dims import conversion_ranks
 from hf_attn.conversion.mla_calibration import DEFAULT_CALIBRATION_TOKENS, Calibration, calibrate
 from hf_attn.conversion.mla_layer import (
-    DEFAULT_FACTORIZATION,
-    DEFAULT_ROPE_SELECTION,
     MLAShape,
     _Moments,
     convert_layer,
     default_rope_pairs,
     plan_shape,
 )
-from hf_attn.tooling.errors import UserError
+from hf_attn.conversion.specs import CalibrationSpec, MLASpec
+from hf_attn.tooling.errors import UserError, user_input
 from hf_attn.tooling.files import checkpoint_hash
 
 _MLA_PROJ = ("q_proj", "k_rope_proj", "kv_down_proj", "latent_norm", "k_up_proj", "v_up_proj", "o_proj")
@@ -270,142 +269,131 @@ class MLAConversion:
 
 
 def plan_conversion(
+    source: str | Path | Source | None,
+    spec: MLASpec = MLASpec(),
+    calibration: CalibrationSpec = CalibrationSpec(),
     *,
-    src: str | Path | Source | None,
-    kv_lora_rank: int | None = None,
-    kv_budget: float | None = None,
-    rope_pairs: int | None = None,
-    rope_selection: str = DEFAULT_ROPE_SELECTION,
-    factorization: str = DEFAULT_FACTORIZATION,
-    calibration_files: list[str | Path] | None = None,
-    calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS,
-    calibration_window: int = cal.DEFAULT_WINDOW,
-    calibration: Calibration | None = None,
-    layout: str = "per-head",
-    device: str = "cpu",
-    forward_dtype: str = "float32",
-    allocation: str | None = None,
+    calibration_pass: Calibration | None = None,
     allocation_normalization: str = alloc.DEFAULT_NORMALIZATION,
 ) -> MLAConversion:
-    """Validate everything, calibrate if the options need it (or reuse `calibration`), choose the pairs.
-    layout "deepseek": one RoPE key per layer shared by all heads on the pairs 0, s, ..., (r-1) s of every
-    layer, and a latent RMSNorm (conversion.shared_rope); selections `attention` (s by its pair scores, and
-    its query refit of the dropped pairs) or `high` (s = 1).
-    allocation (conversion.allocation): "uniform", "greedy" or "greedy-ranks"; None: "greedy" where it applies
-    (a --kv-budget without --rope-pairs / --kv-lora-rank, the per-head layout, the `attention` selection and
-    factorization), else "uniform"."""
-    if layout not in sr.LAYOUTS:
-        raise UserError(f"Unknown --layout {layout!r}; choose one of {', '.join(sr.LAYOUTS)}.")
-    if layout == "deepseek" and rope_selection not in sr.DEEPSEEK_SELECTIONS:
-        raise UserError(
-            f"--rope-selection {rope_selection} picks pairs per KV head; --layout deepseek keeps the same "
-            f"progression 0, s, 2s, ... in every layer: use --rope-selection "
-            f"{' or '.join(sr.DEEPSEEK_SELECTIONS)}."
-        )
-    if rope_selection not in rs.SELECTIONS:
-        raise UserError(
-            f"Unknown --rope-selection {rope_selection!r}; choose one of {', '.join(rs.SELECTIONS)}."
-        )
-    if factorization not in fac.FACTORIZATIONS:
-        raise UserError(
-            f"Unknown --factorization {factorization!r}; choose one of {', '.join(fac.FACTORIZATIONS)}."
-        )
-    if allocation is None:
-        allocation = alloc.default_allocation(
-            kv_budget=kv_budget,
-            given_ranks=rope_pairs is not None or kv_lora_rank is not None,
-            layout=layout,
-            selection=rope_selection,
-            factorization=factorization,
-        )
-    _check_allocation(allocation, layout=layout, selection=rope_selection, factorization=factorization)
-    source = src if isinstance(src, Source) else open_source(src)
-    src_dir, geometry, index, config = source.dir, source.geometry, source.index, source.config
+    """Check `spec` against the source, calibrate if its options need it (on `calibration`'s text, or reuse
+    `calibration_pass`, an `mla_calibration.calibrate` result), choose the pairs and the per-layer ranks.
+
+    Layout "deepseek": one RoPE key per layer shared by all heads on the pairs 0, s, ..., (r-1) s of every
+    layer, and a latent RMSNorm (conversion.shared_rope). Allocation: `spec.allocation_method`
+    (conversion.allocation)."""
+    source = source if isinstance(source, Source) else open_source(source)
+    geometry = source.geometry
     if geometry.head_dim % 2:
         raise UserError(f"head_dim {geometry.head_dim} is odd; RoPE pairs need an even head_dim.")
-    qkv_bias, o_bias = _check_biases(index, geometry)
-    if allocation != "uniform" and rope_pairs is None and kv_budget is not None and layout == "per-head":
-        rope_pairs = alloc.default_rope_pairs(geometry, kv_budget, default_rope_pairs)
-    shape = plan_shape(
-        geometry,
-        kv_lora_rank=kv_lora_rank,
-        kv_budget=kv_budget,
-        rope_pairs=rope_pairs,
-        rope_selection=rope_selection,
-        layout=layout,
+    qkv_bias, o_bias = _check_biases(source.index, geometry)
+    shape = check_spec(spec, calibration if calibration_pass is None else None, geometry)
+    no_choice = shape.rope_pairs in (0, geometry.head_dim // 2)
+    selection = "high" if no_choice else spec.rope_selection
+    factorization = "full-rank" if shape.is_full_rank else spec.factorization
+    calibration_pass = _calibration_pass(
+        source, shape, spec, selection, factorization, calibration, calibration_pass
     )
-    selection = "high" if shape.rope_pairs in (0, geometry.head_dim // 2) else rope_selection  # no choice
-    if shape.is_full_rank:
-        factorization = "full-rank"
-    need_moments = factorization in fac.CALIBRATED_FACTORIZATIONS
-    need_scores = selection in rs.CALIBRATED_SELECTIONS
-    deepseek = layout == "deepseek"  # needs the shared-key statistics and input samples: always calibrates
-    if deepseek and calibration is not None and not _has_deepseek_statistics(calibration, need_moments):
-        raise UserError(
-            "The given calibration lacks what --layout deepseek needs; calibrate with shared_keys=True, "
-            "sample_stride > 0 (and moments / attention_pairs for the chosen options)."
-        )
-    if selection == "attention" and calibration is None and calibration_window <= rs.QUERY_STRIDE:
-        raise UserError(  # one query per window: zero score variance, a 0/0 query fit (NaN or ~1e12 weights)
-            f"--calibration-window {calibration_window} is too short for --rope-selection attention, whose "
-            f"statistics use every {rs.QUERY_STRIDE}th query of a window; use a window > {rs.QUERY_STRIDE}."
-        )
-    if (need_moments or need_scores or deepseek) and calibration is None:
-        calibration = calibrate(
-            src_dir=src_dir,
-            geometry=geometry,
-            moments=need_moments,
-            pair_norms=selection == "2norm",
-            attention_pairs=selection == "attention",
-            files=None if calibration_files is None else [Path(f) for f in calibration_files],
-            tokens=calibration_tokens,
-            window=calibration_window,
-            shared_keys=deepseek and shape.rope_pairs > 0,
-            sample_stride=sr.SAMPLE_STRIDE if deepseek else 0,
-            device=device,
-            forward_dtype=forward_dtype,
-        )
-    elif not (need_moments or need_scores or deepseek):
-        calibration = None
-    if deepseek:
-        return _plan_deepseek(
-            src_dir, index, shape, selection, factorization, qkv_bias, o_bias, kv_budget, calibration, config
-        )
+    budget = None if spec.budget is None else spec.budget.fraction
+    args = (source.dir, source.index, shape, selection, factorization)
+    if spec.layout == "deepseek":
+        return _plan_deepseek(*args, qkv_bias, o_bias, budget, calibration_pass, source.config)
     pairs = rs.select_rope_pairs(
         selection,
         num_layers=geometry.num_layers,
         num_kv_heads=geometry.num_kv_heads,
         head_dim=geometry.head_dim,
         rope_pairs=shape.rope_pairs,
-        scores=None if calibration is None else calibration.pair_scores.get(selection),
+        scores=None if calibration_pass is None else calibration_pass.pair_scores.get(selection),
     )
-    plan = MLAConversion(
-        src_dir, index, shape, selection, factorization, pairs, qkv_bias, o_bias, kv_budget, calibration
-    )
-    if allocation != "uniform" and not shape.is_full_rank:
-        plan = _allocate(plan, allocation_normalization, allocate_latent=allocation == "greedy-ranks")
+    plan = MLAConversion(*args, pairs, qkv_bias, o_bias, budget, calibration_pass)
+    if spec.allocation_method != "uniform" and not shape.is_full_rank:
+        latent = spec.allocation_method == "greedy-ranks"
+        plan = _allocate(plan, allocation_normalization, allocate_latent=latent)
     return plan
 
 
-def _check_allocation(allocation: str, *, layout: str, selection: str, factorization: str) -> None:
-    """ValueError unless `--allocation` can run with these options."""
-    if allocation not in alloc.ALLOCATIONS:
-        choices = ", ".join(alloc.ALLOCATIONS)
-        raise UserError(f"Unknown --allocation {allocation!r}; choose one of {choices}.")
-    if allocation == "uniform":
-        return
-    if layout == "deepseek":
-        raise UserError(
-            f"--allocation {allocation} gives layers different ranks, but the DeepSeek layout (and "
-            "deepseek_v3) has one kv_lora_rank and one qk_rope_head_dim for every layer; "
-            "use --allocation uniform."
+def check_spec(spec: MLASpec, calibration: CalibrationSpec | None, geometry: AttentionGeometry) -> MLAShape:
+    """The ranks of `spec` on a source of `geometry` (`_plan_shape`), checked with the calibration text's size
+    (None: a calibration pass is given) before any work: UserError naming the first bad option."""
+    shape = _plan_shape(spec, geometry)
+    if calibration is not None:
+        no_choice = shape.rope_pairs in (0, geometry.head_dim // 2)
+        _check_calibration_size(spec, "high" if no_choice else spec.rope_selection, calibration)
+    return shape
+
+
+def _plan_shape(spec: MLASpec, geometry: AttentionGeometry) -> MLAShape:
+    """The ranks (r, d_c) of `spec` on the source's geometry: from --engine-dims, the budget (its greedy
+    allocation places fewer RoPE pairs) or the given ranks; UserError where they do not fit."""
+    kv_lora_rank, rope_pairs = spec.kv_lora_rank, spec.rope_pairs
+    budget = None if spec.budget is None else spec.budget.fraction
+    with user_input():
+        if spec.engine_dims is not None:  # d_c and r whose export has exactly a size vLLM's MLA backends take
+            kv_lora_rank, rope_pairs = conversion_ranks(
+                spec.engine_dims, head_dim=geometry.head_dim, num_kv_heads=geometry.num_kv_heads
+            )
+        greedy = spec.allocation_method != "uniform" and spec.layout == "per-head"
+        if greedy and rope_pairs is None and budget is not None:
+            rope_pairs = alloc.default_rope_pairs(geometry, budget, default_rope_pairs)
+        return plan_shape(
+            geometry,
+            kv_lora_rank=kv_lora_rank,
+            kv_budget=budget,
+            rope_pairs=rope_pairs,
+            rope_selection=spec.rope_selection,
+            layout=spec.layout,
         )
-    if selection != "attention" or factorization != "attention":
+
+
+def _check_calibration_size(spec: MLASpec, selection: str, calibration: CalibrationSpec) -> None:
+    """UserError for calibration text too short for the `attention` statistics (one query per window gives
+    singular statistics: a failed or ~1e12 fit)."""
+    if "attention" in (spec.factorization, spec.rope_selection) and calibration.tokens <= rs.QUERY_STRIDE:
         raise UserError(
-            f"--allocation greedy reads the `attention` selection's pair scores and the `attention` "
-            f"factorization's spectrum, got --rope-selection {selection} --factorization {factorization}; "
-            "use both `attention` (the defaults) or --allocation uniform."
+            f"--calibration-tokens {calibration.tokens} is too few for --factorization / --rope-selection "
+            f"attention, whose statistics use one query in {rs.QUERY_STRIDE} of a window: give at least "
+            f"{rs.QUERY_STRIDE + 1} (the default is {DEFAULT_CALIBRATION_TOKENS})"
         )
+    if selection == "attention" and calibration.window <= rs.QUERY_STRIDE:
+        raise UserError(
+            f"--calibration-window {calibration.window} is too short for --rope-selection attention, whose "
+            f"statistics use every {rs.QUERY_STRIDE}th query of a window; use a window > {rs.QUERY_STRIDE}."
+        )
+
+
+def _calibration_pass(
+    source, shape, spec, selection, factorization, calibration, given
+) -> Calibration | None:
+    """The calibration the options need (`given`, else a new pass over `calibration`'s text), or None."""
+    need_moments = factorization in fac.CALIBRATED_FACTORIZATIONS
+    need_scores = selection in rs.CALIBRATED_SELECTIONS
+    deepseek = (
+        spec.layout == "deepseek"
+    )  # needs the shared-key statistics and input samples: always calibrates
+    if not (need_moments or need_scores or deepseek):
+        return None
+    if given is not None:
+        if deepseek and not _has_deepseek_statistics(given, need_moments):
+            raise UserError(
+                "The given calibration lacks what --layout deepseek needs; calibrate with shared_keys=True, "
+                "sample_stride > 0 (and moments / attention_pairs for the chosen options)."
+            )
+        return given
+    return calibrate(
+        src_dir=source.dir,
+        geometry=source.geometry,
+        moments=need_moments,
+        pair_norms=selection == "2norm",
+        attention_pairs=selection == "attention",
+        files=calibration.files(),
+        tokens=calibration.tokens,
+        window=calibration.window,
+        shared_keys=deepseek and shape.rope_pairs > 0,
+        sample_stride=sr.SAMPLE_STRIDE if deepseek else 0,
+        device=calibration.device,
+        forward_dtype=calibration.forward_dtype,
+    )
 
 
 def _allocate(

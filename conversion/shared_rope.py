@@ -43,7 +43,6 @@ from dataclasses import dataclass
 import torch
 
 from hf_attn.conversion.calibration import causal_probabilities
-from hf_attn.conversion.gqa import fit_keys
 
 LAYOUTS = ("per-head", "deepseek")
 DEEPSEEK_SELECTIONS = ("attention", "high")  # the pair selections that give one progression for all layers
@@ -61,10 +60,12 @@ def default_rope_pairs(half: int, kv_dim: int, kv_budget: float | None) -> int:
     """r of the DeepSeek layout when --rope-pairs is not given: every pair without a budget or with the whole
     source cache; else ROPE_SHARE of the budget's numbers (2r of them), at most MAX_ROPE_PAIRS_FRACTION of
     the pairs, at least 1."""
+    from hf_attn.conversion.specs import KVBudget  # (the specs import this module)
+
     if kv_budget is None:
         return half
-    numbers = int(kv_budget * 2 * kv_dim + 1e-9)
-    if numbers >= 2 * kv_dim:
+    numbers = KVBudget(kv_budget).numbers(kv_dim)
+    if numbers >= KVBudget.source_numbers(kv_dim):
         return half
     return max(1, min(round(ROPE_SHARE * numbers / 2), int(MAX_ROPE_PAIRS_FRACTION * half), numbers // 4))
 
@@ -151,6 +152,8 @@ class SharedKey:
 def fit_shared_key(stats: torch.Tensor | None, pairs: list[int], *, iterations: int = 30) -> SharedKey:
     """stats: SharedKeyStatistics.sums[layer], (Hkv, d/2, Hkv, Hkv) complex (None only without pairs);
     pairs: the kept pair indices."""
+    from hf_attn.conversion.gqa import fit_keys  # (gqa imports the specs, which import this module)
+
     hkv = 0 if stats is None else stats.shape[0]
     assert stats is None or stats.shape[2:] == (hkv, hkv), tuple(stats.shape)
     r = len(pairs)

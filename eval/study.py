@@ -93,87 +93,60 @@ class Progress:
 def convert(
     variant: Variant, *, source: Path, dst: Path, settings: Settings, shared: dict | None = None
 ) -> None:
-    """Write the converted checkpoint of `variant` to `dst` (atomically, by the converter).
+    """Write the converted checkpoint of `variant` to `dst` through the conversion pipeline
+    (`conversion.pipeline.convert`: the closed form, then `refine = true`: the layer-local refinement with the
+    profile's `refine_steps` / `refine_tokens`, then `export = "deepseek_v3"`: the export, which is measured).
+    A variant without `refine = true` is the closed form only, whatever the converters' defaults. `shared` (a
+    dict kept across calls) holds the MLA calibration pass, which does not depend on the ranks: every per-head
+    MLA variant of a study reuses it."""
+    from hf_attn.conversion import pipeline
+    from hf_attn.conversion.specs import CalibrationSpec, RefineSpec
 
-    The pipeline: the closed-form conversion, then `refine = true`: the layer-local refinement, then
-    `export = "deepseek_v3"`: the export (what gets measured); intermediate stages are written beside `dst`
-    and deleted. `shared` (a dict kept across calls) holds the MLA calibration pass, which does not depend on
-    the ranks: every MLA variant of a study reuses it."""
     opts = dict(variant.options)
-    export_to, refine = opts.pop("export", None), bool(opts.pop("refine", False))
-    if export_to is not None or refine:
-        closed_form, refined = (dst.with_name(f"{dst.name}.{stage}") for stage in ("closed-form", "refined"))
-        for stage in (closed_form, refined):
-            shutil.rmtree(stage, ignore_errors=True)
-        try:
-            convert(
-                dataclasses.replace(variant, options=opts),
-                source=source,
-                dst=closed_form,
-                settings=settings,
-                shared=shared,
-            )
-            last = closed_form
-            if refine:
-                last = dst if export_to is None else refined
-                refine_checkpoint(closed_form, last, settings)
-            if export_to is not None:
-                from hf_attn.conversion.export import export_checkpoint
-
-                export_checkpoint(src=last, dst=dst, to=export_to)
-        finally:
-            for stage in (closed_form, refined):
-                shutil.rmtree(stage, ignore_errors=True)
-        return
-    if variant.kind == "expand":
-        from hf_attn.conversion.expand import expand_checkpoint
-
-        expand_checkpoint(src=source, dst=dst, **opts)
-    elif variant.kind == "gqa":
-        from hf_attn.conversion.gqa import convert_gqa
-
-        opts.setdefault("calibration_tokens", settings.calibration_tokens)  # used by calibrated methods only
-        convert_gqa(src=source, dst=dst, **opts)
-    elif variant.kind == "mla":
-        from hf_attn.conversion import mla
-        from hf_attn.conversion.calibration import DEFAULT_WINDOW
-        from hf_attn.conversion.checkpoint import AttentionGeometry, read_config
-
-        opts.setdefault("calibration_tokens", settings.calibration_tokens)
-        if opts.get("layout", "per-head") != "per-head":  # needs statistics of its own: calibrates itself
-            mla.convert_to_mla(src=source, dst=dst, **opts)
-            return
-        shared = {} if shared is None else shared
-        files, window = opts.get("calibration_files"), opts.get("calibration_window", DEFAULT_WINDOW)
-        key = ("mla", str(source), opts["calibration_tokens"], window, json.dumps(files, default=str))
-        if key not in shared:
-            shared[key] = mla.calibrate(
-                src_dir=source,
-                geometry=AttentionGeometry.from_config(read_config(source)),
-                files=None if files is None else [Path(f) for f in files],
-                tokens=opts["calibration_tokens"],
-                window=window,
-            )
-        mla.write_conversion(mla.plan_conversion(src=source, calibration=shared[key], **opts), dst)
-    else:  # pragma: no cover - load_config validates kinds
-        raise AssertionError(variant.kind)
-
-
-def refine_checkpoint(src: Path, dst: Path, settings: Settings) -> dict:
-    from hf_attn.conversion.refine import RefineSettings, refine
-
-    if settings.refine_steps < 1 or settings.refine_tokens < 1:
+    export, refine = opts.pop("export", None), bool(opts.pop("refine", False))
+    if refine and (settings.refine_steps < 1 or settings.refine_tokens < 1):
         raise UserError(
             f"a variant with refine = true needs refine_steps and refine_tokens >= 1 in the profile, got "
             f"{settings.refine_steps} and {settings.refine_tokens}"
         )
-    recipe = RefineSettings(
-        model=str(src),
-        output=str(dst),
-        steps=settings.refine_steps,
-        calibration_tokens=settings.refine_tokens,
+    spec, calibration = pipeline.specs_from_options(
+        variant.kind, opts, calibration=CalibrationSpec(tokens=settings.calibration_tokens)
     )
-    return refine(recipe, progress=False)
+    stages = (
+        RefineSpec(steps=settings.refine_steps, tokens=settings.refine_tokens) if refine else RefineSpec(0)
+    )
+    pipeline.convert(
+        spec,
+        src=source,
+        dst=dst,
+        calibration=calibration,
+        refine=stages,
+        export=export,
+        calibration_pass=_shared_calibration(spec, source, calibration, {} if shared is None else shared),
+    )
+
+
+def _shared_calibration(spec, source: Path, calibration, shared: dict):
+    """The MLA calibration pass of a per-head MLA spec on `calibration`'s text (kept in `shared` for the next
+    variant); None for any other spec (the DeepSeek layout needs statistics of its own: calibrates itself)."""
+    from hf_attn.conversion import mla
+    from hf_attn.conversion.checkpoint import AttentionGeometry, read_config
+
+    if not isinstance(spec, mla.MLASpec) or spec.layout != "per-head":
+        return None
+    files = calibration.files()
+    key = ("mla", str(source), calibration.tokens, calibration.window, json.dumps(files, default=str))
+    if key not in shared:
+        shared[key] = mla.calibrate(
+            src_dir=source,
+            geometry=AttentionGeometry.from_config(read_config(source)),
+            files=files,
+            tokens=calibration.tokens,
+            window=calibration.window,
+            device=calibration.device,
+            forward_dtype=calibration.forward_dtype,
+        )
+    return shared[key]
 
 
 def heal(src: Path, dst: Path, settings: Settings) -> dict:

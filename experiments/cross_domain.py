@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -57,28 +56,15 @@ class Conversion:
     command: str  # the equivalent command line, for the report
 
     def convert(self, dst: Path, files: list[Path], *, refine: Refinement) -> Path:
-        """The closed form on `files` at `dst`, or (refine.steps > 0) its refinement there."""
-        if self.kind == "gqa":
-            from hf_attn.conversion.gqa import convert_gqa as convert
-        else:
-            from hf_attn.conversion.mla import convert_to_mla as convert
-        if refine.steps == 0:
-            return convert(src=None, dst=dst, calibration_files=files, **self.options)
-        from hf_attn.conversion.refine import RefineSettings
-        from hf_attn.conversion.refine import refine as run_refine
+        """The conversion calibrated on `files` at `dst`, refined there when refine.steps > 0 (the conversion
+        pipeline: the closed form in a scratch directory, one checkpoint on disk once refined)."""
+        from hf_attn.conversion import pipeline
+        from hf_attn.conversion.specs import CalibrationSpec, RefineSpec
 
-        closed_dir = dst.with_name(f"{dst.name}.closed-form")
-        closed = convert(src=None, dst=closed_dir, calibration_files=files, **self.options)
-        settings = RefineSettings(
-            model=str(closed),
-            output=str(dst),
-            steps=refine.steps,
-            calibration_tokens=refine.tokens,
-            calibration_text=[str(f) for f in files],
-        )
-        run_refine(settings, progress=False)
-        shutil.rmtree(closed)  # one checkpoint on disk once refined
-        return dst
+        calibration = CalibrationSpec(text=[str(f) for f in files])
+        spec, calibration = pipeline.specs_from_options(self.kind, self.options, calibration=calibration)
+        stages = RefineSpec(steps=refine.steps, tokens=refine.tokens)
+        return pipeline.convert(spec, src=None, dst=dst, calibration=calibration, refine=stages).path
 
 
 CONVERSIONS = (

@@ -18,6 +18,7 @@ from pathlib import Path
 from experiments.runner import Point, Scoring, cached_calibration, calibration_files, run_grid
 from hf_attn.conversion import mla
 from hf_attn.conversion.checkpoint import open_source
+from hf_attn.conversion.specs import MLASpec
 from hf_attn.tooling.tables import markdown_table
 
 PROG = "python -m experiments.mla_allocation"
@@ -26,7 +27,9 @@ VARIANTS = ("uniform", "greedy", "greedy-ranks")
 
 def plan_variant(src_dir: Path, budget: float, variant: str, calibration, rope_pairs: int | None = None):
     return mla.plan_conversion(
-        src=src_dir, kv_budget=budget, rope_pairs=rope_pairs, calibration=calibration, allocation=variant
+        src_dir,
+        MLASpec(kv_budget=budget, rope_pairs=rope_pairs, allocation=variant),
+        calibration_pass=calibration,
     )
 
 

@@ -32,6 +32,7 @@ from hf_attn.conversion import mla
 from hf_attn.conversion.checkpoint import AttentionGeometry, read_config
 from hf_attn.conversion.factorization import FACTORIZATIONS
 from hf_attn.conversion.rope_selection import SELECTIONS
+from hf_attn.conversion.specs import MLASpec
 from hf_attn.tooling.cli import run_command
 from hf_attn.tooling.tables import markdown_table
 
@@ -176,14 +177,16 @@ def run_curve(
 def measure_point(p: dict, src_dir, calibration, scoring: Scoring, work: Path) -> dict:
     """Convert the source at grid point `p` (a temporary checkpoint under `work`) and score it."""
     plan = mla.plan_conversion(
-        src=src_dir,
-        kv_lora_rank=p["kv_lora_rank"],
-        kv_budget=p["kv_budget"],
-        rope_pairs=p["rope_pairs"],
-        rope_selection=p["selection"],
-        factorization=p["factorization"],
-        calibration=calibration,
-        allocation="uniform",  # the curve measures one r and d_c in every layer (mla_allocation: greedy)
+        src_dir,
+        MLASpec(
+            kv_lora_rank=p["kv_lora_rank"],
+            kv_budget=p["kv_budget"],
+            rope_pairs=p["rope_pairs"],
+            rope_selection=p["selection"],
+            factorization=p["factorization"],
+            allocation="uniform",
+        ),
+        calibration_pass=calibration,
     )
     shape = plan.shape
     return {

@@ -23,6 +23,7 @@ from pathlib import Path
 from experiments.runner import Point, Scoring, cached_calibration, calibration_files, run_grid
 from hf_attn.conversion import mla
 from hf_attn.conversion.checkpoint import AttentionGeometry, read_config
+from hf_attn.conversion.specs import MLASpec
 from hf_attn.tooling.tables import cell, markdown_table
 
 HEAL = {"seq_len": 512, "batch_size": 1, "lr": 1e-4, "trainable": "all"}
@@ -143,32 +144,38 @@ def _plan(src_dir, layout: str, budget: float, rope_pairs: int | None, calibrati
     latent norm."""
     if layout == "deepseek-refined":  # the encoder refined through the norm (an experiment)
         plan = mla.plan_conversion(
-            src=src_dir, kv_budget=budget, rope_pairs=rope_pairs, calibration=calibration, layout="deepseek"
+            src_dir,
+            MLASpec(kv_budget=budget, rope_pairs=rope_pairs, layout="deepseek"),
+            calibration_pass=calibration,
         )
         plan.norm_refine_steps = 15
         return plan
     if layout == "deepseek-no-refine":  # the latent norm with the least-squares decoders only
         plan = mla.plan_conversion(
-            src=src_dir, kv_budget=budget, rope_pairs=rope_pairs, calibration=calibration, layout="deepseek"
+            src_dir,
+            MLASpec(kv_budget=budget, rope_pairs=rope_pairs, layout="deepseek"),
+            calibration_pass=calibration,
         )
         plan.norm_refine_steps = 0
         return plan
     if layout == "deepseek-no-norm":  # the DeepSeek layout without its latent norm (not exportable)
         plan = mla.plan_conversion(
-            src=src_dir, kv_budget=budget, rope_pairs=rope_pairs, calibration=calibration, layout="deepseek"
+            src_dir,
+            MLASpec(kv_budget=budget, rope_pairs=rope_pairs, layout="deepseek"),
+            calibration_pass=calibration,
         )
         plan.norm_eps = None
         return plan
     if layout != "per-head-progression":
-        return mla.plan_conversion(
-            src=src_dir, kv_budget=budget, rope_pairs=rope_pairs, calibration=calibration, layout=layout,
-            allocation="uniform",  # the layouts are compared at one r and d_c in every layer
-        )  # fmt: skip
+        spec = MLASpec(kv_budget=budget, rope_pairs=rope_pairs, layout=layout, allocation="uniform")
+        return mla.plan_conversion(src_dir, spec, calibration_pass=calibration)  # one r, d_c in all layers
     ds = mla.plan_conversion(
-        src=src_dir, kv_budget=budget, rope_pairs=rope_pairs, calibration=calibration, layout="deepseek"
+        src_dir,
+        MLASpec(kv_budget=budget, rope_pairs=rope_pairs, layout="deepseek"),
+        calibration_pass=calibration,
     )
     plan = mla.plan_conversion(
-        src=src_dir, kv_budget=budget, rope_pairs=ds.shape.rope_pairs, calibration=calibration
+        src_dir, MLASpec(kv_budget=budget, rope_pairs=ds.shape.rope_pairs), calibration_pass=calibration
     )
     plan.pairs, plan.rope_stride = ds.pairs, ds.rope_stride
     return plan

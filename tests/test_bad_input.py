@@ -22,6 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from hf_attn.conversion import expand, export, gqa, heal, mla, refine
+from hf_attn.conversion.specs import GQASpec
 from hf_attn.eval import cli as hf_attn_cli
 from hf_attn.eval import harness, perplexity, study
 from hf_attn.eval.bench import decode as bench_decode
@@ -69,7 +70,9 @@ def ws(tmp_path_factory):
     root = tmp_path_factory.mktemp("bad-input")
     tiny = make_checkpoint(root / "tiny")
     make_checkpoint(root / "other", seed=1)  # same shapes, other weights
-    gqa.convert_gqa(src=tiny, dst=root / "converted", num_kv_heads=1)  # carries the conversion record
+    gqa.convert_gqa(
+        GQASpec(num_kv_heads=1, method="mean"), src=tiny, dst=root / "converted"
+    )  # carries the conversion record
     for name in ("gpt2cfg", "truncated", "badcfg"):
         shutil.copytree(tiny, root / name)
     config = json.loads((tiny / "config.json").read_text())

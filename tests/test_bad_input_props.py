@@ -82,13 +82,10 @@ def test_expand_heads(heads):
     factorization=st.sampled_from(["weight-svd", "activation", "attention"]),
 )
 def test_mla_options(kv_budget, kv_lora_rank, rope_pairs, tokens, factorization):
-    kwargs = dict(
-        kv_lora_rank=kv_lora_rank, kv_budget=kv_budget, rope_pairs=rope_pairs, rope_selection="high"
-    )
+    kwargs = dict(kv_lora_rank=kv_lora_rank, kv_budget=kv_budget, rope_pairs=rope_pairs)
     try:
-        mla.check_options(
-            GEOMETRY, **kwargs, factorization=factorization, layout="per-head", calibration_tokens=tokens
-        )
+        spec = mla.MLASpec(**kwargs, rope_selection="high", factorization=factorization)
+        shape = mla.check_spec(spec, mla.CalibrationSpec(tokens=tokens), GEOMETRY)
     except UserError:
         return
     # passed: every value is in range (checked here independently) and the plan is valid
@@ -96,7 +93,6 @@ def test_mla_options(kv_budget, kv_lora_rank, rope_pairs, tokens, factorization)
     assert kv_lora_rank is None or kv_lora_rank >= 1
     assert rope_pairs is None or 0 <= rope_pairs <= 3
     assert tokens >= (33 if factorization == "attention" else 1)  # attention statistics: every 32nd query
-    shape = mla.plan_shape(GEOMETRY, **kwargs)
     cached = shape.kv_lora_rank + 3 * 2 * shape.rope_pairs  # latent + one RoPE key per KV head
     assert shape.kv_lora_rank >= 1 and 0 <= shape.rope_pairs <= 3
     if kv_budget is not None:

@@ -2,16 +2,15 @@
 
 import argparse
 import hashlib
-from pathlib import Path
 
 import pytest
 from conftest import exit_status
 
 from experiments import cross_domain
 from hf_attn.conversion import calibration as cal
-from hf_attn.conversion import cli as conversion_cli
 from hf_attn.conversion import gqa, mla
 from hf_attn.conversion.heal import HealSettings, load_data
+from hf_attn.conversion.specs import CalibrationSpec, add_spec_arguments, spec_from_args
 from hf_attn.conversion.train_data import check_disjoint, check_not_embedded_eval, load_train_corpus
 from hf_attn.tooling import assets, python_docs
 from hf_attn.tooling.corpus import Corpus
@@ -98,23 +97,14 @@ def test_calibration_corpus_option_parses_resolves_and_refuses_unknown_names(cap
         assets.calibration_corpus_files("x")
 
     parser = argparse.ArgumentParser()
-    conversion_cli.add_calibration_arguments(parser, default_tokens=8)
-    seen = {}
-
-    def fake_convert(**kwargs):
-        seen.update(kwargs)
-        return Path("/out")
-
+    add_spec_arguments(parser, CalibrationSpec, prefix="calibration")
     for name, files in [("python-docs", assets.python_docs_calibration_files()), ("mix", None)]:
-        args = parser.parse_args(["--calibration-corpus", name])
-        args.model, args.output, args.save_dtype, args.overwrite = None, "/out", None, False
-        status = conversion_cli.run(
-            "p", fake_convert, args, describe=str, **conversion_cli.calibration_options(args)
+        spec = spec_from_args(
+            CalibrationSpec, parser.parse_args(["--calibration-corpus", name]), prefix="calibration"
         )
-        assert status == 0 and "calibration_corpus" not in seen
-        assert seen["calibration_files"] == (files or assets.calibration_corpus_files("mix"))
-    args = parser.parse_args([])
-    assert conversion_cli.calibration_options(args)["calibration_files"] is None  # default unchanged
+        assert spec.files() == (files or assets.calibration_corpus_files("mix"))
+    default = spec_from_args(CalibrationSpec, parser.parse_args([]), prefix="calibration")
+    assert default == CalibrationSpec() and default.files() == assets.calibration_corpus_files("mix")
 
 
 def test_heal_refuses_training_text_that_contains_an_evaluation_text(tmp_path, docs_dir):

@@ -20,6 +20,7 @@ import torch
 from conftest import exit_status
 
 from hf_attn.conversion import export, mla
+from hf_attn.conversion.specs import CalibrationSpec, MLASpec
 from hf_attn.eval.engine import check
 from hf_attn.eval.engine import environment as env
 
@@ -87,12 +88,10 @@ def swap_rope_rows(export_dir: Path, dst: Path) -> Path:
 def exports(tmp_path_factory, smollm2_path, engine):
     root = tmp_path_factory.mktemp("engine")
     mla50 = mla.convert_to_mla(
+        MLASpec(layout="deepseek", kv_budget=0.5),
         src=smollm2_path,
         dst=root / "smollm2-mla50",
-        layout="deepseek",
-        kv_budget=0.5,
-        calibration_tokens=640,
-        calibration_window=128,
+        calibration=CalibrationSpec(tokens=640, window=128),
     )
     out = {
         "smollm2": export.export_checkpoint(src=mla50, dst=root / "smollm2-mla50-576", engine_dims="576"),
@@ -217,12 +216,10 @@ def wide_heads(tmp_path_factory, smollm2_path):
 def test_convert_to_engine_dims_exports_without_padding(wide_heads, tmp_path):
     """--engine-dims 320: d_c 256 and 32 shared pairs, so the export at 320 pads nothing."""
     out = mla.convert_to_mla(
+        MLASpec(layout="deepseek", engine_dims="320"),
         src=wide_heads,
         dst=tmp_path / "mla",
-        layout="deepseek",
-        engine_dims="320",
-        calibration_tokens=192,
-        calibration_window=64,
+        calibration=CalibrationSpec(tokens=192, window=64),
     )
     cfg = json.loads((out / "config.json").read_text())
     assert (cfg["kv_lora_rank"], cfg["rope_pairs"]) == (256, 32)

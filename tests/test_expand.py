@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from hf_attn.conversion import expand
+from hf_attn.conversion.specs import ExpandSpec, WriteSpec
 from hf_attn.tooling.files import checkpoint_hash, sha256_file
 
 TINY = dict(
@@ -46,7 +47,7 @@ def weights(path: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_smollm2_expand_to_mha_reproduces_logits(tmp_path, smollm2_path):
     before = {p.name: sha256_file(p) for p in smollm2_path.iterdir()}
-    dst = expand.expand_checkpoint(src=smollm2_path, dst=tmp_path / "mha")
+    dst = expand.expand_checkpoint(ExpandSpec(), src=smollm2_path, dst=tmp_path / "mha")
     assert {p.name: sha256_file(p) for p in smollm2_path.iterdir()} == before
     config = json.loads((dst / "config.json").read_text())
     assert config["num_key_value_heads"] == 9 == config["num_attention_heads"]
@@ -67,7 +68,7 @@ def test_smollm2_expand_to_mha_reproduces_logits(tmp_path, smollm2_path):
 @pytest.mark.parametrize("target", [None, 4, 2])
 def test_repeated_rows_match_independent_computation(tmp_path, config_cls, target):
     src = make_tiny(tmp_path / "src", config_cls)
-    dst = expand.expand_checkpoint(src=src, dst=tmp_path / "dst", num_kv_heads=target)
+    dst = expand.expand_checkpoint(ExpandSpec(num_kv_heads=target), src=src, dst=tmp_path / "dst")
     h = TINY["num_attention_heads"] if target is None else target
     s, d = h // TINY["num_key_value_heads"], TINY["head_dim"]
     old, new = weights(src), weights(dst)
@@ -85,7 +86,9 @@ def test_repeated_rows_match_independent_computation(tmp_path, config_cls, targe
 
 def test_expanded_tiny_model_gives_the_same_logits(tmp_path):
     src = make_tiny(tmp_path / "src", Qwen2Config)
-    dst = expand.expand_checkpoint(src=src, dst=tmp_path / "dst", dtype="float32")
+    dst = expand.expand_checkpoint(
+        ExpandSpec(), src=src, dst=tmp_path / "dst", write=WriteSpec(save_dtype="float32")
+    )
     ids = torch.arange(30)[None] % 96
     out = []
     for path in (src, dst):
@@ -99,10 +102,10 @@ def test_errors(tmp_path, capsys):
     src = make_tiny(tmp_path / "src")
     out = tmp_path / "out"
     with pytest.raises(ValueError, match=r"1 is smaller than the source's 2 KV heads.*hf-attn convert gqa"):
-        expand.expand_checkpoint(src=src, dst=out, num_kv_heads=1)
+        expand.expand_checkpoint(ExpandSpec(num_kv_heads=1), src=src, dst=out)
     with pytest.raises(ValueError, match=r"--num-kv-heads 3 .* 2 KV heads .* 8 query heads.*one of 2, 4, 8"):
-        expand.expand_checkpoint(src=src, dst=out, num_kv_heads=3)
-    expand.expand_checkpoint(src=src, dst=out)
+        expand.expand_checkpoint(ExpandSpec(num_kv_heads=3), src=src, dst=out)
+    expand.expand_checkpoint(ExpandSpec(), src=src, dst=out)
     capsys.readouterr()
     assert exit_status(expand.main, ["--model", str(src), "--output", str(out)]) == 2
     err = capsys.readouterr().err.strip()

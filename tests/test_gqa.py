@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Mistr
 
 from hf_attn.conversion import gqa
 from hf_attn.conversion.expand import expand_checkpoint
+from hf_attn.conversion.specs import METHODS, CalibrationSpec, ExpandSpec, GQASpec, WriteSpec
 from hf_attn.tooling.errors import UserError
 from hf_attn.tooling.files import checkpoint_hash, sha256_file
 
@@ -80,7 +81,7 @@ def independent_mean(w: torch.Tensor, num_heads: int, groups: int, head_dim: int
 def test_mean_pooling_matches_independent_computation(tmp_path, model_type, groups):
     src = make_tiny(tmp_path / "src", model_type)
     before = file_hashes(src)
-    dst = gqa.convert_gqa(src=src, dst=tmp_path / "dst", num_kv_heads=groups)
+    dst = gqa.convert_gqa(GQASpec(num_kv_heads=groups, method="mean"), src=src, dst=tmp_path / "dst")
     assert file_hashes(src) == before  # the source is never modified
 
     old, new = weights(src), weights(dst)
@@ -109,8 +110,8 @@ def test_mean_pooling_matches_independent_computation(tmp_path, model_type, grou
 
 def test_same_number_of_heads_is_the_identity(tmp_path):
     src = make_tiny(tmp_path / "src", "qwen2")
-    for method in gqa.METHODS:
-        dst = gqa.convert_gqa(src=src, dst=tmp_path / method, num_kv_heads=4, method=method)
+    for method in METHODS:
+        dst = gqa.convert_gqa(GQASpec(num_kv_heads=4, method=method), src=src, dst=tmp_path / method)
         old, new = weights(src), weights(dst)
         assert set(old) == set(new) and all(torch.equal(old[n], new[n]) for n in old), method
 
@@ -121,8 +122,13 @@ def test_sharded_source_and_output(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(src)
     model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
     assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
-    a = gqa.convert_gqa(src=src, dst=tmp_path / "a", num_kv_heads=2)
-    b = gqa.convert_gqa(src=tmp_path / "sharded", dst=tmp_path / "b", num_kv_heads=2, max_shard_bytes=30_000)
+    a = gqa.convert_gqa(GQASpec(num_kv_heads=2, method="mean"), src=src, dst=tmp_path / "a")
+    b = gqa.convert_gqa(
+        GQASpec(num_kv_heads=2, method="mean"),
+        src=tmp_path / "sharded",
+        dst=tmp_path / "b",
+        write=WriteSpec(max_shard_bytes=30_000),
+    )
     assert len(list(b.glob("model-*.safetensors"))) > 1 and (b / "model.safetensors.index.json").exists()
     wa, wb = weights(a), weights(b)
     assert set(wa) == set(wb) and all(torch.equal(wa[n], wb[n]) for n in wa)
@@ -182,14 +188,12 @@ def test_calibrated_pooling_of_repeated_heads_is_exact(tmp_path, smollm2_path):
     )
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (src / name).write_bytes((smollm2_path / name).read_bytes())
-    mha = expand_checkpoint(src=src, dst=tmp_path / "mha", num_kv_heads=8)
+    mha = expand_checkpoint(ExpandSpec(num_kv_heads=8), src=src, dst=tmp_path / "mha")
     back = gqa.convert_gqa(
+        GQASpec(num_kv_heads=2, method="calibrated"),
         src=mha,
         dst=tmp_path / "back",
-        num_kv_heads=2,
-        method="calibrated",
-        calibration_tokens=256,
-        calibration_window=128,
+        calibration=CalibrationSpec(tokens=256, window=128),
     )
     ids = torch.randint(0, 49152, (1, 40), generator=torch.Generator().manual_seed(0))
     logits = []
@@ -226,7 +230,7 @@ print(json.dumps(out))
 
 def test_loads_without_hf_attn_and_kv_cache_shrinks(tmp_path):
     src = make_tiny(tmp_path / "src")
-    dst = gqa.convert_gqa(src=src, dst=tmp_path / "dst", num_kv_heads=1)
+    dst = gqa.convert_gqa(GQASpec(num_kv_heads=1, method="mean"), src=src, dst=tmp_path / "dst")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}
     res = subprocess.run(
         [sys.executable, "-c", _VANILLA, str(src), str(dst)],
@@ -248,8 +252,8 @@ def test_loads_without_hf_attn_and_kv_cache_shrinks(tmp_path):
 @pytest.mark.slow
 def test_smollm2_expand_then_mean_pool_returns_original_bits(tmp_path, smollm2_path):
     before = checkpoint_hash(smollm2_path)
-    mha = expand_checkpoint(src=smollm2_path, dst=tmp_path / "mha")
-    back = gqa.convert_gqa(src=mha, dst=tmp_path / "back", num_kv_heads=3)
+    mha = expand_checkpoint(ExpandSpec(), src=smollm2_path, dst=tmp_path / "mha")
+    back = gqa.convert_gqa(GQASpec(num_kv_heads=3, method="mean"), src=mha, dst=tmp_path / "back")
     assert checkpoint_hash(smollm2_path) == before
     old, new = weights(smollm2_path), weights(back)
     assert set(old) == set(new) and all(torch.equal(old[n], new[n]) for n in old)
@@ -262,10 +266,12 @@ def test_smollm2_calibrated_beats_mean_on_held_out_text(tmp_path, smollm2_path, 
     from hf_attn.eval.perplexity import evaluate_perplexity
 
     before = checkpoint_hash(smollm2_path)
-    common = dict(src=smollm2_path, num_kv_heads=1)
-    mean = gqa.convert_gqa(dst=tmp_path / "mean", method="mean", **common)
+    mean = gqa.convert_gqa(GQASpec(num_kv_heads=1, method="mean"), src=smollm2_path, dst=tmp_path / "mean")
     calibrated = gqa.convert_gqa(
-        dst=tmp_path / "cal", method="calibrated", calibration_tokens=1024, calibration_window=512, **common
+        GQASpec(num_kv_heads=1, method="calibrated"),
+        src=smollm2_path,
+        dst=tmp_path / "cal",
+        calibration=CalibrationSpec(tokens=1024, window=512),
     )
     assert checkpoint_hash(smollm2_path) == before
     record = json.loads((calibrated / "config.json").read_text())["hf_attn"]["history"][-1]
@@ -301,7 +307,7 @@ def test_errors_name_the_values(tmp_path, capsys):
     err = _one_line_cli_error(capsys, ["--model", str(src), "--num-kv-heads", "8", "--output", out])
     assert "8" in err and "4" in err and "hf-attn convert expand" in err
     with pytest.raises(ValueError, match="--method"):
-        gqa.convert_gqa(src=src, dst=out, num_kv_heads=2, method="svd")
+        gqa.convert_gqa(GQASpec(num_kv_heads=2, method="svd"), src=src, dst=out)
     assert not Path(out).exists()
 
     other = make_tiny(tmp_path / "gpt", "llama")
@@ -324,23 +330,23 @@ def test_missing_and_mismatched_weights(tmp_path):
     bad = make_tiny(tmp_path / "missing")
     save_file(missing, bad / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"Missing weights.*layers\.1\.self_attn\.v_proj\.weight"):
-        gqa.convert_gqa(src=bad, dst=tmp_path / "o1", num_kv_heads=2)
+        gqa.convert_gqa(GQASpec(num_kv_heads=2, method="mean"), src=bad, dst=tmp_path / "o1")
 
     wrong = make_tiny(tmp_path / "wrong")
     config = json.loads((wrong / "config.json").read_text())
     (wrong / "config.json").write_text(json.dumps({**config, "num_key_value_heads": 2}))
     with pytest.raises(ValueError, match=r"k_proj\.weight has shape \[24, 48\].*\[12, 48\]"):
-        gqa.convert_gqa(src=wrong, dst=tmp_path / "o2", num_kv_heads=1)
+        gqa.convert_gqa(GQASpec(num_kv_heads=1, method="mean"), src=wrong, dst=tmp_path / "o2")
     assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
 
 
 def test_existing_output_needs_overwrite_and_failures_leave_nothing(tmp_path, monkeypatch):
     src = make_tiny(tmp_path / "src")
     dst = tmp_path / "dst"
-    gqa.convert_gqa(src=src, dst=dst, num_kv_heads=2)
+    gqa.convert_gqa(GQASpec(num_kv_heads=2, method="mean"), src=src, dst=dst)
     first = file_hashes(dst)
     with pytest.raises(FileExistsError, match="--overwrite"):
-        gqa.convert_gqa(src=src, dst=dst, num_kv_heads=1)
+        gqa.convert_gqa(GQASpec(num_kv_heads=1, method="mean"), src=src, dst=dst)
     assert file_hashes(dst) == first
 
     calls = []
@@ -353,14 +359,18 @@ def test_existing_output_needs_overwrite_and_failures_leave_nothing(tmp_path, mo
 
     monkeypatch.setattr(gqa, "mean_pool_heads", failing)
     with pytest.raises(RuntimeError, match="disk full"):
-        gqa.convert_gqa(src=src, dst=dst, num_kv_heads=1, overwrite=True)
+        gqa.convert_gqa(
+            GQASpec(num_kv_heads=1, method="mean"), src=src, dst=dst, write=WriteSpec(overwrite=True)
+        )
     assert file_hashes(dst) == first  # the old output survives a failed overwrite
     with pytest.raises(RuntimeError, match="disk full"):
         calls.clear()
-        gqa.convert_gqa(src=src, dst=tmp_path / "new", num_kv_heads=1)
+        gqa.convert_gqa(GQASpec(num_kv_heads=1, method="mean"), src=src, dst=tmp_path / "new")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "src"]  # no partial output, no temp dir
     with pytest.raises(ValueError, match="source"):
-        gqa.convert_gqa(src=src, dst=src, num_kv_heads=1, overwrite=True)
+        gqa.convert_gqa(
+            GQASpec(num_kv_heads=1, method="mean"), src=src, dst=src, write=WriteSpec(overwrite=True)
+        )
 
 
 # ----------------------------------------------------------------------------------------- shared plumbing
@@ -405,7 +415,9 @@ def test_records_side_files_and_model_resolution(tmp_path, smollm2_path):
 
     config = {"model_type": "llama", "hf_attn": {"history": [{"step": 1}], "last": {"step": 1}}}  # older form
     out = add_record(config, {"step": 2})
-    assert out["hf_attn"]["history"] == [{"step": 1}, {"step": 2}] and out["hf_attn"]["history"][-1] == {"step": 2}
+    assert out["hf_attn"]["history"] == [{"step": 1}, {"step": 2}] and out["hf_attn"]["history"][-1] == {
+        "step": 2
+    }
     assert config["hf_attn"]["history"] == [{"step": 1}]  # the input is not modified
 
     copied = copy_side_files(smollm2_path, tmp_path)
@@ -433,11 +445,21 @@ def test_records_side_files_and_model_resolution(tmp_path, smollm2_path):
 
 def test_dtype_option(tmp_path):
     src = make_tiny(tmp_path / "src", "qwen2")
-    dst = gqa.convert_gqa(src=src, dst=tmp_path / "dst", num_kv_heads=2, dtype="bfloat16")
+    dst = gqa.convert_gqa(
+        GQASpec(num_kv_heads=2, method="mean"),
+        src=src,
+        dst=tmp_path / "dst",
+        write=WriteSpec(save_dtype="bfloat16"),
+    )
     new = weights(dst)
     assert all(t.dtype == torch.bfloat16 for t in new.values())
     assert json.loads((dst / "config.json").read_text())["dtype"] == "bfloat16"
     want = independent_mean(weights(src)["model.layers.0.self_attn.k_proj.weight"], 4, 2, TINY["head_dim"])
     assert torch.equal(new["model.layers.0.self_attn.k_proj.weight"], want.to(torch.bfloat16))
-    with pytest.raises(ValueError, match="Unknown dtype"):
-        gqa.convert_gqa(src=src, dst=tmp_path / "x", num_kv_heads=2, dtype="int8")
+    with pytest.raises(ValueError, match="Unknown --save-dtype .int8."):
+        gqa.convert_gqa(
+            GQASpec(num_kv_heads=2, method="mean"),
+            src=src,
+            dst=tmp_path / "x",
+            write=WriteSpec(save_dtype="int8"),
+        )

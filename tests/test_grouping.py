@@ -2,6 +2,7 @@
 whose heads were scrambled (the same function) pools back to the original model only with the right grouping,
 and the search finds it, for both methods; the partition search on costs whose best grouping is known."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from hf_attn.conversion import gqa, grouping
 from hf_attn.conversion.expand import expand_checkpoint
+from hf_attn.conversion.specs import METHODS, CalibrationSpec, ExpandSpec, GQASpec
 
 
 def scramble_heads(src: Path, dst: Path, perms: list[list[int]]) -> Path:
@@ -57,15 +59,16 @@ def test_scrambled_expansion_pools_back_exactly_with_search(tmp_path, smollm2_pa
     )
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (src / name).write_bytes((smollm2_path / name).read_bytes())
-    mha = expand_checkpoint(src=src, dst=tmp_path / "mha", num_kv_heads=8)
+    mha = expand_checkpoint(ExpandSpec(num_kv_heads=8), src=src, dst=tmp_path / "mha")
     perms = [[3, 6, 0, 5, 1, 7, 2, 4], [7, 0, 1, 6, 2, 5, 4, 3]]
     scrambled = scramble_heads(mha, tmp_path / "scrambled", perms)
     ids = torch.randint(0, 49152, (1, 40), generator=torch.Generator().manual_seed(0))
     want = logits_of(src, ids)
     torch.testing.assert_close(logits_of(scrambled, ids), want, rtol=0, atol=1e-5)  # same function
-    for method in gqa.METHODS:
-        kw = dict(num_kv_heads=2, method=method, calibration_tokens=256, calibration_window=128)
-        out = gqa.convert_gqa(src=scrambled, dst=tmp_path / method, grouping="search", **kw)
+    for method in METHODS:
+        calibration = CalibrationSpec(tokens=256, window=128)
+        spec = GQASpec(num_kv_heads=2, method=method, grouping="search")
+        out = gqa.convert_gqa(spec, src=scrambled, dst=tmp_path / method, calibration=calibration)
         torch.testing.assert_close(logits_of(out, ids), want, rtol=0, atol=1e-4)
         record = json.loads((out / "config.json").read_text())["hf_attn"]["history"][-1]
         assert record["settings"]["grouping"] == "search"
@@ -74,7 +77,10 @@ def test_scrambled_expansion_pools_back_exactly_with_search(tmp_path, smollm2_pa
                 sorted(j for j in range(8) if perm[j] // 4 == src_head) for src_head in range(2)
             ), (method, layer)
         bad = gqa.convert_gqa(
-            src=scrambled, dst=tmp_path / f"{method}-contiguous", grouping="contiguous", **kw
+            dataclasses.replace(spec, grouping="contiguous"),
+            src=scrambled,
+            dst=tmp_path / f"{method}-contiguous",
+            calibration=calibration,
         )
         assert (logits_of(bad, ids) - want).abs().max() > 1e-2
 
@@ -100,7 +106,7 @@ def test_smollm2_scrambled_expansion_pools_back_exactly(tmp_path, smollm2_path):
     rounding. Mean pooling only: the calibrated search is checked exactly on the tiny model above (on SmolLM2
     it finds the same groups, but its fit is only within about 1e-2 of the original even without scrambling,
     and the pass would double this test's time)."""
-    mha = expand_checkpoint(src=smollm2_path, dst=tmp_path / "mha")
+    mha = expand_checkpoint(ExpandSpec(), src=smollm2_path, dst=tmp_path / "mha")
     layers = json.loads((mha / "config.json").read_text())["num_hidden_layers"]
     gen = torch.Generator().manual_seed(0)
     perms = [torch.randperm(9, generator=gen).tolist() for _ in range(layers)]
@@ -109,13 +115,10 @@ def test_smollm2_scrambled_expansion_pools_back_exactly(tmp_path, smollm2_path):
     want = logits_of(smollm2_path, ids)
     for method in ("mean",):
         out = gqa.convert_gqa(
+            GQASpec(num_kv_heads=3, method=method, grouping="search"),
             src=scrambled,
             dst=tmp_path / method,
-            num_kv_heads=3,
-            method=method,
-            grouping="search",
-            calibration_tokens=128,
-            calibration_window=128,
+            calibration=CalibrationSpec(tokens=128, window=128),
         )
         record = json.loads((out / "config.json").read_text())["hf_attn"]["history"][-1]
         for layer, perm in enumerate(perms):

@@ -179,7 +179,16 @@ def _tokenized_source(tmp_path: Path, smollm2_path: Path, name: str) -> Path:
 
 def test_converters_record_the_forward_settings(tmp_path, smollm2_path):
     src = _tokenized_source(tmp_path, smollm2_path, "qwen2-biases")
-    common = ["--model", str(src), "--calibration-tokens", "256", "--calibration-window", "128"]
+    common = [
+        "--model",
+        str(src),
+        "--calibration-tokens",
+        "256",
+        "--calibration-window",
+        "128",
+        "--refine-steps",
+        "0",
+    ]
     out = tmp_path / "mqa"
     argv = [*common, "--num-kv-heads", "1", "--method", "calibrated", "--forward-dtype", "bfloat16"]
     assert exit_status(gqa.main, [*argv, "--output", str(out)]) == 0

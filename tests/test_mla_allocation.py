@@ -29,6 +29,7 @@ from test_mla_conversion import tiny_root  # noqa: F401 (fixture)
 
 from hf_attn.conversion import allocation as alloc
 from hf_attn.conversion import mla
+from hf_attn.conversion.specs import CalibrationSpec, MLASpec
 from hf_attn.eval.kv_cache import kv_bytes_per_token, kv_cache_bytes, measured_kv_bytes_per_token
 from hf_attn.models.llama_mla import LlamaMLAConfig, LlamaMLAForCausalLM
 
@@ -209,10 +210,8 @@ def test_pair_allocation_keeps_the_total_and_prefers_costly_pairs():
 @pytest.mark.parametrize("allocation", ["greedy", "greedy-ranks"])
 def test_greedy_conversion_honours_the_budget_and_loads(tiny_root, tmp_path, allocation):  # noqa: F811
     src = tiny_root / "llama_bias"
-    plan = mla.plan_conversion(
-        src=src, kv_budget=0.5, allocation=allocation, calibration_files=[tiny_root / "calib.txt"],
-        calibration_tokens=256,
-    )  # fmt: skip
+    calibration = CalibrationSpec(text=[tiny_root / "calib.txt"], tokens=256)
+    plan = mla.plan_conversion(src, MLASpec(kv_budget=0.5, allocation=allocation), calibration)
     if allocation == "greedy":  # RoPE pairs move between layers, the latent width stays
         assert len({s.kv_lora_rank for s in plan.layer_shapes}) == 1
     geo = plan.shape.geometry
@@ -232,7 +231,9 @@ def test_greedy_conversion_honours_the_budget_and_loads(tiny_root, tmp_path, all
         assert torch.isfinite(model(input_ids=ids, attention_mask=mask).logits).all()
     # uniform: no per-layer fields in config.json, as before
     uniform = mla.write_conversion(
-        mla.plan_conversion(src=src, kv_budget=0.5, calibration=plan.calibration, allocation="uniform"),
+        mla.plan_conversion(
+            src, MLASpec(kv_budget=0.5, allocation="uniform"), calibration_pass=plan.calibration
+        ),
         tmp_path / "uniform",
     )
     text = (uniform / "config.json").read_text()
@@ -251,11 +252,11 @@ def test_default_allocation_is_greedy_only_where_it_applies():
 def test_greedy_refuses_deepseek_layout_and_other_options(tiny_root):  # noqa: F811
     src = tiny_root / "llama"
     with pytest.raises(ValueError, match="--allocation uniform"):
-        mla.plan_conversion(src=src, kv_budget=0.5, allocation="greedy", layout="deepseek")
+        mla.plan_conversion(src, MLASpec(kv_budget=0.5, allocation="greedy", layout="deepseek"))
     with pytest.raises(ValueError, match="--allocation uniform"):
-        mla.plan_conversion(src=src, kv_budget=0.5, allocation="greedy", factorization="activation")
+        mla.plan_conversion(src, MLASpec(kv_budget=0.5, allocation="greedy", factorization="activation"))
     with pytest.raises(ValueError, match="Unknown --allocation"):
-        mla.plan_conversion(src=src, kv_budget=0.5, allocation="best")
+        mla.plan_conversion(src, MLASpec(kv_budget=0.5, allocation="best"))
 
 
 def test_export_refuses_ragged_ranks():

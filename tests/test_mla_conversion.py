@@ -23,6 +23,7 @@ from hf_attn.conversion import mla, mla_plan
 from hf_attn.conversion import rope_selection as rs
 from hf_attn.conversion.calibration import calibration_ids
 from hf_attn.conversion.checkpoint import AttentionGeometry
+from hf_attn.conversion.specs import CalibrationSpec, ExpandSpec, MLASpec, WriteSpec
 from hf_attn.tooling.files import checkpoint_hash, sha256_file
 
 TOL = 1e-4  # max |diff| relative to max |logit|, fp32
@@ -139,7 +140,7 @@ def tiny_root(tmp_path_factory, smollm2_path) -> Path:
 def test_every_pair_full_rank_reproduces_tiny_sources(tiny_root, tmp_path, name):
     src = tiny_root / name
     before = dir_hashes(src)
-    out = mla.convert_to_mla(src=src, dst=tmp_path / "mla")
+    out = mla.convert_to_mla(MLASpec(kv_budget=1.0), src=src, dst=tmp_path / "mla")
     assert dir_hashes(src) == before
     converted = load(out)
     assert type(converted).__name__ == "LlamaMLAForCausalLM"
@@ -159,7 +160,7 @@ def smollm2_reference(smollm2_path):
 def test_every_pair_full_rank_reproduces_smollm2_gqa(smollm2_path, smollm2_reference, tmp_path):
     ids, ref = smollm2_reference
     before = checkpoint_hash(smollm2_path)
-    out = mla.convert_to_mla(src=smollm2_path, dst=tmp_path / "mla")
+    out = mla.convert_to_mla(MLASpec(kv_budget=1.0), src=smollm2_path, dst=tmp_path / "mla")
     assert checkpoint_hash(smollm2_path) == before
     assert_close_logits(logits_of(load(out), ids), ref)
 
@@ -168,8 +169,8 @@ def test_every_pair_full_rank_reproduces_smollm2_mha(smollm2_path, smollm2_refer
     from hf_attn.conversion.expand import expand_checkpoint
 
     ids, ref = smollm2_reference
-    mha = expand_checkpoint(src=smollm2_path, dst=tmp_path / "mha", num_kv_heads=9)
-    out = mla.convert_to_mla(src=mha, dst=tmp_path / "mla")
+    mha = expand_checkpoint(ExpandSpec(num_kv_heads=9), src=smollm2_path, dst=tmp_path / "mha")
+    out = mla.convert_to_mla(MLASpec(kv_budget=1.0), src=mha, dst=tmp_path / "mla")
     converted = load(out)
     assert converted.config.num_key_value_heads == 9 and converted.config.kv_lora_rank == 9 * 64
     assert_close_logits(logits_of(converted, ids), ref)
@@ -192,12 +193,10 @@ def test_partial_rope_full_rank_matches_partial_rope_source(
 ):
     src = tiny_root / name
     out = mla.convert_to_mla(
+        MLASpec(rope_pairs=r, rope_selection=selection),
         src=src,
         dst=tmp_path / "mla",
-        rope_pairs=r,
-        rope_selection=selection,
-        calibration_files=[tiny_root / "calib.txt"],
-        calibration_tokens=256,
+        calibration=CalibrationSpec(text=[tiny_root / "calib.txt"], tokens=256),
     )
     converted = load(out)
     cfg = converted.config
@@ -216,12 +215,10 @@ def test_2norm_keeps_pairs_of_largest_mean_norm_product(tiny_root, tmp_path, smo
     src = tiny_root / "qwen2"
     files, tokens = [tiny_root / "calib.txt"], 300
     out = mla.convert_to_mla(
+        MLASpec(rope_pairs=2, rope_selection="2norm"),
         src=src,
         dst=tmp_path / "mla",
-        rope_pairs=2,
-        rope_selection="2norm",
-        calibration_files=files,
-        calibration_tokens=tokens,
+        calibration=CalibrationSpec(text=files, tokens=tokens),
     )
     got = json.loads((out / "config.json").read_text())["rope_pair_indices"]
     # independent: hook the source's attention inputs over the same 1024-token windows
@@ -337,14 +334,10 @@ def test_low_rank_conversion_record_cache_and_side_files(tiny_root, tmp_path, fa
     src = tiny_root / "llama_bias"
     before = dir_hashes(src)
     out = mla.convert_to_mla(
+        MLASpec(kv_budget=0.5, rope_pairs=1, rope_selection="uniform", factorization=factorization),
         src=src,
         dst=tmp_path / "mla",
-        kv_budget=0.5,
-        rope_pairs=1,
-        rope_selection="uniform",
-        factorization=factorization,
-        calibration_files=[tiny_root / "calib.txt"],
-        calibration_tokens=200,
+        calibration=CalibrationSpec(text=[tiny_root / "calib.txt"], tokens=200),
     )
     assert dir_hashes(src) == before
     config = json.loads((out / "config.json").read_text())
@@ -381,12 +374,9 @@ def test_low_rank_conversion_record_cache_and_side_files(tiny_root, tmp_path, fa
 
 def test_output_loads_with_remote_code_without_hf_attn(tiny_root, tmp_path):
     out = mla.convert_to_mla(
+        MLASpec(kv_lora_rank=10, rope_pairs=2, rope_selection="high", factorization="weight-svd"),
         src=tiny_root / "qwen2",
         dst=tmp_path / "mla",
-        kv_lora_rank=10,
-        rope_pairs=2,
-        rope_selection="high",
-        factorization="weight-svd",
     )
     ids = ids_batch(T=12, B=1)
     expected = logits_of(load(out), ids)
@@ -413,7 +403,7 @@ def test_failure_leaves_no_output(tiny_root, tmp_path, monkeypatch):
 
     monkeypatch.setattr(mla_plan, "convert_layer", boom)  # where the planned conversion calls it
     with pytest.raises(RuntimeError, match="disk full"):
-        mla.convert_to_mla(src=tiny_root / "llama", dst=tmp_path / "mla")
+        mla.convert_to_mla(MLASpec(kv_budget=1.0), src=tiny_root / "llama", dst=tmp_path / "mla")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -435,7 +425,7 @@ def test_failure_leaves_no_output(tiny_root, tmp_path, monkeypatch):
 )
 def test_bad_options_raise(tiny_root, tmp_path, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        mla.convert_to_mla(src=tiny_root / "llama", dst=tmp_path / "mla", **kwargs)
+        mla.convert_to_mla(MLASpec(**kwargs), src=tiny_root / "llama", dst=tmp_path / "mla")
     assert not (tmp_path / "mla").exists()
 
 
@@ -458,17 +448,23 @@ def _edited_copy(src: Path, dst: Path, **changes) -> Path:
 def test_unsupported_sources_raise(tiny_root, tmp_path, changes, match):
     src = _edited_copy(tiny_root / "llama", tmp_path / "src", **changes)
     with pytest.raises(ValueError, match=match):
-        mla.convert_to_mla(src=src, dst=tmp_path / "mla")
+        mla.convert_to_mla(MLASpec(kv_budget=1.0), src=src, dst=tmp_path / "mla")
 
 
 def test_output_safety(tiny_root, tmp_path):
     src = tiny_root / "llama"
     with pytest.raises(ValueError, match="is the source checkpoint"):
-        mla.convert_to_mla(src=src, dst=src, overwrite=True)
+        mla.convert_to_mla(MLASpec(kv_budget=1.0), src=src, dst=src, write=WriteSpec(overwrite=True))
     (tmp_path / "mla").mkdir()
     with pytest.raises(FileExistsError, match="--overwrite"):
-        mla.convert_to_mla(src=src, dst=tmp_path / "mla")
-    assert mla.convert_to_mla(src=src, dst=tmp_path / "mla", overwrite=True).joinpath("config.json").exists()
+        mla.convert_to_mla(MLASpec(kv_budget=1.0), src=src, dst=tmp_path / "mla")
+    assert (
+        mla.convert_to_mla(
+            MLASpec(kv_budget=1.0), src=src, dst=tmp_path / "mla", write=WriteSpec(overwrite=True)
+        )
+        .joinpath("config.json")
+        .exists()
+    )
 
 
 def test_cli_one_line_errors(tiny_root, tmp_path, capsys):
@@ -476,15 +472,19 @@ def test_cli_one_line_errors(tiny_root, tmp_path, capsys):
     assert exit_status(mla.main, argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "rope-pairs" in err and "Traceback" not in err
-    assert (
-        mla.main(["--model", str(tiny_root / "llama"), "--output", str(tmp_path / "ok"), "--rope-pairs", "4"])
-        == 0
-    )
+    assert mla.main([*argv[:3], str(tmp_path / "ok"), "--rope-pairs", "4", "--refine-steps", "0"]) == 0
     assert (tmp_path / "ok" / "model.safetensors").exists()
 
 
 def test_cli_default_is_half_the_cache(tiny_root, tmp_path):
-    calib = ["--calibration-text", str(tiny_root / "calib.txt"), "--calibration-tokens", "64"]
+    calib = [
+        "--calibration-text",
+        str(tiny_root / "calib.txt"),
+        "--calibration-tokens",
+        "64",
+        "--refine-steps",
+        "0",
+    ]
     assert mla.main(["--model", str(tiny_root / "llama"), "--output", str(tmp_path / "o"), *calib]) == 0
     cfg = json.loads((tmp_path / "o" / "config.json").read_text())
     numbers = cfg["kv_lora_rank"] + cfg["num_key_value_heads"] * 2 * cfg["rope_pairs"]
@@ -562,12 +562,10 @@ def test_attention_selection_applies_its_query_fit(monkeypatch, tiny_root, tmp_p
     src = tiny_root / "llama_bias"
     files, tokens = [tiny_root / "calib.txt"], 64
     out = mla.convert_to_mla(
+        MLASpec(rope_pairs=2, rope_selection="attention"),
         src=src,
         dst=tmp_path / "mla",
-        rope_pairs=2,
-        rope_selection="attention",
-        calibration_files=files,
-        calibration_tokens=tokens,
+        calibration=CalibrationSpec(text=files, tokens=tokens),
     )
     record = json.loads((out / "config.json").read_text())["hf_attn"]["history"][-1]
     assert record["settings"]["rope_selection"] == "attention" and record["query_fit"] is True

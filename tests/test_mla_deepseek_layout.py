@@ -16,6 +16,7 @@ from conftest import exit_status
 
 from hf_attn.conversion import mla
 from hf_attn.conversion import shared_rope as sr
+from hf_attn.conversion.specs import CalibrationSpec, MLASpec
 
 # ------------------------------------------------------------------------------------------------ helpers
 
@@ -272,10 +273,9 @@ def _tiny(
 
 
 def _convert(src: Path, dst: Path, **options) -> Path:
-    opts = dict(
-        calibration_files=[src.parent / "calibration.txt"], calibration_tokens=256, calibration_window=64
-    )
-    return mla.convert_to_mla(src=src, dst=dst, layout="deepseek", **{**opts, **options})
+    calibration = CalibrationSpec(text=[src.parent / "calibration.txt"], tokens=256, window=64)
+    spec = MLASpec(layout="deepseek", **options)
+    return mla.convert_to_mla(spec, src=src, dst=dst, calibration=calibration)
 
 
 def _logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
@@ -329,7 +329,7 @@ def test_deepseek_layout_lossy_conversion_within_budget(smollm2_path, tmp_path):
 def test_cli_layout_flag_and_refusals(smollm2_path, tmp_path, capsys):
     src = _tiny(tmp_path / "src", smollm2_path, num_kv_heads=2, constant_rms=False)
     cal = ["--calibration-text", str(tmp_path / "calibration.txt"), "--calibration-tokens", "128"]
-    base = ["--model", str(src), *cal]
+    base = ["--model", str(src), *cal, "--refine-steps", "0"]
     capsys.readouterr()
     bad = [
         (["--layout", "deepseek", "--rope-selection", "2norm"], "--rope-selection"),
@@ -347,7 +347,10 @@ def test_cli_layout_flag_and_refusals(smollm2_path, tmp_path, capsys):
         mla.main([*base, "--output", str(tmp_path / "ok"), "--layout", "deepseek", "--kv-budget", "0.5"]) == 0
     )
     config = json.loads((tmp_path / "ok" / "config.json").read_text())
-    assert config["rope_layout"] == "shared" and config["hf_attn"]["history"][-1]["settings"]["layout"] == "deepseek"
+    assert (
+        config["rope_layout"] == "shared"
+        and config["hf_attn"]["history"][-1]["settings"]["layout"] == "deepseek"
+    )
     assert mla.main([*base, "--output", str(tmp_path / "ph"), "--kv-budget", "0.5"]) == 0  # default: per-head
     assert (
         json.loads((tmp_path / "ph" / "config.json").read_text()).get("rope_layout", "per_head") == "per_head"

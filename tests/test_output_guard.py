@@ -19,6 +19,7 @@ import pytest
 from test_gqa import file_hashes, make_tiny
 
 from hf_attn.conversion import expand, gqa
+from hf_attn.conversion.specs import ExpandSpec, GQASpec, WriteSpec
 from hf_attn.tooling.cli import sigterm_exits_cleanly
 from hf_attn.tooling.files import atomic_directory, check_output, scratch_directory
 
@@ -53,9 +54,11 @@ def test_streamed_converters_never_write_into_their_source(tmp_path, convert):
     for dst in (src, src / "converted"):
         with pytest.raises(ValueError, match="the source checkpoint"):
             if convert == "gqa":
-                gqa.convert_gqa(src=src, dst=dst, num_kv_heads=1, overwrite=True)
+                gqa.convert_gqa(
+                    GQASpec(num_kv_heads=1, method="mean"), src=src, dst=dst, write=WriteSpec(overwrite=True)
+                )
             else:
-                expand.expand_checkpoint(src=src, dst=dst, overwrite=True)
+                expand.expand_checkpoint(ExpandSpec(), src=src, dst=dst, write=WriteSpec(overwrite=True))
     assert file_hashes(src) == before and not (src / "converted").exists()
 
 

@@ -15,7 +15,7 @@ from conftest import TINY_SHAPE, exit_status
 from test_export import SRC_TINY, deepseek_layout_model, randomize_
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from hf_attn.conversion import cli, export, gqa, refine
+from hf_attn.conversion import export, gqa, pipeline, refine
 from hf_attn.conversion.checkpoint import read_tensor, tensor_index
 from hf_attn.conversion.layerwise import LayerwiseModel
 
@@ -101,7 +101,8 @@ def converted_pair(tmp_path, smollm2_path):
     tiny_llama(5, vocab_size=len(tokenizer)).save_pretrained(src)
     tokenizer.save_pretrained(src)
     conv = tmp_path / "mqa"
-    assert exit_status(gqa.main, ["--model", str(src), "--output", str(conv), "--num-kv-heads", "1"]) == 0
+    argv = ["--model", str(src), "--output", str(conv), "--num-kv-heads", "1", "--method", "mean"]
+    assert exit_status(gqa.main, [*argv, "--refine-steps", "0"]) == 0
     return src, conv
 
 
@@ -165,14 +166,16 @@ def test_convert_with_refine_steps_is_convert_then_refine(converted_pair, tmp_pa
     assert exit_status(refine.main, [*argv, *options, "--no-progress"]) == 0
     one = tmp_path / "one" / "command"
     one.parent.mkdir()
-    base = ["--model", str(src), "--output", str(one), "--num-kv-heads", "1", *options]
+    base = ["--model", str(src), "--output", str(one), "--num-kv-heads", "1", "--method", "mean", *options]
     assert exit_status(gqa.main, [*base, "--refine-steps", "-1"]) == 2
     assert "--refine-steps" in capsys.readouterr().err and not one.exists()
     assert exit_status(gqa.main, [*base, "--refine-steps", "4", "--refine-tokens", "64"]) == 0
     assert [p.name for p in one.parent.iterdir()] == ["command"], "scratch left beside the output"
     history = json.loads((one / "config.json").read_text())["hf_attn"]["history"]
     assert [r["kind"] for r in history] == ["gqa", "refine"]
-    assert history[0]["source"] == str(src) and history[1]["source"] == cli.CLOSED_FORM_SOURCE  # not scratch
+    assert (
+        history[0]["source"] == str(src) and history[1]["source"] == pipeline.CLOSED_FORM_SOURCE
+    )  # not scratch
     refined_record = json.loads((refined / "config.json").read_text())["hf_attn"]["history"][-1]
     assert history[1]["source_hash"] == refined_record["source_hash"]  # the same closed form was refined
     a, b = tensor_index(refined), tensor_index(one)

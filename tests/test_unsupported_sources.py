@@ -46,7 +46,7 @@ SOURCES = {
 
 COMMANDS = {
     "expand": (expand.main, []),
-    "gqa_mean": (gqa.main, ["--num-kv-heads", "1"]),
+    "gqa_mean": (gqa.main, ["--num-kv-heads", "1", "--method", "mean"]),
     "gqa_calibrated": (gqa.main, ["--num-kv-heads", "1", "--method", "calibrated"]),
     "mla_per_head": (mla.main, ["--kv-lora-rank", "8"]),
     "mla_deepseek": (mla.main, ["--kv-lora-rank", "8", "--rope-pairs", "1", "--layout", "deepseek"]),

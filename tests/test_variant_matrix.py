@@ -27,12 +27,13 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 
 from hf_attn.conversion import expand, export, gqa, mla
 from hf_attn.conversion.heal import HealSettings, heal
+from hf_attn.conversion.specs import CalibrationSpec, ExpandSpec, GQASpec, MLASpec
 from hf_attn.eval import perplexity
 
 TOL = 1e-4  # max |diff| relative to max |logit|, fp32
 T = 12  # test sequence length: longer than Mistral's window
-CAL_GQA = dict(calibration_tokens=48, calibration_window=24)
-CAL = dict(calibration_tokens=80, calibration_window=40)  # MLA: windows > rope_selection.QUERY_STRIDE
+CAL_GQA = dict(tokens=48, window=24)
+CAL = dict(tokens=80, window=40)  # MLA: windows > rope_selection.QUERY_STRIDE
 TEXT = (
     "It was a bright cold day in April, and the clocks were striking thirteen. The hallway smelt of boiled "
     "cabbage and old rag mats. At one end of it a coloured poster had been tacked to the wall. "
@@ -167,7 +168,7 @@ def pooled_kv_reference(v: Variant, num_kv_heads: int) -> torch.Tensor:
 
 def test_expand_reproduces_source(variant):
     v = variant
-    out = v.out("expand", lambda dst: expand.expand_checkpoint(src=v.src, dst=dst))
+    out = v.out("expand", lambda dst: expand.expand_checkpoint(ExpandSpec(), src=v.src, dst=dst))
     model = load(out)
     assert model.config.num_key_value_heads == v.config.num_attention_heads
     assert_close(logits_of(model, v.ids), v.ref_logits)
@@ -176,7 +177,10 @@ def test_expand_reproduces_source(variant):
 def test_gqa_mean_equals_hand_pooled(variant):
     v = variant
     target = 1
-    out = v.out("gqa_mean", lambda dst: gqa.convert_gqa(src=v.src, dst=dst, num_kv_heads=target))
+    out = v.out(
+        "gqa_mean",
+        lambda dst: gqa.convert_gqa(GQASpec(num_kv_heads=target, method="mean"), src=v.src, dst=dst),
+    )
     assert_close(logits_of(load(out), v.ids), pooled_kv_reference(v, target))
 
 
@@ -185,7 +189,10 @@ def test_gqa_calibrated(variant, text_file):
     out = v.out(
         "gqa_calibrated",
         lambda dst: gqa.convert_gqa(
-            src=v.src, dst=dst, num_kv_heads=1, method="calibrated", calibration_files=[text_file], **CAL_GQA
+            GQASpec(num_kv_heads=1, method="calibrated"),
+            src=v.src,
+            dst=dst,
+            calibration=CalibrationSpec(text=[text_file], **CAL_GQA),
         ),
     )
     assert_finite_model(out, v)
@@ -193,7 +200,7 @@ def test_gqa_calibrated(variant, text_file):
 
 def test_mla_full_rank_reproduces_source(variant):
     v = variant
-    out = v.out("mla_full", lambda dst: mla.convert_to_mla(src=v.src, dst=dst))
+    out = v.out("mla_full", lambda dst: mla.convert_to_mla(MLASpec(kv_budget=1.0), src=v.src, dst=dst))
     assert_close(logits_of(load(out), v.ids), v.ref_logits)
 
 
@@ -201,7 +208,10 @@ def _mla_low(v: Variant, text_file: Path) -> Path:
     return v.out(
         "mla_low",
         lambda dst: mla.convert_to_mla(
-            src=v.src, dst=dst, kv_lora_rank=8, rope_pairs=2, calibration_files=[text_file], **CAL
+            MLASpec(kv_lora_rank=8, rope_pairs=2),
+            src=v.src,
+            dst=dst,
+            calibration=CalibrationSpec(text=[text_file], **CAL),
         ),
     )
 
@@ -214,14 +224,10 @@ def _deepseek(v: Variant, text_file: Path) -> Path:
     return v.out(
         "mla_deepseek",
         lambda dst: mla.convert_to_mla(
+            MLASpec(kv_lora_rank=8, rope_pairs=2, layout="deepseek", rope_selection="high"),
             src=v.src,
             dst=dst,
-            kv_lora_rank=8,
-            rope_pairs=2,
-            layout="deepseek",
-            rope_selection="high",
-            calibration_files=[text_file],
-            **CAL,
+            calibration=CalibrationSpec(text=[text_file], **CAL),
         ),
     )
 
@@ -298,12 +304,10 @@ def test_mla_refuses_a_calibration_window_of_one_query(tmp_path, text_file):
     AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=64, **BASE)).save_pretrained(src)
     with pytest.raises(ValueError, match="--calibration-window 32 is too short"):
         mla.convert_to_mla(
+            MLASpec(kv_lora_rank=8, rope_pairs=2),
             src=src,
             dst=tmp_path / "out",
-            kv_lora_rank=8,
-            rope_pairs=2,
-            calibration_files=[text_file],
-            calibration_window=rope_selection.QUERY_STRIDE,
+            calibration=CalibrationSpec(text=[text_file], window=rope_selection.QUERY_STRIDE),
         )
     assert not (tmp_path / "out").exists()
 
@@ -313,12 +317,9 @@ def test_gqa_calibrated_mha_to_mqa_from_few_tokens_is_finite(tmp_path, text_file
     accumulation, slightly indefinite: the value refit must stop rather than diverge (it once overflowed)."""
     v = Variant("llama_mha_tied", tmp_path, smollm2_path)
     out = gqa.convert_gqa(
+        GQASpec(num_kv_heads=1, method="calibrated"),
         src=v.src,
         dst=tmp_path / "gqa",
-        num_kv_heads=1,
-        method="calibrated",
-        calibration_files=[text_file],
-        calibration_tokens=80,
-        calibration_window=40,
+        calibration=CalibrationSpec(text=[text_file], tokens=80, window=40),
     )
     assert_finite_model(out, v)

@@ -46,9 +46,10 @@ _CHILD_CONVERT = (
     _PEAK
     + r"""
 import json, sys
-from hf_attn.conversion.gqa import convert_gqa
+from hf_attn.conversion.gqa import GQASpec, WriteSpec, convert_gqa
 base = reset_peak()
-convert_gqa(src=sys.argv[1], dst=sys.argv[2], num_kv_heads=int(sys.argv[3]), max_shard_bytes=int(sys.argv[4]))
+spec, write = GQASpec(num_kv_heads=int(sys.argv[3]), method="mean"), WriteSpec(max_shard_bytes=int(sys.argv[4]))
+convert_gqa(spec, src=sys.argv[1], dst=sys.argv[2], write=write)
 print(json.dumps({"baseline_kib": base, "peak_kib": peak_kib()}))
 """
 )

@@ -1,0 +1,355 @@
+"""What a conversion is asked to do, as typed specs: frozen dataclasses validated when built, from which the
+parsers of `hf-attn convert gqa | mla | expand` are built (`add_spec_arguments`), so that the commands and
+the library share every default.
+
+- `CalibrationSpec`: the calibration text (files, an embedded corpus; default the `mix` corpus), its tokens
+  and window, and where the layer-by-layer calibration forward runs.
+- `KVBudget`: a fraction in (0, 1] of the source's KV cache and the numbers per token and layer it allows.
+- `GQASpec`, `MLASpec`, `ExpandSpec`: what each closed-form converter writes.
+- `RefineSpec`: the layer-local refinement after the closed form (`hf-attn refine`; 0 steps: none).
+- `WriteSpec`: how the checkpoint is written (dtype, `--overwrite`, shard size).
+
+`conversion.pipeline` composes the stages: closed form -> refinement -> export.
+
+    from hf_attn.conversion.specs import GQASpec, MLASpec, RefineSpec
+    GQASpec(num_kv_heads=1)                          # calibrated pooling, then 32 refinement steps
+    GQASpec(num_kv_heads=1, method="mean")           # the GQA paper's mean pooling (with RefineSpec(steps=0))
+    MLASpec(kv_budget=0.3, layout="deepseek")        # a DeepSeek-layout MLA at 30% of the cache
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from hf_attn.conversion import allocation as alloc
+from hf_attn.conversion import calibration as cal
+from hf_attn.conversion import factorization as fac
+from hf_attn.conversion import layerwise
+from hf_attn.conversion import rope_selection as rs
+from hf_attn.conversion import shared_rope as sr
+from hf_attn.conversion.checkpoint import DEFAULT_MAX_SHARD_BYTES
+from hf_attn.conversion.engine_dims import ENGINE_DIMS
+from hf_attn.conversion.mla_layer import DEFAULT_FACTORIZATION, DEFAULT_ROPE_SELECTION
+from hf_attn.conversion.refine import RefineSettings
+from hf_attn.tooling import assets, loading
+from hf_attn.tooling.cli import add_settings_arguments, check_choices, setting
+from hf_attn.tooling.errors import UserError, check_number, user_input
+from hf_attn.tooling.files import check_text_files
+
+METHODS = ("calibrated", "mean")  # GQA pooling; the first is the default
+GROUPINGS = ("contiguous", "search")  # which KV heads pool together (conversion.grouping)
+DEFAULT_KV_BUDGET = 0.5  # `MLASpec` without a rank option (the knee of the measured curve)
+
+
+def _check_int(flag: str, value, minimum: int) -> None:
+    check_number(flag, value, minimum=minimum, inclusive=True, integer=True)
+
+
+# ------------------------------------------------------------------------------------------- calibration
+
+
+@dataclass(frozen=True)
+class CalibrationSpec:
+    """The calibration text of the calibrated converters (and of the refinement after them), and where the
+    layer-by-layer calibration forward runs (`layerwise.LayerwiseModel`)."""
+
+    text: tuple[str, ...] | None = setting(
+        None,
+        flag="--calibration-text",
+        metavar="FILE",
+        exclusive="calibration text",
+        help="calibration text files, equal token shares, a file listed k times k shares (default: "
+        "--calibration-corpus)",
+    )
+    corpus: str | None = setting(
+        None,
+        flag="--calibration-corpus",
+        choices=assets.CORPORA,
+        exclusive="calibration text",
+        help="an embedded calibration corpus: austen (five novels), python-docs (five sections of the "
+        f"Python 3.11 docs) or mix (equal token shares of both); never an evaluation text (default: "
+        f"{cal.DEFAULT_CORPUS})",
+    )
+    tokens: int = setting(
+        cal.DEFAULT_CALIBRATION_TOKENS, flag="--calibration-tokens", help="calibration tokens"
+    )
+    window: int = setting(
+        cal.DEFAULT_WINDOW, flag="--calibration-window", help="tokens per calibration forward"
+    )
+    device: str = setting(
+        "cpu", help="device of the layer-by-layer calibration forward", choices=layerwise.DEVICES
+    )
+    forward_dtype: str = setting(
+        "float32",
+        help="dtype of the calibration forward (statistics still accumulate in float64)",
+        choices=tuple(layerwise.FORWARD_DTYPES),
+    )
+
+    def __post_init__(self):
+        if self.text is not None:
+            object.__setattr__(self, "text", tuple(str(f) for f in self.text))
+        check_choices(self)
+        if self.text and self.corpus is not None:
+            raise UserError(
+                f"give --calibration-text or --calibration-corpus {self.corpus}, not both; drop one"
+            )
+        _check_int("--calibration-tokens", self.tokens, 1)
+        _check_int("--calibration-window", self.window, 1)
+        if self.text:
+            check_text_files(list(self.text), "--calibration-text")
+        with user_input():
+            layerwise.resolve_forward(self.device, self.forward_dtype)
+
+    def files(self) -> list[Path]:
+        """The calibration text files: `text`, else the files of the embedded `corpus` (default: the `mix`
+        corpus, never an evaluation text; fetched if needed)."""
+        if self.text:
+            return [Path(f) for f in self.text]
+        return assets.calibration_corpus_files(self.corpus or cal.DEFAULT_CORPUS)
+
+
+@dataclass(frozen=True)
+class KVBudget:
+    """A fraction in (0, 1] of the source's KV cache (`--kv-budget`). Per token and layer the source caches
+    2 Hkv d numbers (K and V of its Hkv heads of width d, `kv_dim` = Hkv d); the budget allows
+    floor(fraction * 2 Hkv d) of them (a 1e-9 slack absorbs the binary rounding of the fraction)."""
+
+    fraction: float
+
+    def __post_init__(self):
+        f = self.fraction
+        numeric = isinstance(f, (int, float)) and not isinstance(f, bool)
+        if not (numeric and math.isfinite(f) and 0 < f <= 1):
+            raise UserError(
+                f"--kv-budget must be a fraction in (0, 1] of the source's KV cache, got {f!r}; e.g. 0.5"
+            )
+
+    @staticmethod
+    def source_numbers(kv_dim: int) -> int:
+        """Numbers the source caches per token and layer: 2 Hkv d."""
+        return 2 * kv_dim
+
+    def numbers(self, kv_dim: int) -> int:
+        """Numbers per token and layer the budget allows for a source of `kv_dim` = Hkv d."""
+        return int(self.fraction * self.source_numbers(kv_dim) + 1e-9)
+
+
+# ------------------------------------------------------------------------------------------- converters
+
+
+@dataclass(frozen=True)
+class GQASpec:
+    """`hf-attn convert gqa`: pool the source's H KV heads into `num_kv_heads` groups (conversion.gqa)."""
+
+    num_kv_heads: int = setting(required=True, help="G, the KV heads after pooling")
+    method: str = setting(
+        METHODS[0],
+        choices=METHODS,
+        help="how the heads of a group pool: calibrated (fitted on the calibration text, the best measured) "
+        "or mean (the GQA paper's mean pooling, Ainslie et al. 2023)",
+    )
+    grouping: str = setting(
+        GROUPINGS[0],
+        choices=GROUPINGS,
+        help="which KV heads pool together: consecutive ones, or searched per layer on the calibration text",
+    )
+
+    def __post_init__(self):
+        check_choices(self)
+        if (
+            isinstance(self.num_kv_heads, bool)
+            or not isinstance(self.num_kv_heads, int)
+            or self.num_kv_heads < 1
+        ):
+            raise UserError(f"--num-kv-heads must be a positive integer, got {self.num_kv_heads!r}")
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """`hf-attn convert mla`: the ranks and fits of the MLA conversion (conversion.mla). Without a rank
+    option (`kv_lora_rank`, `kv_budget`, `rope_pairs`, `engine_dims`) the budget is DEFAULT_KV_BUDGET;
+    `rope_pairs` = d/2 alone is the exact conversion."""
+
+    engine_dims: str | None = setting(
+        None,
+        choices=tuple(d for d in ENGINE_DIMS if d != "native"),
+        exclusive="ranks",
+        help="--layout deepseek: d_c = size - 64 and 32 shared RoPE pairs, so that `hf-attn export "
+        "--engine-dims SIZE` needs no padding (sizes vLLM's MLA backends take: conversion/engine_dims.py)",
+    )
+    kv_lora_rank: int | None = setting(
+        None, exclusive="ranks", help="d_c, width of the cached latent (default: the budget's)"
+    )
+    kv_budget: float | None = setting(
+        None,
+        exclusive="ranks",
+        help=f"cache fraction of the source's, picks d_c and r (default: {DEFAULT_KV_BUDGET} when no other "
+        "rank option is given)",
+    )
+    rope_pairs: int | None = setting(None, help="r, RoPE pairs kept per KV head (default: the budget's)")
+    rope_selection: str = setting(
+        DEFAULT_ROPE_SELECTION, choices=rs.SELECTIONS, help="which RoPE pairs each KV head keeps"
+    )
+    factorization: str = setting(
+        DEFAULT_FACTORIZATION, choices=fac.FACTORIZATIONS, help="how the joint low-rank latent is fitted"
+    )
+    layout: str = setting(
+        "per-head",
+        choices=sr.LAYOUTS,
+        help="per-head: a RoPE key per KV head; deepseek: one shared RoPE key + latent norm (DeepSeek MLA, "
+        "exportable to deepseek_v3)",
+    )
+    allocation: str | None = setting(
+        None,
+        choices=alloc.ALLOCATIONS,
+        help="uniform: the same r and d_c in every layer; greedy: RoPE pairs per layer from the calibration; "
+        "greedy-ranks: also the latent rank per layer (conversion.allocation); the same total cache "
+        "(default: greedy with --kv-budget and the attention selection / factorization, else uniform)",
+    )
+
+    def __post_init__(self):
+        check_choices(self)
+        if self.kv_budget is not None:
+            KVBudget(self.kv_budget)
+            if self.kv_lora_rank is not None:
+                raise UserError("give either --kv-lora-rank or --kv-budget, not both")
+        if self.engine_dims is not None and (
+            self.layout != "deepseek" or (self.kv_lora_rank, self.kv_budget, self.rope_pairs) != (None,) * 3
+        ):
+            raise UserError(
+                "--engine-dims sets d_c and r of --layout deepseek: drop --kv-lora-rank, --kv-budget "
+                "and --rope-pairs, and give --layout deepseek"
+            )
+        if self.layout == "deepseek" and self.rope_selection not in sr.DEEPSEEK_SELECTIONS:
+            raise UserError(
+                f"--rope-selection {self.rope_selection} picks pairs per KV head; --layout deepseek keeps "
+                f"the same progression 0, s, 2s, ... in every layer: use --rope-selection "
+                f"{' or '.join(sr.DEEPSEEK_SELECTIONS)}"
+            )
+        _check_allocation(self.allocation_method, self)
+
+    @property
+    def budget(self) -> KVBudget | None:
+        """The KV budget: `kv_budget`, DEFAULT_KV_BUDGET when no rank option is given, else None."""
+        if self.kv_budget is not None:
+            return KVBudget(self.kv_budget)
+        given = (self.kv_lora_rank, self.rope_pairs, self.engine_dims)
+        return KVBudget(DEFAULT_KV_BUDGET) if given == (None, None, None) else None
+
+    @property
+    def allocation_method(self) -> str:
+        """`allocation`, or its default: greedy where it applies (a budget that leaves the ranks to it, the
+        per-head layout, the `attention` selection and factorization), else uniform."""
+        if self.allocation is not None:
+            return self.allocation
+        return alloc.default_allocation(
+            kv_budget=None if self.budget is None else self.budget.fraction,
+            given_ranks=self.rope_pairs is not None or self.kv_lora_rank is not None,
+            layout=self.layout,
+            selection=self.rope_selection,
+            factorization=self.factorization,
+        )
+
+
+def _check_allocation(allocation: str, spec: MLASpec) -> None:
+    """UserError unless `--allocation` can run with the other options."""
+    if allocation == "uniform":
+        return
+    if spec.layout == "deepseek":
+        raise UserError(
+            f"--allocation {allocation} gives layers different ranks, but the DeepSeek layout (and "
+            "deepseek_v3) has one kv_lora_rank and one qk_rope_head_dim for every layer; use "
+            "--allocation uniform"
+        )
+    if spec.rope_selection != "attention" or spec.factorization != "attention":
+        raise UserError(
+            f"--allocation {allocation} reads the `attention` selection's pair scores and the `attention` "
+            f"factorization's spectrum, got --rope-selection {spec.rope_selection} --factorization "
+            f"{spec.factorization}; use both `attention` (the defaults) or --allocation uniform"
+        )
+
+
+@dataclass(frozen=True)
+class ExpandSpec:
+    """`hf-attn convert expand`: repeat the KV heads up to `num_kv_heads` (None: MHA), exactly."""
+
+    num_kv_heads: int | None = setting(None, help="target KV heads (default: the query heads, MHA)")
+
+    def __post_init__(self):
+        if self.num_kv_heads is not None and (
+            isinstance(self.num_kv_heads, bool)
+            or not isinstance(self.num_kv_heads, int)
+            or self.num_kv_heads < 1
+        ):
+            raise UserError(f"--num-kv-heads must be a positive integer, got {self.num_kv_heads!r}")
+
+
+# ------------------------------------------------------------------------------------------- stages after
+
+
+@dataclass(frozen=True)
+class RefineSpec:
+    """The layer-local refinement after the closed form (`hf-attn refine`, conversion.refine), on the
+    conversion's calibration text and device. 0 steps: the closed form only."""
+
+    steps: int = setting(
+        RefineSettings.steps,
+        flag="--refine-steps",
+        help="then refine every layer against the source with N Adam steps (hf-attn refine); 0: the "
+        "closed form only",
+    )
+    tokens: int = setting(
+        RefineSettings.calibration_tokens, flag="--refine-tokens", help="calibration tokens of the refinement"
+    )
+
+    def __post_init__(self):
+        _check_int("--refine-steps", self.steps, 0)
+        _check_int("--refine-tokens", self.tokens, 1)
+
+
+@dataclass(frozen=True)
+class WriteSpec:
+    """How a checkpoint is written: the dtype of its floating weights (None: the source's), whether an
+    existing output that hf-attn wrote may be replaced, and the largest shard."""
+
+    save_dtype: str | None = setting(
+        None,
+        deprecated_flags=("--dtype",),
+        help="dtype of the written floating weights (float32, bfloat16, float16; default: the source's)",
+    )
+    overwrite: bool = setting(False, help="replace an existing --output that hf-attn wrote (a checkpoint)")
+    max_shard_bytes: int = setting(DEFAULT_MAX_SHARD_BYTES, cli=False)
+
+    def __post_init__(self):
+        if self.save_dtype is not None:
+            loading.parse_dtype(self.save_dtype, "--save-dtype")
+        _check_int("max_shard_bytes", self.max_shard_bytes, 1)
+
+
+ConverterSpec = GQASpec | MLASpec | ExpandSpec
+
+
+# ------------------------------------------------------------------------------------------- parsers
+
+
+def add_spec_arguments(parser: argparse.ArgumentParser, spec: type, *, prefix: str) -> None:
+    """The flags of the spec class `spec` (`hf_attn.tooling.cli.add_settings_arguments`), stored under
+    `prefix.FIELD` so that specs with a field of the same name share a parser; `spec_from_args` reads them."""
+    start = len(parser._actions)
+    add_settings_arguments(parser, spec)
+    for action in parser._actions[start:]:
+        if action.metavar is None and action.choices is None and action.nargs != 0:
+            action.metavar = action.option_strings[0].lstrip("-").replace("-", "_").upper()
+        action.dest = f"{prefix}.{action.dest}"
+
+
+def spec_from_args(spec: type, args: argparse.Namespace, *, prefix: str):
+    """The spec class `spec` from what `add_spec_arguments(..., prefix=prefix)` parsed (validated: a bad
+    value raises UserError naming its flag)."""
+    names = [f.name for f in dataclasses.fields(spec)]
+    values = {n: getattr(args, f"{prefix}.{n}") for n in names if hasattr(args, f"{prefix}.{n}")}
+    return spec(**values)
