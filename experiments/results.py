@@ -56,21 +56,42 @@ def _pair(scores: dict | None) -> str:
     return f"{scores['persuasion']:,.2f} / {scores['python-faq']:,.2f}"
 
 
+def todays_command(command: str, *, refined: bool) -> str:
+    """A stored row's command as the converters' defaults spell it today: the flags whose value is today's
+    default are dropped (`--method calibrated`, `--calibration-tokens 8192`, `--refine-steps 32`: the specs'
+    defaults, read from them), and a conversion measured without refinement says `--refine-steps 0`, so the
+    command still produces the row's figure."""
+    from hf_attn.conversion.specs import METHODS, CalibrationSpec, RefineSpec
+
+    defaults = {"--method": METHODS[0], "--calibration-tokens": CalibrationSpec().tokens}
+    defaults["--refine-steps"] = RefineSpec().steps
+    for flag, value in defaults.items():
+        command = re.sub(rf" {flag} {value}(?=[ ,]|$)", "", command)
+    if not refined and command.startswith("hf-attn convert ") and "convert expand" not in command:
+        head, sep, tail = command.partition(",")
+        command = f"{head} --refine-steps 0{sep}{tail}"
+    return command
+
+
 def conversions(rows: Path, *, summary: bool = False) -> str:
     """Goal -> command -> KV fraction -> perplexity on both evaluation texts -> served by vLLM."""
     data = json.loads((rows / "conversions.json").read_text())
     header = ["goal", "command", "KV cache", "Persuasion / FAQ perplexity", "vLLM"]
     if not summary:
-        header[3:3] = ["closed form (no refinement)"]
+        header[3:3] = ["closed form (`--refine-steps 0`)"]
     table = []
     for r in data["rows"]:
         best = r["refined"] or r["closed"]
-        cells = [r["goal"], f"`{r['command']}`", f"{100 * r['kv_fraction']:.1f}%", _pair(best), r["vllm"]]
+        command = todays_command(r["command"], refined=r["refined"] is not None)
+        cells = [r["goal"], f"`{command}`", f"{100 * r['kv_fraction']:.1f}%", _pair(best), r["vllm"]]
         if not summary:
             cells[3:3] = [_pair(r["closed"]) if r["refined"] else "(same)"]
         table.append(cells)
     meta = data["meta"]
-    note = f"{meta['protocol']}; lower is better. Scored with `{'`, `'.join(meta['commands'][:2])}`."
+    note = (
+        f"{meta['protocol']}; lower is better. Scored with `{'`, `'.join(meta['commands'][:2])}`. Measured "
+    )
+    note += "with 8,192 calibration tokens of the mix corpus and 32 refinement steps on 4,096 tokens of it."
     return markdown_table(header, table, align="llr" + "r" * (len(header) - 4) + "l") + f"\n\n{note}\n"
 
 
