@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -108,40 +109,17 @@ def _mla_decode_split(
         if DOT_FP32:
             c_dot = c.to(tl.float32)
         s = tl.dot(q_lat, tl.trans(c_dot), input_precision=PRECISION)  # (BLOCK_M, BLOCK_N) fp32
-        if HAS_ROPE:  # one matmul per RoPE-key head: its (BLOCK_R, BLOCK_N) tile, read once, against
-            for hr in range(head_lo, head_hi):  # the block's query rows of that head (zeros elsewhere)
-                in_head = row_ok
-                if PER_HEAD_ROPE:
-                    in_head = row_ok & (rows // GT == hr)
-                q_rope = tl.load(qr_ptrs, mask=in_head[:, None] & r_ok[None, :], other=0.0)  # (BM, BR)
-                kr = tl.load(  # (BLOCK_R, BLOCK_N)
-                    kr_cols[:, None] + hr * R * stride_kr_d + cols[None, :] * stride_kr_s,
-                    mask=r_ok[:, None] & col_ok[None, :],
-                    other=0.0,
-                )
-                if DOT_FP32:
-                    q_rope = q_rope.to(tl.float32)
-                    kr = kr.to(tl.float32)
-                s += tl.dot(q_rope, kr, input_precision=PRECISION)
+        if HAS_ROPE:
+            s = _add_rope_scores(
+                s, qr_ptrs, kr_cols, rows, row_ok, r_ok, cols, col_ok, head_lo, head_hi, GT, R,
+                stride_kr_s, stride_kr_d, PER_HEAD_ROPE, PRECISION, DOT_FP32,
+            )  # fmt: skip
         s = s * qk_scale
         keep = row_ok[:, None] & col_ok[None, :]  # (BLOCK_M, BLOCK_N)
-        if MASK_KIND == 1:  # boolean (uint8 view): nonzero = attend
-            mk = tl.load(mask_rows[:, None] + cols[None, :] * stride_mask_s, mask=keep, other=0)
-            keep = keep & (mk != 0)
-        elif MASK_KIND == 2:  # additive float: added; values <= mask_floor (about dtype min / 2) drop the key
-            mk = tl.load(mask_rows[:, None] + cols[None, :] * stride_mask_s, mask=keep, other=0.0)
-            mk = mk.to(tl.float32)
-            keep = keep & (mk > mask_floor)
-            s += tl.where(keep, mk, 0.0) * 1.4426950408889634
+        if MASK_KIND != 0:
+            s, keep = _apply_mask(s, keep, mask_rows, cols, stride_mask_s, mask_floor, MASK_KIND)
         s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # (BLOCK_M,)
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing kept yet: no NaN
-        alpha = tl.exp2(m_i - m_ref)  # (BLOCK_M,), 0 while m_i is -inf
-        p = tl.exp2(s - m_ref[:, None])  # (BLOCK_M, BLOCK_N), 0 where dropped
-        l_i = l_i * alpha + tl.sum(p, 1)
-        p = p.to(c.dtype).to(c_dot.dtype)  # rounded to the latent dtype, as the PyTorch path does
-        acc = acc * alpha[:, None] + tl.dot(p, c_dot, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(s, c, c_dot, m_i, l_i, acc, PRECISION)
 
     part = b * N_SPLITS + split
     tl.store(PM + part * M + rows, m_i, mask=row_ok)
@@ -149,6 +127,60 @@ def _mla_decode_split(
     tl.store(
         PACC + (part * M + rows[:, None]) * DC + dcs[None, :], acc, mask=row_ok[:, None] & dc_ok[None, :]
     )
+
+
+@triton.jit
+def _add_rope_scores(
+    s, qr_ptrs, kr_cols, rows, row_ok, r_ok, cols, col_ok, head_lo, head_hi, GT, R, stride_kr_s, stride_kr_d,
+    PER_HEAD_ROPE: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+):  # fmt: skip
+    """s (BLOCK_M, BLOCK_N) plus the RoPE scores: one matmul per RoPE-key head in [head_lo, head_hi), its
+    (BLOCK_R, BLOCK_N) tile read once, against the block's query rows of that head (zeros elsewhere)."""
+    for hr in range(head_lo, head_hi):
+        in_head = row_ok
+        if PER_HEAD_ROPE:
+            in_head = row_ok & (rows // GT == hr)
+        q_rope = tl.load(qr_ptrs, mask=in_head[:, None] & r_ok[None, :], other=0.0)  # (BLOCK_M, BLOCK_R)
+        kr = tl.load(  # (BLOCK_R, BLOCK_N)
+            kr_cols[:, None] + hr * R * stride_kr_d + cols[None, :] * stride_kr_s,
+            mask=r_ok[:, None] & col_ok[None, :],
+            other=0.0,
+        )
+        if DOT_FP32:
+            q_rope = q_rope.to(tl.float32)
+            kr = kr.to(tl.float32)
+        s += tl.dot(q_rope, kr, input_precision=PRECISION)
+    return s
+
+
+@triton.jit
+def _apply_mask(s, keep, mask_rows, cols, stride_mask_s, mask_floor, MASK_KIND: tl.constexpr):
+    """(s, keep) (BLOCK_M, BLOCK_N) after the mask's tile: a boolean mask (MASK_KIND 1, uint8 view, nonzero =
+    attend) narrows `keep`; an additive one (2) is added to s (log2 units) and drops keys <= mask_floor."""
+    if MASK_KIND == 1:
+        mk = tl.load(mask_rows[:, None] + cols[None, :] * stride_mask_s, mask=keep, other=0)
+        keep = keep & (mk != 0)
+    elif MASK_KIND == 2:  # values <= mask_floor (about dtype min / 2) drop the key
+        mk = tl.load(mask_rows[:, None] + cols[None, :] * stride_mask_s, mask=keep, other=0.0)
+        mk = mk.to(tl.float32)
+        keep = keep & (mk > mask_floor)
+        s += tl.where(keep, mk, 0.0) * 1.4426950408889634
+    return s, keep
+
+
+@triton.jit
+def _online_softmax_step(s, c, c_dot, m_i, l_i, acc, PRECISION: tl.constexpr):
+    """One tile of the online softmax: s (BLOCK_M, BLOCK_N) masked scores (log2 units, -inf = dropped), c
+    (BLOCK_N, BLOCK_DC) the latent tile (c_dot: as the matmul takes it) -> the updated running max m_i
+    (BLOCK_M,), running sum l_i (BLOCK_M,) and accumulator acc (BLOCK_M, BLOCK_DC)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # (BLOCK_M,)
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing kept yet: no NaN
+    alpha = tl.exp2(m_i - m_ref)  # (BLOCK_M,), 0 while m_i is -inf
+    p = tl.exp2(s - m_ref[:, None])  # (BLOCK_M, BLOCK_N), 0 where dropped
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p = p.to(c.dtype).to(c_dot.dtype)  # rounded to the latent dtype, as the PyTorch path does
+    acc = acc * alpha[:, None] + tl.dot(p, c_dot, input_precision=PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -229,24 +261,10 @@ def mla_decode(
     if S == 0:  # nothing to attend to: every row is fully masked
         return (out.zero_(), lse.fill_(-math.inf)) if return_lse else out.zero_()
     mask_kind, mask_arg, mask_strides, mask_floor = _mask_args(mask, B, T, S, latent)
-
-    block_dc = max(_MIN_BLOCK, triton.next_power_of_2(DC))
-    block_r = max(_MIN_BLOCK, triton.next_power_of_2(R)) if R else _MIN_BLOCK
-    block_m = max(_MIN_BLOCK, min(triton.next_power_of_2(M), _MAX_ACC_ELEMENTS // block_dc))
-    row_blocks = triton.cdiv(M, block_m)
-    if block_n is None:
-        block_n = 64 if block_dc <= 256 else 32
-    if block_n < _MIN_BLOCK or block_n & (block_n - 1):
-        raise ValueError(f"block_n must be a power of two >= {_MIN_BLOCK}, got {block_n}")
-    n_blocks = triton.cdiv(S, block_n)
-    if num_splits is None:
-        num_splits = _default_splits(B * row_blocks, n_blocks, latent.device)
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    split_len = triton.cdiv(n_blocks, min(num_splits, n_blocks)) * block_n  # a multiple of block_n
-    num_splits = triton.cdiv(S, split_len)  # every split holds at least one token
-    if num_warps is None:  # spill-free in ptxas's sm_90 report for the shapes in docs/research/mla-kernel.md
-        num_warps = 4 if block_m * block_dc <= 4 * 1024 else 8
+    launch = _plan_launch(
+        B, M, S, DC, R, latent.device, num_splits=num_splits, block_n=block_n, num_warps=num_warps
+    )
+    num_splits = launch.num_splits
 
     q_rope3 = q_rope.reshape(B, M, R)  # (B, Hkv*G*T, R), a view where strides allow
     q_lat3 = q_latent.reshape(B, M, DC)  # (B, Hkv*G*T, DC)
@@ -257,20 +275,60 @@ def mla_decode(
     part_l = torch.empty_like(part_m)
     dot_fp32 = _DOT_FP32 and latent.dtype == torch.bfloat16
     precision = "ieee" if latent.dtype == torch.float32 or dot_fp32 else "tf32"  # fp32 stays fp32 (no TF32)
-    _mla_decode_split[(row_blocks, num_splits, B)](  # row blocks fastest: they share cache tiles in L2
+    _mla_decode_split[(launch.row_blocks, num_splits, B)](  # row blocks fastest: they share L2 cache tiles
         q_rope3, q_lat3, c, kr, mask_arg, part_acc, part_m, part_l,
         *q_rope3.stride(), *q_lat3.stride(), *c.stride(), *kr.stride(), *mask_strides,
-        M, G * T, T, S, DC, R, split_len, num_splits,
+        M, G * T, T, S, DC, R, launch.split_len, num_splits,
         float(scaling) * _LOG2E, mask_floor,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_DC=block_dc, BLOCK_R=block_r,
+        BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_DC=launch.block_dc, BLOCK_R=launch.block_r,
         HAS_ROPE=R > 0, PER_HEAD_ROPE=Hr > 1, MASK_KIND=mask_kind, PRECISION=precision, DOT_FP32=dot_fp32,
-        num_warps=num_warps, num_stages=2 if num_stages is None else num_stages,
+        num_warps=launch.num_warps, num_stages=2 if num_stages is None else num_stages,
     )  # fmt: skip
     _mla_decode_combine[(B * M,)](
         part_acc, part_m, part_l, out, lse, M, DC, num_splits,
-        BLOCK_DC=block_dc, BLOCK_SPLITS=max(2, triton.next_power_of_2(num_splits)), num_warps=4,
+        BLOCK_DC=launch.block_dc, BLOCK_SPLITS=max(2, triton.next_power_of_2(num_splits)), num_warps=4,
     )  # fmt: skip
     return (out, lse) if return_lse else out
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """Block sizes, sequence splits and warps of one `mla_decode` launch."""
+
+    block_m: int  # query rows per program
+    block_n: int  # cached tokens per tile
+    block_dc: int  # latent width, padded to a power of two
+    block_r: int  # RoPE key width, padded to a power of two
+    row_blocks: int  # programs along the rows, cdiv(M, block_m)
+    split_len: int  # tokens per split, a multiple of block_n
+    num_splits: int  # splits of the sequence, each holding at least one token
+    num_warps: int
+
+
+def _plan_launch(
+    B: int, M: int, S: int, DC: int, R: int, device: torch.device, *, num_splits, block_n, num_warps
+) -> _Launch:
+    """The launch heuristics for B batch elements of M query rows over S cached tokens of latent width DC
+    and RoPE width R; `num_splits`, `block_n`, `num_warps` override them where not None (ValueError when
+    out of range)."""
+    block_dc = max(_MIN_BLOCK, triton.next_power_of_2(DC))
+    block_r = max(_MIN_BLOCK, triton.next_power_of_2(R)) if R else _MIN_BLOCK
+    block_m = max(_MIN_BLOCK, min(triton.next_power_of_2(M), _MAX_ACC_ELEMENTS // block_dc))
+    row_blocks = triton.cdiv(M, block_m)
+    if block_n is None:
+        block_n = 64 if block_dc <= 256 else 32
+    if block_n < _MIN_BLOCK or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= {_MIN_BLOCK}, got {block_n}")
+    n_blocks = triton.cdiv(S, block_n)
+    if num_splits is None:
+        num_splits = _default_splits(B * row_blocks, n_blocks, device)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    split_len = triton.cdiv(n_blocks, min(num_splits, n_blocks)) * block_n  # a multiple of block_n
+    num_splits = triton.cdiv(S, split_len)  # every split holds at least one token
+    if num_warps is None:  # spill-free in ptxas's sm_90 report for the shapes in docs/research/mla-kernel.md
+        num_warps = 4 if block_m * block_dc <= 4 * 1024 else 8
+    return _Launch(block_m, block_n, block_dc, block_r, row_blocks, split_len, num_splits, num_warps)
 
 
 def _default_splits(programs_per_split: int, n_blocks: int, device: torch.device) -> int:
