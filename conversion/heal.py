@@ -59,6 +59,7 @@ from __future__ import annotations
 import argparse
 import shutil
 from dataclasses import asdict
+from pathlib import Path
 
 import hf_attn  # noqa: F401  (registers the hf-attn attention implementations and the llama_mla model type)
 from hf_attn.conversion.checkpoint import conversion_record
@@ -149,18 +150,7 @@ def heal(settings: HealSettings, *, progress: bool = True) -> dict:
     from accelerate.utils import set_seed
 
     s = settings
-    with user_input():  # the settings' own checks are about the input
-        s.validate()
-    for flag, files in (("--train-text", s.train_text), ("--eval-text", s.eval_text)):
-        check_text_files(files or [], flag)  # binary or missing text: refused before any loading
-    output, state_dir = s.paths()
-    source = resolve_model(s.model)
-    loading.check_checkpoint_complete(source)  # a readable config and every weight, before any training
-    check_output(source, output, overwrite=s.overwrite)  # fail fast: before any training
-    check_output(source, state_dir, overwrite=True, flag="--state-dir", kind="directory")
-    with user_input():
-        check_writable(output.parent, "Output directory")
-
+    output, state_dir, source = _check_inputs(s)
     accelerator = make_accelerator(s.autocast_dtype, s.grad_accum)
     main, num_processes = accelerator.is_main_process, accelerator.num_processes
     set_seed(s.seed)
@@ -189,20 +179,8 @@ def heal(settings: HealSettings, *, progress: bool = True) -> dict:
         state.save(state_dir, recipe=recipe, source=source, accelerator=accelerator, log=log)
 
     if saved is None:
-        log.write(
-            event="start",
-            step=0,
-            source=str(source),
-            recipe=asdict(recipe),
-            train_corpus=data.train_corpus.name,
-            train_tokens=data.train_tokens,
-            chunks=len(data.chunks),
-            trainable_parameters=state.trainable_parameters,
-            distributed=str(accelerator.distributed_type.value),  # NO | MULTI_CPU | MULTI_GPU | FSDP | ...
-        )
-        state.eval_before = evaluate(unwrapped)
-        if state.eval_before is not None:
-            log.write(event="eval", step=0, **state.eval_before)
+        _log_start(log, state, source=source, recipe=recipe, data=data, accelerator=accelerator)
+        state.eval_before = _evaluate(evaluate, unwrapped, state, log, before=True)
     else:
         log.write(event="resume", step=state.step, checkpoint=str(ckpt_dir))
 
@@ -210,13 +188,103 @@ def heal(settings: HealSettings, *, progress: bool = True) -> dict:
         state, s, recipe, accelerator, log, evaluate=evaluate, checkpoint=checkpoint, progress=progress
     )
 
-    eval_after = evaluate(unwrapped)
-    if eval_after is not None:
-        state.evals.append({"step": state.step, "tokens": state.tokens, **state.clocks(), **eval_after})
-        log.write(event="eval", **state.evals[-1])
+    eval_after = _evaluate(evaluate, unwrapped, state, log, before=False)
     if s.keep_checkpoints:  # a final checkpoint: a later --resume with a larger budget continues from here
         checkpoint()
-    record = conversion_record(
+    record = _heal_record(
+        s,
+        state,
+        recipe,
+        data,
+        source=source,
+        num_processes=num_processes,
+        final_loss=final_loss,
+        eval_after=eval_after,
+        state_dir=state_dir,
+    )
+    full = accelerator.get_state_dict(state.net) if is_sharded(accelerator) else None  # collective
+    if main:
+        write_output(unwrapped, source, output, record, overwrite=s.overwrite, state_dict=full)
+        if not s.keep_checkpoints:
+            for _, path in find_checkpoints(state_dir):
+                shutil.rmtree(path, ignore_errors=True)
+        log.write(event="end", step=state.step, output=str(output), final_loss=final_loss)
+    accelerator.wait_for_everyone()
+    return {
+        **record,
+        "output": str(output),
+        "log": str(state_dir / LOG_FILE),
+        "losses": losses,
+        "evals": state.evals,
+    }
+
+
+def _check_inputs(s: HealSettings) -> tuple[Path, Path, Path]:
+    """Refuse bad settings before any loading or training; returns (output, state directory, source).
+
+    Args:
+        s: the run's settings; their own checks, the text files, the source checkpoint (complete) and the
+            output and state paths (never over or inside the source, writable) are checked.
+    """
+    with user_input():  # the settings' own checks are about the input
+        s.validate()
+    for flag, files in (("--train-text", s.train_text), ("--eval-text", s.eval_text)):
+        check_text_files(files or [], flag)  # binary or missing text: refused before any loading
+    output, state_dir = s.paths()
+    source = resolve_model(s.model)
+    loading.check_checkpoint_complete(source)  # a readable config and every weight, before any training
+    check_output(source, output, overwrite=s.overwrite)  # fail fast: before any training
+    check_output(source, state_dir, overwrite=True, flag="--state-dir", kind="directory")
+    with user_input():
+        check_writable(output.parent, "Output directory")
+    return output, state_dir, source
+
+
+def _log_start(
+    log: JsonLog, state: TrainState, *, source: Path, recipe: HealRecipe, data: HealData, accelerator
+) -> None:
+    """The `start` line of a fresh run's log: source, recipe, data and how the run is distributed."""
+    log.write(
+        event="start",
+        step=0,
+        source=str(source),
+        recipe=asdict(recipe),
+        train_corpus=data.train_corpus.name,
+        train_tokens=data.train_tokens,
+        chunks=len(data.chunks),
+        trainable_parameters=state.trainable_parameters,
+        distributed=str(accelerator.distributed_type.value),  # NO | MULTI_CPU | MULTI_GPU | FSDP | ...
+    )
+
+
+def _evaluate(evaluate, model, state: TrainState, log: JsonLog, *, before: bool) -> dict | None:
+    """Held-out evaluation of `model` before training (logged at step 0) or after it (logged and kept in
+    `state.evals` with the step, tokens and clocks); None when the evaluation is off (`eval_tokens=0`)."""
+    result = evaluate(model)
+    if result is None:
+        return None
+    if before:
+        log.write(event="eval", step=0, **result)
+    else:
+        state.evals.append({"step": state.step, "tokens": state.tokens, **state.clocks(), **result})
+        log.write(event="eval", **state.evals[-1])
+    return result
+
+
+def _heal_record(
+    s: HealSettings,
+    state: TrainState,
+    recipe: HealRecipe,
+    data: HealData,
+    *,
+    source: Path,
+    num_processes: int,
+    final_loss: float,
+    eval_after: dict | None,
+    state_dir: Path,
+) -> dict:
+    """The run's conversion record (kind `heal`): settings, progress, data, losses, evaluations, clocks."""
+    return conversion_record(
         kind="heal",
         source=source,
         source_hash=recipe.source_hash,
@@ -234,21 +302,6 @@ def heal(settings: HealSettings, *, progress: bool = True) -> dict:
         **state.clocks(),
         state_dir=str(state_dir),
     )
-    full = accelerator.get_state_dict(state.net) if is_sharded(accelerator) else None  # collective
-    if main:
-        write_output(unwrapped, source, output, record, overwrite=s.overwrite, state_dict=full)
-        if not s.keep_checkpoints:
-            for _, path in find_checkpoints(state_dir):
-                shutil.rmtree(path, ignore_errors=True)
-        log.write(event="end", step=state.step, output=str(output), final_loss=final_loss)
-    accelerator.wait_for_everyone()
-    return {
-        **record,
-        "output": str(output),
-        "log": str(state_dir / LOG_FILE),
-        "losses": losses,
-        "evals": state.evals,
-    }
 
 
 # --------------------------------------------------------------------------------------------- CLI
