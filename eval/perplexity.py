@@ -167,20 +167,53 @@ def run(settings: PerplexitySettings, *, accelerator=None) -> dict:
         accelerator=accelerator,
         progress=s.progress,
     )
+    record = _record(
+        s,
+        model_path=model_path,
+        lm=lm,
+        dtype=torch_dtype,
+        corpus=corpus,
+        input_ids=input_ids,
+        result=result,
+        accelerator=accelerator,
+        leaks=leaks,
+    )
+    if leaks and accelerator.is_main_process:
+        print(
+            f"{PROG}: warning: {model_path} was calibrated on the text it is scored on ({', '.join(leaks)}): "
+            "this perplexity is not a held-out measurement",
+            file=sys.stderr,
+        )
+    if s.output is not None and accelerator.is_main_process:
+        write_json(record, s.output, prog=PROG)
+    return record
+
+
+def _record(
+    s: PerplexitySettings, *, model_path, lm, dtype, corpus, input_ids, result, accelerator, leaks
+) -> dict:
+    """The JSON record of one evaluation: the model and its KV cache per token, the corpus (name, hash,
+    tokens), the protocol (context, stride, windows), the result, where it ran and the library versions.
+
+    Args:
+        model_path: the resolved checkpoint; lm: the loaded model; dtype: its load dtype.
+        corpus: the evaluation text; input_ids: (N,) its tokens; result: `evaluate_perplexity`'s.
+        accelerator: the processes it ran on; leaks: the scored files the model was calibrated on.
+    """
     try:
-        kv = kv_bytes_per_token(lm.config, torch_dtype).to_dict()
+        kv = kv_bytes_per_token(lm.config, dtype).to_dict()
     except ValueError:
         kv = None
-    record = {
+    return {
         "model": model_path,
         "checkpoint_hash": loading.model_hash(model_path),
         "model_type": lm.config.model_type,
         "attn_implementation": lm.config._attn_implementation,
-        "dtype": loading.dtype_name(torch_dtype),
+        "dtype": loading.dtype_name(dtype),
         "corpus": corpus.name,
         "corpus_sha256": corpus.sha256,
         "corpus_tokens": int(input_ids.numel()),
-        "max_tokens": max_tokens,
+        "max_tokens": s.max_tokens,
         "tokens_scored": result.tokens_scored,
         "context_length": result.context_length,
         "stride": result.stride,
@@ -198,15 +231,6 @@ def run(settings: PerplexitySettings, *, accelerator=None) -> dict:
         "calibrated_on_scored_text": leaks,
         "versions": loading.library_versions(),
     }
-    if leaks and accelerator.is_main_process:
-        print(
-            f"{PROG}: warning: {model_path} was calibrated on the text it is scored on ({', '.join(leaks)}): "
-            "this perplexity is not a held-out measurement",
-            file=sys.stderr,
-        )
-    if s.output is not None and accelerator.is_main_process:
-        write_json(record, s.output, prog=PROG)
-    return record
 
 
 def write_json(record: dict, output: str | Path, *, prog: str = PROG) -> Path:

@@ -120,23 +120,12 @@ def batch_nll(
     return total.item(), targets.numel()
 
 
-def evaluate_perplexity(
-    model,
-    input_ids: torch.Tensor,
-    *,
-    context_length: int = 1024,
-    stride: int | None = None,
-    batch_size: int = 1,
-    max_tokens: int | None = None,
-    accelerator=None,
-    progress: bool = True,
-) -> PerplexityResult:
-    """Corpus perplexity of `model` on the token stream `input_ids` (N,) with the sliding-window protocol.
-
-    With an `accelerate.Accelerator` of several processes, each evaluates its share of the windows and the
-    (NLL, count) pairs are summed; without one, this process evaluates every window.
-    """
-    stride = check_window(context_length, stride)
+def _evaluated_ids(
+    model, input_ids: torch.Tensor, *, context_length: int, batch_size: int, max_tokens: int | None
+) -> torch.Tensor:
+    """The (n,) tokens `evaluate_perplexity` scores: `input_ids` (N,) cut to `max_tokens`; ValueError naming
+    the fix for a bad batch size or shape, fewer tokens than one window, or a window longer than the model's
+    maximum positions."""
     if batch_size < 1:
         raise ValueError(f"batch size must be >= 1, got {batch_size}")
     if input_ids.dim() != 1:
@@ -159,7 +148,30 @@ def evaluate_perplexity(
             f"context length {context_length} exceeds the model's maximum positions ({limit}); "
             f"use --context-length <= {limit}"
         )
+    return input_ids
 
+
+def evaluate_perplexity(
+    model,
+    input_ids: torch.Tensor,
+    *,
+    context_length: int = 1024,
+    stride: int | None = None,
+    batch_size: int = 1,
+    max_tokens: int | None = None,
+    accelerator=None,
+    progress: bool = True,
+) -> PerplexityResult:
+    """Corpus perplexity of `model` on the token stream `input_ids` (N,) with the sliding-window protocol.
+
+    With an `accelerate.Accelerator` of several processes, each evaluates its share of the windows and the
+    (NLL, count) pairs are summed; without one, this process evaluates every window.
+    """
+    stride = check_window(context_length, stride)
+    input_ids = _evaluated_ids(
+        model, input_ids, context_length=context_length, batch_size=batch_size, max_tokens=max_tokens
+    )
+    n = input_ids.numel()
     windows = plan_windows(n, context_length, stride)
     batches = plan_batches(windows, batch_size)
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
