@@ -175,6 +175,11 @@ ROWS = [
     (M, [*MLA, "--calibration-text", "{ws}/binary.txt"], "is not UTF-8 text"),
     (M, [*MLA[:2], "--output", "{ws}/userdir", "--overwrite"], "not a checkpoint hf-attn wrote"),
     (M, ["--model", "{ws}/gpt2cfg", "--output", O], "model_type 'gpt2'"),
+    (M, [*MLA, "--engine-dims", "576"], "--engine-dims sets d_c and r of --layout deepseek"),  # specs
+    (M, [*MLA, "--layout", "deepseek", "--allocation", "greedy"], "use --allocation uniform"),
+    (M, [*MLA, "--rope-selection", "high", "--allocation", "greedy"], "use both `attention`"),
+    (M, [*MLA, "--layout", "deepseek", "--rope-selection", "2norm"], "--rope-selection 2norm picks pairs"),
+    (M, [*MLA, "--refine-steps", "-2"], "--refine-steps must be a finite integer >= 0"),
     # --------------------------------------------------------------------- export
     (export.main, ["--to", "deepseek_v3", "--model", T, "--output", O], "convert first"),
     (

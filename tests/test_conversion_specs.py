@@ -58,6 +58,13 @@ def test_every_flag_default_is_the_spec_default(module, spec, required):
         assert spec_from_args(RefineSpec, args, prefix="refine") == RefineSpec()
 
 
+def test_the_old_dtype_flag_still_sets_the_save_dtype(capsys):
+    parser = cli.build_parser(gqa.PROG, gqa.__doc__, GQASpec)
+    args = parser.parse_args(["--output", "o", "--num-kv-heads", "1", "--dtype", "bfloat16"])
+    assert spec_from_args(WriteSpec, args, prefix="write") == WriteSpec(save_dtype="bfloat16")
+    assert "--dtype is deprecated; use --save-dtype" in capsys.readouterr().err
+
+
 def test_the_defaults_are_the_measured_best_recipe():
     """calibrated pooling, 32 refinement steps, one calibration default of 8,192 tokens, MLA at half the cache
     (docs/results/conversions.md measures them); the GQA paper's mean pooling is one option away."""
