@@ -24,6 +24,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hf_attn.conversion.checkpoint import latest_record
 from hf_attn.conversion.specs import (
@@ -38,6 +39,9 @@ from hf_attn.conversion.specs import (
 from hf_attn.tooling import loading
 from hf_attn.tooling.errors import UserError, one_line
 from hf_attn.tooling.files import check_output, scratch_directory
+
+if TYPE_CHECKING:
+    from hf_attn.conversion.mla_calibration import Calibration
 
 CLOSED_FORM_SOURCE = "the closed form of the record before (not kept)"  # the refinement record's `source`
 EXPORTS = ("deepseek_v3",)
@@ -89,7 +93,7 @@ def convert(
     write: WriteSpec = WriteSpec(),
     export: str | None = None,
     progress: bool = False,
-    calibration_pass=None,
+    calibration_pass: Calibration | None = None,
 ) -> Converted:
     """Write `dst`: the source checkpoint `src` (None: the embedded SmolLM2) converted as `spec` says, then
     refined (`refine.steps` > 0; never an expansion) and exported (`export`, e.g. "deepseek_v3").
