@@ -48,8 +48,8 @@ _CHILD_CONVERT = (
 import json, sys
 from hf_attn.conversion.gqa import GQASpec, WriteSpec, convert_gqa
 base = reset_peak()
-spec, write = GQASpec(num_kv_heads=int(sys.argv[3]), method="mean"), WriteSpec(max_shard_bytes=int(sys.argv[4]))
-convert_gqa(spec, src=sys.argv[1], dst=sys.argv[2], write=write)
+spec = GQASpec(num_kv_heads=int(sys.argv[3]), method="mean")
+convert_gqa(spec, src=sys.argv[1], dst=sys.argv[2], write=WriteSpec(max_shard_bytes=int(sys.argv[4])))
 print(json.dumps({"baseline_kib": base, "peak_kib": peak_kib()}))
 """
 )
