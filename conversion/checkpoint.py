@@ -33,7 +33,6 @@ from hf_attn.conversion.shards import (
     SAFETENSORS_DTYPES,
     SINGLE_FILE,
     ShardedWriter,
-    SpilledLayers,  # noqa: F401  (importers not yet moved to shards)
 )
 from hf_attn.models.llama_mla.configuration_llama_mla import SOURCE_MODEL_TYPES
 from hf_attn.tooling.errors import UserError, one_line

@@ -39,7 +39,6 @@ from hf_attn.conversion import calibration as cal
 from hf_attn.conversion import layerwise
 from hf_attn.conversion.checkpoint import (
     AttentionGeometry,
-    SpilledLayers,
     TensorInfo,
     add_record,
     conversion_record,
@@ -51,6 +50,7 @@ from hf_attn.conversion.checkpoint import (
     read_tensor,
     save_streamed,
 )
+from hf_attn.conversion.shards import SpilledLayers
 from hf_attn.conversion.specs import CalibrationSpec, GQASpec, WriteSpec
 from hf_attn.tooling.errors import UserError
 from hf_attn.tooling.files import checkpoint_hash, scratch_directory

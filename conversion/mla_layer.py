@@ -93,7 +93,7 @@ def default_rope_pairs(
     half = geometry.head_dim // 2
     if kv_budget is None:
         return half
-    numbers = int(kv_budget * 2 * geometry.kv_dim + 1e-9)
+    numbers = _budget_numbers(kv_budget, geometry)
     if numbers >= 2 * geometry.kv_dim:  # the whole source cache: the exact conversion fits
         return half
     cap = half if share is not None else math.ceil(MAX_ROPE_FRACTION.get(selection, 1.0) * half)
@@ -101,6 +101,13 @@ def default_rope_pairs(
     per_pair = 2 * geometry.num_kv_heads
     r = min(round(share * numbers / per_pair), int(numbers * 7 / 8) // per_pair, cap)
     return max(1, min(half, r))
+
+
+def _budget_numbers(kv_budget: float, geometry: AttentionGeometry) -> int:
+    """Numbers per token and layer a KV budget allows (`specs.KVBudget`, validated there)."""
+    from hf_attn.conversion.specs import KVBudget  # (specs reads this module's defaults)
+
+    return KVBudget(kv_budget).numbers(geometry.kv_dim)
 
 
 def plan_shape(
@@ -125,11 +132,7 @@ def plan_shape(
     full = MLAShape(geometry, r, 1).full_rank
     hkv = 1 if shared else geometry.num_kv_heads  # RoPE keys cached per token
     if kv_budget is not None:
-        if not (math.isfinite(kv_budget) and 0 < kv_budget <= 1):
-            raise UserError(
-                f"--kv-budget must be a fraction in (0, 1] of the source's KV cache, got {kv_budget}."
-            )
-        numbers = int(kv_budget * 2 * geometry.kv_dim + 1e-9)
+        numbers = _budget_numbers(kv_budget, geometry)  # (validates the fraction)
         rank = min(numbers - hkv * 2 * r, full)
         if rank < 1:
             fits = (numbers - 1) // (2 * hkv)  # RoPE pairs that leave the latent one number

@@ -378,7 +378,8 @@ def test_existing_output_needs_overwrite_and_failures_leave_nothing(tmp_path, mo
 
 def test_sharded_writer_round_trip(tmp_path):
     """Mixed dtypes, odd byte sizes, a scalar and an empty tensor survive sharding; aligned data offsets."""
-    from hf_attn.conversion.checkpoint import ShardedWriter, iter_tensors, tensor_index
+    from hf_attn.conversion.checkpoint import iter_tensors, tensor_index
+    from hf_attn.conversion.shards import ShardedWriter
 
     g = torch.Generator().manual_seed(0)
     tensors = {
