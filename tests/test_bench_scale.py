@@ -71,7 +71,7 @@ def test_runner_gives_a_row_for_mean_pooling(tmp_path):
         shape="tiny",
         converter="gqa mean 2->1",
         module="hf_attn.conversion.gqa",
-        args=["--model", str(src), "--output", str(dst), "--num-kv-heads", "1"],
+        args=["--model", str(src), "--output", str(dst), "--num-kv-heads", "1", *scale.MEAN_POOLING],
         src=src,
         dst=dst,
         device="cpu",
@@ -133,3 +133,21 @@ def test_refine_rows_stream_the_pooled_model_against_its_source(tmp_path):
     assert rows[1].converter.startswith("refine") and rows[1].peak_rss_bytes > 0
     assert rows[1].output_bytes == rows[1].read_bytes  # same tensors, same dtypes: a refit, not a conversion
     assert not (tmp_path / "tiny-gqa-mean").exists() and not (tmp_path / "tiny-refined").exists()
+
+
+def test_every_conversion_row_times_the_closed_form_it_names():
+    from hf_attn.conversion import cli
+    from hf_attn.conversion.specs import GQASpec, MLASpec
+
+    specs = {"hf_attn.conversion.gqa": GQASpec, "hf_attn.conversion.mla": MLASpec}
+    for shape in ("tiny", "llama-2-7b"):
+        for label, module, args in scale.plan(shape, calibration=[], device_args=[]):
+            if module not in specs:
+                continue
+            parser = cli.build_parser("x", "x", specs[module])
+            parsed = cli.specs_from_args(specs[module], parser.parse_args(["--output", "o", *args]))
+            assert parsed["refine"].steps == 0, label  # the commands' default refines: rows time closed forms
+            if label.startswith("gqa"):
+                assert parsed["spec"].method == label.split()[1], (
+                    label
+                )  # "gqa mean ..." is the paper's pooling

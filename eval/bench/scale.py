@@ -43,6 +43,8 @@ from hf_attn.tooling.errors import UserError
 
 PROG = "hf-attn bench scale"
 
+CLOSED_FORM = ["--refine-steps", "0"]  # every conversion row times the closed form (refinement: its own row)
+MEAN_POOLING = ["--method", "mean", *CLOSED_FORM]  # the GQA paper's pooling
 REFINE_TOKENS = 256  # calibration tokens of the refine step (one window, one Adam step per layer)
 
 
@@ -190,7 +192,7 @@ def refine_rows(shape: str, *, src: Path, workdir: Path, device: str, rss_limit:
             shape=shape,
             converter=f"gqa mean -> {pooled} (refine's input)",
             module="hf_attn.conversion.gqa",
-            args=["--model", str(src), "--output", str(mean), "--num-kv-heads", str(pooled)],
+            args=["--model", str(src), "--output", str(mean), "--num-kv-heads", str(pooled), *MEAN_POOLING],
             src=src,
             dst=mean,
             device="cpu",
@@ -247,19 +249,29 @@ def plan(shape: str, *, calibration: list[str], device_args: list[str]) -> list[
     steps = []
     expand_note = "expand (no-op: already MHA)" if G == H else f"expand {G}->{H} (MHA)"
     steps.append((expand_note, "hf_attn.conversion.expand", []))
-    steps.append((f"gqa mean {G}->{pooled}", "hf_attn.conversion.gqa", ["--num-kv-heads", str(pooled)]))
+    steps.append(
+        (f"gqa mean {G}->{pooled}", "hf_attn.conversion.gqa", ["--num-kv-heads", str(pooled), *MEAN_POOLING])
+    )
     steps.append(
         (
             f"gqa calibrated {G}->{pooled}",
             "hf_attn.conversion.gqa",
-            ["--num-kv-heads", str(pooled), "--method", "calibrated", *calibration, *device_args],
+            [
+                "--num-kv-heads",
+                str(pooled),
+                "--method",
+                "calibrated",
+                *CLOSED_FORM,
+                *calibration,
+                *device_args,
+            ],
         )
     )
     steps.append(
         (
             "mla --kv-budget 0.5 (calibrated)",
             "hf_attn.conversion.mla",
-            ["--kv-budget", "0.5", *calibration, *device_args],
+            ["--kv-budget", "0.5", *CLOSED_FORM, *calibration, *device_args],
         )
     )
     return steps
@@ -287,7 +299,17 @@ def export_steps(
     `src` is deleted (unless `keep`): at most two checkpoints on disk. `step`: `run_step` with the shape's
     common arguments bound; each row goes to `emit` as soon as it is measured."""
     mla = workdir / f"{shape}-mla-deepseek"
-    args = ["--model", str(src), "--output", str(mla), "--layout", "deepseek", "--kv-budget", "0.5"]
+    args = [
+        "--model",
+        str(src),
+        "--output",
+        str(mla),
+        "--layout",
+        "deepseek",
+        "--kv-budget",
+        "0.5",
+        *CLOSED_FORM,
+    ]
     emit(
         step(
             converter="mla --layout deepseek --kv-budget 0.5",

@@ -131,6 +131,8 @@ def convert_and_export(source: Path, work: Path, *, convert_args: list[str], pad
                 str(mla),
                 "--layout",
                 "deepseek",
+                "--refine-steps",
+                "0",  # the closed form: the benchmark measures the engine, not the quality
                 *convert_args,
                 "--overwrite",
             ],
