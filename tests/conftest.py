@@ -1,7 +1,9 @@
 """Shared fixtures. Tests run offline; the embedded default is fetched once by `hf_attn.assets`."""
 
+import hashlib
 import os
 import shutil
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -40,6 +42,15 @@ def tmp_path(tmp_path):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def tree_hashes(root: Path) -> dict[str, str]:
+    """relative path -> sha256 of every file, "dir" for every directory (hidden ones included)."""
+    out = {}
+    for path in sorted(root.rglob("*")):
+        rel = str(path.relative_to(root))
+        out[rel] = "dir" if path.is_dir() else hashlib.sha256(path.read_bytes()).hexdigest()
+    return out
 
 
 def exit_status(main, argv) -> int:

@@ -7,7 +7,6 @@ status 1 with its traceback), and a killed process's leftovers swept by the next
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tree_hashes
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from hf_attn.conversion import expand, export, gqa, heal, mla, refine
@@ -53,15 +53,6 @@ def make_checkpoint(path: Path, seed: int = 0) -> Path:
         if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
             shutil.copy(f, path / f.name)
     return path
-
-
-def tree_hashes(root: Path) -> dict[str, str]:
-    """relative path -> sha256 of every file, "dir" for every directory (hidden ones included)."""
-    out = {}
-    for path in sorted(root.rglob("*")):
-        rel = str(path.relative_to(root))
-        out[rel] = "dir" if path.is_dir() else hashlib.sha256(path.read_bytes()).hexdigest()
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -8,13 +8,13 @@ afterwards."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import tree_hashes
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from hf_attn.eval import cli as hf_attn_cli
@@ -25,15 +25,6 @@ from hf_attn.tooling import assets
 # 6 query / 3 KV heads of dim 6: head_dim / 2 = 3 RoPE pairs
 TINY = dict(vocab_size=64, hidden_size=36, intermediate_size=32, num_hidden_layers=1, num_attention_heads=6,
             num_key_value_heads=3, head_dim=6, max_position_embeddings=256)  # fmt: skip
-
-
-def tree_hashes(root: Path) -> dict[str, str]:
-    """relative path -> sha256 of every file, "dir" for every directory (hidden ones included)."""
-    out = {}
-    for path in sorted(root.rglob("*")):
-        rel = str(path.relative_to(root))
-        out[rel] = "dir" if path.is_dir() else hashlib.sha256(path.read_bytes()).hexdigest()
-    return out
 
 
 @pytest.fixture(scope="module")
