@@ -49,7 +49,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from hf_attn.tooling.cli import ArgumentParser, run_command
+from hf_attn.tooling.cli import ArgumentParser, parse_with_quick, run_command
 from hf_attn.tooling.errors import UserError, check_number
 from hf_attn.tooling.files import check_output, json_record, write_text_atomic
 from hf_attn.tooling.loading import dtype_name, library_versions, parse_dtype
@@ -353,10 +353,7 @@ def bench(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    if parser.parse_args(argv).quick:  # the small grid as defaults: options given explicitly still win
-        parser.set_defaults(**QUICK)
-    args = parser.parse_args(argv)
+    args = parse_with_quick(build_parser(), argv, QUICK)  # --quick: the small grid
     return run_command(PROG, lambda: bench(args))
 
 

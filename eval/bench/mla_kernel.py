@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from hf_attn.tooling.cli import ArgumentParser, run_command
+from hf_attn.tooling.cli import ArgumentParser, parse_with_quick, run_command
 from hf_attn.tooling.errors import UserError, check_number
 from hf_attn.tooling.files import check_output, check_replaceable, json_record
 
@@ -351,10 +351,7 @@ def bench(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    if parser.parse_args(argv).quick:  # the small grid as defaults: options given explicitly still win
-        parser.set_defaults(**QUICK)
-    args = parser.parse_args(argv)
+    args = parse_with_quick(build_parser(), argv, QUICK)  # --quick: the small grid
     return run_command(PROG, lambda: bench(args))
 
 

@@ -130,6 +130,13 @@ class ArgumentParser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+def parse_with_quick(parser: argparse.ArgumentParser, argv: list[str] | None, quick: dict):
+    """`parser`'s arguments; with `--quick`, `quick` are the defaults (options given explicitly still win)."""
+    if parser.parse_args(argv).quick:
+        parser.set_defaults(**quick)
+    return parser.parse_args(argv)
+
+
 def _field_type(tp) -> tuple[type, bool]:
     """(scalar type, is a list) of a settings field annotation (Optional stripped)."""
     if isinstance(tp, str):
