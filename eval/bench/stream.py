@@ -15,13 +15,16 @@ Prints one JSON object: tensor and model sizes, and the two peaks above the post
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from hf_attn.tooling.cli import ArgumentParser, run_command
+from hf_attn.tooling.errors import check_number
+from hf_attn.tooling.files import check_output, json_record, write_text_atomic
 
 PROG = "hf-attn bench stream"
 
@@ -130,23 +133,29 @@ def run(*, model: str | None, num_kv_heads: int, shard_mb: int, workdir: Path) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="checkpoint dir or hub id (default: embedded SmolLM2)")
-    parser.add_argument("--num-kv-heads", type=int, default=1)
+    parser.add_argument("--num-kv-heads", type=int, default=1, help="KV heads after pooling (default 1)")
     parser.add_argument(
-        "--shard-mb", type=int, default=32, help="shard size of the re-saved source and output"
+        "--shard-mb", type=int, default=32, help="shard size of the re-saved source and output (default 32)"
     )
     parser.add_argument("--output", default=None, help="also write the JSON result here")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="hf-attn-bench-stream-") as tmp:
-        result = run(
-            model=args.model, num_kv_heads=args.num_kv_heads, shard_mb=args.shard_mb, workdir=Path(tmp)
-        )
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.output:
-        Path(args.output).write_text(text + "\n")
-    return 0
+
+    def bench() -> None:
+        check_number("--num-kv-heads", args.num_kv_heads, minimum=1, inclusive=True, integer=True)
+        check_number("--shard-mb", args.shard_mb, minimum=1, inclusive=True, integer=True)
+        if args.output:
+            check_output(None, args.output, overwrite=True, kind="json")
+        with tempfile.TemporaryDirectory(prefix="hf-attn-bench-stream-") as tmp:
+            result = run(
+                model=args.model, num_kv_heads=args.num_kv_heads, shard_mb=args.shard_mb, workdir=Path(tmp)
+            )
+        print(json.dumps(result, indent=2))
+        if args.output:
+            write_text_atomic(args.output, json_record(result, PROG))
+
+    return run_command(PROG, bench)
 
 
 if __name__ == "__main__":
