@@ -18,7 +18,16 @@ from conftest import tree_hashes
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from hf_attn.eval import cli as hf_attn_cli
-from hf_attn.eval.bench import attention, gpu, heal, mla_decode, mla_kernel, mla_kernel_registers, stream
+from hf_attn.eval.bench import (
+    attention,
+    gpu,
+    heal,
+    mla_decode,
+    mla_kernel,
+    mla_kernel_registers,
+    scale,
+    stream,
+)
 from hf_attn.eval.engine import check as engine_check
 from hf_attn.tooling import assets
 
@@ -44,12 +53,13 @@ def ws(tmp_path_factory):
     (root / "userdir").mkdir()
     (root / "userdir" / "notes.txt").write_text("my notes\n")
     (root / "userfile.txt").write_text("mine\n")
+    (root / "usernotes.md").write_text("# mine\n")
     return root
 
 
 T = "{ws}/tiny"
 A, MD, H, K = attention.main, mla_decode.main, heal.main, mla_kernel.main
-R, EC, GPU, ST = mla_kernel_registers.main, engine_check.main, gpu.main, stream.main
+R, EC, GPU, ST, SC = mla_kernel_registers.main, engine_check.main, gpu.main, stream.main, scale.main
 SRC = ["--source", T]
 PART = "attention"  # a part of `hf-attn bench gpu`
 NO_CUDA = [] if torch.cuda.is_available() else [(MD, [*SRC, "--device", "cuda"], "torch sees no CUDA device")]
@@ -74,6 +84,11 @@ ROWS = [
     (ST, ["--model", T, "--shard-mb", "0"], "--shard-mb must be a finite integer >= 1, got 0"),
     (ST, ["--model", T, "--output", "{ws}/userfile.txt"], "not a JSON record hf-attn wrote"),
     (ST, ["--shard-mb", "big"], "invalid int value: 'big'"),
+    # ------------------------------------------------------------------------ bench scale
+    (SC, ["--calibration-tokens", "0"], "--calibration-tokens must be a finite integer >= 1, got 0"),
+    (SC, ["--rss-limit-gb", "nan"], "--rss-limit-gb must be a finite number >= 0"),
+    (SC, ["--output", "{ws}/usernotes"], "usernotes.md exists without the record"),
+    (SC, ["--shapes", "gpt-9"], "invalid choice: 'gpt-9'"),
     # ------------------------------------------------------------------------ bench mla-decode
     (MD, [*SRC, "--threads", "0"], "--threads must be a finite integer >= 1, got 0"),
     (MD, [*SRC, "--contexts", "1024", "0"], "--contexts must be a finite integer >= 1, got 0"),
@@ -162,6 +177,7 @@ PROGS = {
     EC: "hf-attn engine-check",
     GPU: "hf-attn bench gpu",
     ST: "hf-attn bench stream",
+    SC: "hf-attn bench scale",
     assets.main: "hf-attn assets",
     hf_attn_cli.main: "hf-attn ",
 }
@@ -284,7 +300,7 @@ def test_no_bench_command_builds_a_plain_argparse_parser():
         for path in sorted((root / folder).rglob("*.py"))
         if "argparse.ArgumentParser(" in path.read_text(encoding="utf-8")
     ]
-    assert set(plain) <= {"eval/bench/scale.py", "eval/engine/bench.py"}, plain
+    assert set(plain) <= {"eval/engine/bench.py"}, plain
 
 
 def test_mla_kernel_output_is_replaced_only_when_this_command_wrote_it(tmp_path):

@@ -24,9 +24,7 @@ Rows are written (JSON and markdown) after every measurement, so an interrupted 
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import os
 import shutil
 import subprocess
@@ -39,7 +37,9 @@ from pathlib import Path
 import torch
 
 from hf_attn.eval.bench.synthetic import SHAPES, write_synthetic
-from hf_attn.tooling.errors import UserError
+from hf_attn.tooling.cli import ArgumentParser, run_command
+from hf_attn.tooling.errors import UserError, check_number
+from hf_attn.tooling.files import check_output, json_record, write_text_atomic
 
 PROG = "hf-attn bench scale"
 
@@ -398,10 +398,19 @@ def markdown(rows: list[Row], header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    from hf_attn.tooling.cli import run_command
+def check_outputs(base: Path) -> None:
+    """UserError unless FILE.json and FILE.md may be written: new, or a record of this command beside them."""
+    json_path, md_path = base.with_suffix(".json"), base.with_suffix(".md")
+    check_output(None, json_path, overwrite=True, kind="json")
+    if md_path.exists() and not json_path.exists():
+        raise UserError(
+            f"--output {base}: {md_path} exists without the record {json_path} this command writes beside "
+            "it; move it away or choose another --output"
+        )
 
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
+
+def main(argv: list[str] | None = None) -> int:
+    parser = ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["llama-2-7b", "llama-3-8b"])
     parser.add_argument("--workdir", default=None, help="where checkpoints are written (default: a temp dir)")
     parser.add_argument("--calibration-tokens", type=int, default=256)
@@ -424,8 +433,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     def body() -> int:
-        if args.calibration_tokens <= 0:
-            raise UserError(f"--calibration-tokens must be positive, got {args.calibration_tokens}")
+        check_number("--calibration-tokens", args.calibration_tokens, minimum=1, inclusive=True, integer=True)
+        check_number("--rss-limit-gb", args.rss_limit_gb, minimum=0, inclusive=True)
+        if args.output:
+            check_outputs(Path(args.output).with_suffix(""))
         if args.device == "cuda" and not torch.cuda.is_available():
             raise UserError("--device cuda: no CUDA device here; pass --device cpu")
         made = args.workdir is None
@@ -444,8 +455,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.output:
                 base = Path(args.output).with_suffix("")
                 payload = {"settings": header, "rows": [{**asdict(r), "mb_per_s": r.mb_per_s} for r in rows]}
-                base.with_suffix(".json").write_text(json.dumps(payload, indent=2) + "\n")
-                base.with_suffix(".md").write_text(markdown(rows, header))
+                write_text_atomic(base.with_suffix(".json"), json_record(payload, PROG))
+                write_text_atomic(base.with_suffix(".md"), markdown(rows, header))
 
         try:
             for shape in args.shapes:
