@@ -34,6 +34,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from hf_attn.tooling.cli import ArgumentParser, run_command
+from hf_attn.tooling.errors import UserError, check_number
+from hf_attn.tooling.files import write_text_atomic
+
 PROG = "hf-attn bench engine"
 WORKER = Path(__file__).with_name("bench_worker.py")
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -375,7 +379,7 @@ def _merge(path: Path, new: list[dict]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", choices=sorted(WORKLOADS), default=["smollm2", "llama-2-7b"])
     parser.add_argument("--quick", action="store_true", help="the tiny pair only, a few tokens (a smoke run)")
     parser.add_argument(
@@ -397,10 +401,17 @@ def main(argv: list[str] | None = None) -> int:
         "--markdown", type=Path, default=None, help="markdown tables (default WORKDIR/engine-bench.md)"
     )
     args = parser.parse_args(argv)
+    return run_command(PROG, lambda: bench(args, argv))
+
+
+def bench(args: argparse.Namespace, argv: list[str] | None) -> None:
+    """The command's work: options checked first, then each pair prepared, served and measured; the rows
+    merged into --output and the tables into --markdown after every pair (written atomically)."""
     from hf_attn.eval.engine import bench_report as report
 
-    if args.layers < 1:
-        parser.error(f"--layers {args.layers}: give at least 1")
+    check_number("--layers", args.layers, minimum=1, inclusive=True, integer=True)
+    if args.cpu_threads is not None:
+        check_number("--cpu-threads", args.cpu_threads, minimum=1, inclusive=True, integer=True)
     models = ["tiny"] if args.quick else args.models
     output = args.output or args.workdir / "engine-bench.json"
     tables = args.markdown or args.workdir / "engine-bench.md"
@@ -409,8 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         python = engine_python(args.engine_python)
     except EngineUnavailable as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)
-        return 2
+        raise UserError(str(err)) from err
     command = "hf-attn bench engine " + " ".join(argv if argv is not None else sys.argv[1:])
     date = datetime.date.today().isoformat()
     out_dir = args.workdir / "runs"
@@ -427,13 +437,12 @@ def main(argv: list[str] | None = None) -> int:
         rows = _merge(
             output, rows_of(pair, work, results, dtype=args.dtype, command=command.strip(), date=date)
         )
-        output.write_text(json.dumps(rows, indent=1) + "\n")
-        tables.write_text(report.markdown(rows))
+        write_text_atomic(output, json.dumps(rows, indent=1) + "\n")
+        write_text_atomic(tables, report.markdown(rows))
         print(
             f"{name}: measured in {time.perf_counter() - started:.0f} s; {output}, {tables}", file=sys.stderr
         )
     print(report.markdown(json.loads(output.read_text())))
-    return 0
 
 
 if __name__ == "__main__":
