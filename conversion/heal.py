@@ -57,14 +57,16 @@ accelerate does not enable FSDP on CPU; with an FSDP config, several processes a
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import hf_attn  # noqa: F401  (registers the hf-attn attention implementations and the llama_mla model type)
 from hf_attn.conversion.checkpoint import conversion_record
 from hf_attn.conversion.training.data import HealData, HealSettings, load_data, make_recipe
 from hf_attn.conversion.training.loop import held_out_evaluation, train_steps, write_output
+from hf_attn.conversion.training.lora import resolve_targets
 from hf_attn.conversion.training.recipe import (
     ATTENTION_MARKER,
     CLOCKS,
@@ -96,9 +98,10 @@ from hf_attn.conversion.training.state import (
     make_accelerator,
     prepare_state_dir,
 )
+from hf_attn.conversion.training.teacher import check_same_vocabulary, resolve_teacher
 from hf_attn.tooling import loading
 from hf_attn.tooling.cli import ArgumentParser, add_settings_arguments, run_command, settings_from_args
-from hf_attn.tooling.errors import user_input
+from hf_attn.tooling.errors import UserError, user_input
 from hf_attn.tooling.files import check_output, check_text_files, checkpoint_hash
 from hf_attn.tooling.loading import resolve_model
 
@@ -150,16 +153,12 @@ def heal(settings: HealSettings, *, progress: bool = True) -> dict:
     from accelerate.utils import set_seed
 
     s = settings
-    output, state_dir, source = _check_inputs(s)
+    output, state_dir, source, extras = _check_inputs(s)
     accelerator = make_accelerator(s.autocast_dtype, s.grad_accum)
     main, num_processes = accelerator.is_main_process, accelerator.num_processes
     set_seed(s.seed)
 
-    with user_input():  # a text too short or empty for the settings
-        data = load_data(s, source, num_processes=num_processes)
-    source_hash = checkpoint_hash(source)
-    with user_input():  # the budget and schedule options agree
-        recipe = make_recipe(s, data, num_processes=num_processes, source_hash=source_hash)
+    data, recipe = _data_and_recipe(s, source, num_processes, extras)
     saved, ckpt_dir, checkpoints = find_resume_point(
         state_dir, recipe, resume=s.resume, overwrite=s.overwrite
     )
@@ -167,9 +166,11 @@ def heal(settings: HealSettings, *, progress: bool = True) -> dict:
     log = JsonLog(state_dir / LOG_FILE, enabled=main)
     if main:
         prepare_state_dir(state_dir, log, saved=saved, checkpoints=checkpoints)
+        _say(extras.note)  # (--teacher auto without a teacher: one line saying so)
     accelerator.wait_for_everyone()
 
-    state = build_train_state(ckpt_dir if saved else source, s, recipe, data, accelerator, saved=saved)
+    start, teacher = ckpt_dir if saved else source, extras.teacher
+    state = build_train_state(start, s, recipe, data, accelerator, saved=saved, base=source, teacher=teacher)
     unwrapped = accelerator.unwrap_model(state.net)
     evaluate = held_out_evaluation(
         data, context_length=s.eval_context, accelerator=accelerator, progress=progress and main
@@ -201,6 +202,7 @@ def heal(settings: HealSettings, *, progress: bool = True) -> dict:
         final_loss=final_loss,
         eval_after=eval_after,
         state_dir=state_dir,
+        teacher=extras.teacher,
     )
     full = accelerator.get_state_dict(state.net) if is_sharded(accelerator) else None  # collective
     if main:
@@ -219,8 +221,19 @@ def heal(settings: HealSettings, *, progress: bool = True) -> dict:
     }
 
 
-def _check_inputs(s: HealSettings) -> tuple[Path, Path, Path]:
-    """Refuse bad settings before any loading or training; returns (output, state directory, source).
+def _data_and_recipe(s: HealSettings, source: Path, num_processes: int, extras: _Extras):
+    """(HealData, HealRecipe) of the run: the texts tokenized, the budget and schedule checked."""
+    with user_input():  # a text too short or empty for the settings
+        data = load_data(s, source, num_processes=num_processes)
+    source_hash = checkpoint_hash(source)
+    with user_input():  # the budget and schedule options agree
+        recipe = make_recipe(s, data, num_processes=num_processes, source_hash=source_hash, **extras.recipe)
+    return data, recipe
+
+
+def _check_inputs(s: HealSettings) -> tuple[Path, Path, Path, _Extras]:
+    """Refuse bad settings before any loading or training; returns (output, state directory, source,
+    the teacher and LoRA modules: `_check_teacher_and_lora`).
 
     Args:
         s: the run's settings; their own checks, the text files, the source checkpoint (complete) and the
@@ -237,7 +250,40 @@ def _check_inputs(s: HealSettings) -> tuple[Path, Path, Path]:
     check_output(source, state_dir, overwrite=True, flag="--state-dir", kind="directory")
     with user_input():
         check_writable(output.parent, "Output directory")
-    return output, state_dir, source
+    return output, state_dir, source, _check_teacher_and_lora(s, source, output, state_dir)
+
+
+@dataclass(frozen=True)
+class _Extras:
+    """The teacher and the LoRA modules of a run, resolved and checked before any work."""
+
+    teacher: Path | None  # None: next-token labels only
+    recipe: dict  # make_recipe's teacher_hash and lora_targets
+    note: str | None  # one line for the user (--teacher auto that found no teacher)
+
+
+def _check_teacher_and_lora(s: HealSettings, source: Path, output: Path, state_dir: Path) -> _Extras:
+    """Resolve `--teacher` (a teacher of another vocabulary, or one the output would overwrite, is refused)
+    and `--lora-targets` (names the checkpoint lacks are refused; LoRA under FSDP too)."""
+    with user_input():
+        teacher, teacher_hash, note = resolve_teacher(s.teacher, source)
+    if teacher is not None:
+        check_output(teacher, output, overwrite=True, kind=None)  # never over or inside the teacher
+        check_output(teacher, state_dir, overwrite=True, flag="--state-dir", kind=None)
+        check_same_vocabulary(teacher, source, trust_remote_code=s.trust_remote_code)
+    targets = resolve_targets(source, s.lora_targets) if s.lora_rank else ()
+    if s.lora_rank and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        raise UserError("--lora-rank is not supported under FSDP; heal in one process or data parallel")
+    return _Extras(teacher, {"teacher_hash": teacher_hash, "lora_targets": targets}, note)
+
+
+def _lora_record(recipe: HealRecipe) -> dict | None:
+    return {"rank": recipe.lora_rank, "targets": recipe.lora_targets.split(",")} if recipe.lora_rank else None
+
+
+def _say(note: str | None) -> None:
+    if note:
+        print(note, flush=True)
 
 
 def _log_start(
@@ -282,8 +328,11 @@ def _heal_record(
     final_loss: float,
     eval_after: dict | None,
     state_dir: Path,
+    teacher: Path | None = None,
 ) -> dict:
-    """The run's conversion record (kind `heal`): settings, progress, data, losses, evaluations, clocks."""
+    """The run's conversion record (kind `heal`): settings, progress, data, losses, evaluations, clocks; the
+    teacher's path and weights hash (None: labels only) and LoRA's rank and modules (None: the weights
+    trained)."""
     return conversion_record(
         kind="heal",
         source=source,
@@ -301,6 +350,9 @@ def _heal_record(
         eval_after=eval_after,
         **state.clocks(),
         state_dir=str(state_dir),
+        teacher=str(teacher) if teacher else None,
+        teacher_hash=recipe.teacher_hash,
+        lora=_lora_record(recipe),
     )
 
 

@@ -19,8 +19,11 @@ from hf_attn.conversion.train_data import (
 )
 from hf_attn.conversion.training.recipe import (
     CLOCKS,
+    DEFAULT_DISTILL_TEMPERATURE,
+    DEFAULT_DISTILL_WEIGHT,
     DEFAULT_LR,
     DEFAULT_MAX_STEPS,
+    DEFAULT_TEACHER,
     DEFAULT_TRAIN_CORPUS,
     PRECISIONS,
     SCHEDULES,
@@ -93,6 +96,29 @@ class HealSettings:
     weight_decay: float = setting(0.0)
     max_grad_norm: float | None = setting(1.0, "0 disables clipping")
     trainable: str = setting("all", "attention: only *.self_attn.* parameters", choices=TRAINABLE)
+    teacher: str = setting(
+        DEFAULT_TEACHER,
+        "distil from a teacher: auto (the source the conversion record names, when it is on this machine; "
+        "else next-token labels only, said in one line), a checkpoint DIR, or none (next-token labels only)",
+        metavar="auto|DIR|none",
+    )
+    distill_temperature: float | None = setting(
+        None, f"with a teacher: the softmax temperature (KL x T^2; default {DEFAULT_DISTILL_TEMPERATURE})"
+    )
+    distill_weight: float | None = setting(
+        None,
+        "with a teacher: w in w x KL + (1 - w) x next-token cross-entropy, 0..1 "
+        f"(default {DEFAULT_DISTILL_WEIGHT})",
+    )
+    lora_rank: int | None = setting(
+        None, "train rank-R LoRA adapters (peft) instead of the weights; merged into the weights on save"
+    )
+    lora_targets: list[str] | None = setting(
+        None,
+        "with --lora-rank: the adapted modules' names (e.g. q_proj o_proj; default: every linear projection "
+        "of the attention)",
+        metavar="NAME",
+    )
     autocast_dtype: str = setting(
         "float32",
         "training compute precision (autocast; master weights stay float32, the output keeps the input's "
@@ -124,6 +150,7 @@ class HealSettings:
             _positive(name, getattr(self, name), allow_zero=True)
         if self.eval_tokens:
             check_window(self.eval_context, None)
+        _check_teacher_and_lora(self)
 
     def paths(self) -> tuple[Path, Path]:
         """(output, state dir) as absolute paths."""
@@ -134,6 +161,28 @@ class HealSettings:
     def record(self) -> dict:
         """The settings as JSON values (paths as strings), for the conversion record."""
         return {k: _jsonable(v) for k, v in asdict(self).items()}
+
+
+def _check_teacher_and_lora(s: HealSettings) -> None:
+    """ValueError for distillation or LoRA options that are out of range or that nothing would use."""
+    if not isinstance(s.teacher, str) or not s.teacher.strip():
+        raise ValueError("--teacher needs auto, none or a checkpoint directory")
+    for name in ("distill_temperature", "distill_weight"):
+        if getattr(s, name) is not None and s.teacher == "none":
+            raise ValueError(f"--{name.replace('_', '-')} needs a teacher (--teacher auto or DIR)")
+    _positive("distill_temperature", s.distill_temperature, allow_none=True)
+    w = s.distill_weight
+    if w is not None and not (isinstance(w, (int, float)) and not isinstance(w, bool) and 0 <= w <= 1):
+        raise ValueError(f"--distill-weight must be between 0 and 1, got {w!r}")
+    rank = s.lora_rank
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
+        raise ValueError(f"--lora-rank must be a positive integer, got {rank!r}")
+    if rank is None and s.lora_targets:
+        raise ValueError("--lora-targets needs --lora-rank")
+    if rank is not None and s.trainable != "all":
+        raise ValueError("--lora-rank trains only its adapters; leave out --trainable")
+    if rank is not None and s.relative_lr is not None:
+        raise ValueError("--relative-lr scales each tensor by its RMS, and LoRA's B starts at 0; use --lr")
 
 
 def _jsonable(value):
@@ -193,9 +242,18 @@ def load_data(settings: HealSettings, source: Path, *, num_processes: int) -> He
 
 
 def make_recipe(
-    settings: HealSettings, data: HealData, *, num_processes: int, source_hash: str
+    settings: HealSettings,
+    data: HealData,
+    *,
+    num_processes: int,
+    source_hash: str,
+    teacher_hash: str | None = None,
+    lora_targets: tuple[str, ...] = (),
 ) -> HealRecipe:
+    """The recipe of a run; `teacher_hash`: the resolved teacher's weights (None: labels only);
+    `lora_targets`: the resolved names of the modules LoRA adapts (with `lora_rank`)."""
     s = settings
+    teacher = teacher_hash is not None
     total_steps = plan_budget(
         max_steps=s.max_steps,
         max_tokens=s.max_tokens,
@@ -219,4 +277,13 @@ def make_recipe(
         seed=s.seed,
         train_sha256=data.train_corpus.sha256,
         source_hash=source_hash,
+        teacher_hash=teacher_hash,
+        distill_temperature=_default(s.distill_temperature, DEFAULT_DISTILL_TEMPERATURE) if teacher else None,
+        distill_weight=_default(s.distill_weight, DEFAULT_DISTILL_WEIGHT) if teacher else None,
+        lora_rank=s.lora_rank,
+        lora_targets=",".join(lora_targets) if s.lora_rank else None,
     )
+
+
+def _default(value, default):
+    return default if value is None else value

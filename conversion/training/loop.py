@@ -15,8 +15,10 @@ from hf_attn.conversion.checkpoint import (
     write_config,
 )
 from hf_attn.conversion.training.data import HealData, HealSettings
-from hf_attn.conversion.training.recipe import HealRecipe, JsonLog, _lm_forward, stored_dtype
+from hf_attn.conversion.training.lora import merged
+from hf_attn.conversion.training.recipe import HealRecipe, JsonLog, stored_dtype
 from hf_attn.conversion.training.state import TrainState, is_sharded, plain_copy, reshard
+from hf_attn.conversion.training.teacher import training_loss
 from hf_attn.tooling.files import atomic_directory
 from hf_attn.tooling.perplexity import evaluate_perplexity
 
@@ -67,18 +69,20 @@ def _budget_spent(state: TrainState, s: HealSettings, total_steps, max_seconds, 
 
 
 def _optimizer_step(state: TrainState, recipe: HealRecipe, accelerator, batches, grad_accum: int):
-    """One optimizer step over `grad_accum` micro-batches (each (B, L)); returns the mean loss (a tensor)."""
-    step_loss = torch.zeros((), device=accelerator.device)
+    """One optimizer step over `grad_accum` micro-batches (each (B, L)); returns the mean of (loss,
+    next-token cross-entropy, KL to the teacher) (a tensor of 3; the KL is 0 without a teacher)."""
+    step_loss = torch.zeros(3, device=accelerator.device)
     for _ in range(grad_accum):
         batch = next(batches)  # (B, L)
         with accelerator.accumulate(state.net):
-            loss = _lm_forward(state.net, batch)
+            loss, ce, kl = training_loss(state.net, state.teacher, batch, recipe)
             accelerator.backward(loss)
             if accelerator.sync_gradients and recipe.max_grad_norm:
                 accelerator.clip_grad_norm_(state.params, recipe.max_grad_norm)
             state.optimizer.step()
             state.optimizer.zero_grad(set_to_none=True)
-        step_loss += loss.detach() / grad_accum
+        parts = [loss.detach(), ce.detach(), kl.detach() if kl is not None else torch.zeros_like(ce)]
+        step_loss += torch.stack(parts).float() / grad_accum
     return step_loss
 
 
@@ -111,7 +115,8 @@ def train_steps(
         step_loss = _optimizer_step(state, recipe, accelerator, batches, s.grad_accum)
         lr_now = recipe.lr_factor(state.step) * (recipe.relative_lr or recipe.lr)  # relative: x each RMS
         state.scheduler.step()
-        loss_value = accelerator.reduce(step_loss, reduction="mean").item()
+        loss_value, ce_value, kl_value = accelerator.reduce(step_loss, reduction="mean").tolist()
+        parts = {"ce": ce_value, "kl": kl_value} if state.teacher is not None else {}
         seconds = time.perf_counter() - start
         state.step += 1
         state.tokens += recipe.tokens_per_step
@@ -123,6 +128,7 @@ def train_steps(
             event="step",
             step=state.step,
             loss=loss_value,
+            **parts,  # with a teacher: the loss's next-token cross-entropy and KL
             lr=lr_now,
             tokens=state.tokens,
             step_seconds=seconds,
@@ -154,9 +160,11 @@ def write_output(
 ) -> None:
     """The healed model in the input's format (its config and dtype, side files copied), atomically, with
     `record` appended to the conversion history. `state_dict`: the full weights of a sharded model
-    (`accelerator.get_state_dict`), written in place of the model's own (sharded) ones."""
+    (`accelerator.get_state_dict`), written in place of the model's own (sharded) ones. LoRA adapters are
+    merged into the weights first: the output is a plain checkpoint."""
     if state_dict is not None:
         model = plain_copy(model, state_dict)
+    model = merged(model)
     with atomic_directory(output, overwrite=overwrite) as tmp:
         model.to(stored_dtype(source)).save_pretrained(tmp)
         copy_side_files(source, tmp)

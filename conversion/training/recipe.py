@@ -29,6 +29,11 @@ PRECISIONS = {"float32": "no", "bfloat16": "bf16", "float16": "fp16"}  # --autoc
 DEFAULT_TRAIN_CORPUS = "mix"  # the five non-eval novels and five documentation sections (docs/healing.md)
 DEFAULT_LR = 3e-5  # with DEFAULT_TRAIN_CORPUS: improves refined MQA and MLA on both evaluation texts
 DEFAULT_MAX_STEPS = 100  # when no budget is given: a short control run (100 steps of --seq-len tokens)
+# Distillation (--teacher): the one home of its defaults. Without a measured winner, healing stays label-only
+# by default; with a teacher the loss is pure KD (w = 1) at temperature 1 (docs/healing.md, "With a teacher").
+DEFAULT_TEACHER = "none"
+DEFAULT_DISTILL_WEIGHT = 1.0  # w in w x KL + (1 - w) x next-token cross-entropy
+DEFAULT_DISTILL_TEMPERATURE = 1.0
 MIN_LR_RATIO = 0.1  # cosine decays to this fraction of the peak
 ATTENTION_MARKER = ".self_attn."
 STATE_FILE = "trainer_state.pt"
@@ -60,6 +65,11 @@ class HealRecipe:
     train_sha256: str
     source_hash: str
     relative_lr: float | None = None  # set: each tensor's peak lr is this x its RMS, and `lr` is unused
+    teacher_hash: str | None = None  # the teacher's weights (checkpoint_hash); None: next-token labels only
+    distill_temperature: float | None = None  # (with a teacher)
+    distill_weight: float | None = None  # (with a teacher) w in w x KL + (1 - w) x cross-entropy
+    lora_rank: int | None = None  # set: only LoRA adapters of this rank train (peft), merged on save
+    lora_targets: str | None = None  # (with lora_rank) the adapted modules' names, comma-separated
 
     @property
     def global_batch(self) -> int:
@@ -253,8 +263,3 @@ def stored_dtype(model_dir: Path) -> torch.dtype:
     name = config.get("dtype") or config.get("torch_dtype") or "float32"
     dtype = getattr(torch, str(name), None)
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
-
-
-def _lm_forward(model, input_ids: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of a batch of chunks (B, L) (the model shifts the labels itself)."""
-    return model(input_ids=input_ids, labels=input_ids, use_cache=False).loss

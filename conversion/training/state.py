@@ -17,6 +17,7 @@ from hf_attn.conversion.refine import param_groups
 from hf_attn.conversion.train_data import (
     make_loader,
 )
+from hf_attn.conversion.training import lora
 from hf_attn.conversion.training.data import HealData, HealSettings
 from hf_attn.conversion.training.recipe import (
     FSDP_CONFIG,
@@ -32,6 +33,7 @@ from hf_attn.conversion.training.recipe import (
     select_trainable,
     set_rng_state,
 )
+from hf_attn.conversion.training.teacher import load_teacher
 from hf_attn.tooling.cli import (
     one_line,
 )
@@ -159,6 +161,7 @@ class TrainState:
     train_cpu_seconds: float = 0.0
     eval_before: dict | None = None
     evals: list[dict] = field(default_factory=list)
+    teacher: torch.nn.Module | None = None  # frozen, never saved (teacher.load_teacher); None: labels only
 
     @property
     def trainable_parameters(self) -> int:
@@ -224,16 +227,14 @@ def build_train_state(
     accelerator,
     *,
     saved: dict | None,
+    base: Path | None = None,
+    teacher: Path | None = None,
 ) -> TrainState:
-    """Model (float32 master weights) from `start_dir`, AdamW on the trainable parameters, the schedule and
-    the seeded data order from the saved position; restored from `saved` when resuming."""
-    net = load_model(
-        start_dir,
-        attn_implementation=settings.attn_implementation,
-        trust_remote_code=settings.trust_remote_code,
-        gradient_checkpointing=settings.gradient_checkpointing,
-    )
-    select_trainable(net, settings.trainable)
+    """Model (float32 master weights) from `start_dir` (`build_student`; with LoRA the adapters of
+    `start_dir` on the frozen `base`), AdamW on the trainable parameters, the schedule and the seeded data
+    order from the saved position; restored from `saved` when resuming. `teacher`: the frozen teacher's
+    checkpoint (`teacher.load_teacher`), replicated on every process."""
+    net = build_student(start_dir, settings, recipe, source=base or start_dir, resuming=saved is not None)
     sharded = is_sharded(accelerator)
     if sharded and not accelerator.is_fsdp2:  # FSDP1: the optimizer must see the wrapped (flat) parameters
         net = accelerator.prepare(net)
@@ -277,7 +278,32 @@ def build_train_state(
         reshard(state.net)  # (before the optimizer is matched to the model's parameters by name)
         if saved is not None:
             restore_sharded_optimizer(state.net, state.optimizer, saved["optimizer"])
+    if teacher is not None:
+        state.teacher = load_teacher(
+            teacher,
+            device=accelerator.device,
+            attn_implementation=settings.attn_implementation,
+            trust_remote_code=settings.trust_remote_code,
+        )
     return state
+
+
+def build_student(
+    start_dir: Path, settings: HealSettings, recipe: HealRecipe, *, source: Path, resuming: bool
+) -> torch.nn.Module:
+    """The trained model, float32: the checkpoint `start_dir` with the chosen trainable parameters; with
+    LoRA the frozen `source` with adapters, those saved in the checkpoint `start_dir` when resuming."""
+    net = load_model(
+        source if recipe.lora_rank else start_dir,
+        attn_implementation=settings.attn_implementation,
+        trust_remote_code=settings.trust_remote_code,
+        gradient_checkpointing=settings.gradient_checkpointing,
+    )
+    if recipe.lora_rank:
+        adapters = start_dir if resuming else None
+        return lora.wrap(net, rank=recipe.lora_rank, targets=recipe.lora_targets, adapter_dir=adapters)
+    select_trainable(net, settings.trainable)
+    return net
 
 
 def reshard(net) -> None:
