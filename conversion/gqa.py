@@ -445,7 +445,7 @@ def calibrate(
     files: list[Path] | None,
     tokens: int,
     window: int,
-    device: str = "cpu",
+    device: str = layerwise.DEFAULT_DEVICE,
     forward_dtype: str = "float32",
     progress: bool = True,
     store: MutableMapping[int, dict[str, torch.Tensor | None]] | None = None,

@@ -245,7 +245,7 @@ def search_and_pool(
     files: list[Path] | None,
     tokens: int,
     window: int,
-    device: str = "cpu",
+    device: str = layerwise.DEFAULT_DEVICE,
     forward_dtype: str = "float32",
     progress: bool = True,
 ) -> tuple[dict[int, dict[str, torch.Tensor | None]], list[list[list[int]]]]:

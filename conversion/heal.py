@@ -101,6 +101,7 @@ from hf_attn.conversion.training.state import (
 from hf_attn.conversion.training.teacher import check_same_vocabulary, resolve_teacher
 from hf_attn.tooling import loading
 from hf_attn.tooling.cli import ArgumentParser, add_settings_arguments, run_command, settings_from_args
+from hf_attn.tooling.devices import announce_device
 from hf_attn.tooling.errors import UserError, user_input
 from hf_attn.tooling.files import check_output, check_text_files, checkpoint_hash
 from hf_attn.tooling.loading import resolve_model
@@ -154,7 +155,7 @@ def heal(settings: HealSettings, *, progress: bool = True) -> dict:
 
     s = settings
     output, state_dir, source, extras = _check_inputs(s)
-    accelerator = make_accelerator(s.autocast_dtype, s.grad_accum)
+    accelerator = make_accelerator(s.autocast_dtype, s.grad_accum, s.device)
     main, num_processes = accelerator.is_main_process, accelerator.num_processes
     set_seed(s.seed)
 
@@ -166,6 +167,7 @@ def heal(settings: HealSettings, *, progress: bool = True) -> dict:
     log = JsonLog(state_dir / LOG_FILE, enabled=main)
     if main:
         prepare_state_dir(state_dir, log, saved=saved, checkpoints=checkpoints)
+        announce_device(accelerator.device)  # every input checked: the command's one line saying where
         _say(extras.note)  # (--teacher auto without a teacher: one line saying so)
     accelerator.wait_for_everyone()
 
@@ -202,6 +204,7 @@ def heal(settings: HealSettings, *, progress: bool = True) -> dict:
         final_loss=final_loss,
         eval_after=eval_after,
         state_dir=state_dir,
+        device=accelerator.device.type,
         teacher=extras.teacher,
     )
     full = accelerator.get_state_dict(state.net) if is_sharded(accelerator) else None  # collective
@@ -328,16 +331,17 @@ def _heal_record(
     final_loss: float,
     eval_after: dict | None,
     state_dir: Path,
+    device: str,
     teacher: Path | None = None,
 ) -> dict:
-    """The run's conversion record (kind `heal`): settings, progress, data, losses, evaluations, clocks; the
-    teacher's path and weights hash (None: labels only) and LoRA's rank and modules (None: the weights
-    trained)."""
+    """The run's conversion record (kind `heal`): settings (`device`: where it trained, "cpu" or "cuda"),
+    progress, data, losses, evaluations, clocks; the teacher's path and weights hash (None: labels only)
+    and LoRA's rank and modules (None: the weights trained)."""
     return conversion_record(
         kind="heal",
         source=source,
         source_hash=recipe.source_hash,
-        settings=s.record(),
+        settings={**s.record(), "device": device},
         steps=state.step,
         tokens=state.tokens,
         schedule=recipe.schedule,

@@ -43,8 +43,8 @@ from tqdm.auto import tqdm
 from hf_attn.conversion.calibration import DEFAULT_WINDOW, AttentionInputFn, _StopForward
 from hf_attn.conversion.checkpoint import layer_attn_keys, read_tensor, tensor_index
 from hf_attn.tooling.cli import setting
+from hf_attn.tooling.devices import DEFAULT_DEVICE, DEVICE_HELP, DEVICES, announce_device, resolve_device
 
-DEVICES = ("cpu", "cuda")
 FORWARD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 EMBEDDING_KEY = "model.embed_tokens.weight"
 EMBEDDING_BLOCK_BYTES = 64 * 1024**2  # the embedding matrix is read in blocks of rows of at most this size
@@ -54,7 +54,11 @@ EMBEDDING_BLOCK_BYTES = 64 * 1024**2  # the embedding matrix is read in blocks o
 class ForwardSettings:
     """Where and in which dtype the calibration forward runs (`--device`, `--forward-dtype`)."""
 
-    device: str = setting("cpu", help="device of the layer-by-layer calibration forward", choices=DEVICES)
+    device: str = setting(
+        DEFAULT_DEVICE,
+        help=f"device of the layer-by-layer calibration forward ({DEVICE_HELP})",
+        choices=DEVICES,
+    )
     forward_dtype: str = setting(
         "float32",
         help="dtype of the calibration forward (statistics still accumulate in float64)",
@@ -63,24 +67,21 @@ class ForwardSettings:
 
 
 def resolve_forward(device: str, forward_dtype: str) -> tuple[torch.device, torch.dtype]:
-    """(torch.device, torch.dtype) of the calibration forward; ValueError naming the value and the fix."""
+    """(torch.device, torch.dtype) of the calibration forward (`--device auto`: `devices.resolve_device`);
+    ValueError naming the value and the fix."""
     if device not in DEVICES:
         raise ValueError(f"Unknown --device {device!r}; choose one of {', '.join(DEVICES)}.")
     if forward_dtype not in FORWARD_DTYPES:
         raise ValueError(
             f"Unknown --forward-dtype {forward_dtype!r}; choose one of {', '.join(FORWARD_DTYPES)}."
         )
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
-            "--device cuda: no CUDA device is available to this torch "
-            f"({torch.__version__}); calibrate with --device cpu or install a CUDA build of torch."
-        )
-    return torch.device(device), FORWARD_DTYPES[forward_dtype]
+    return resolve_device(device), FORWARD_DTYPES[forward_dtype]
 
 
 def forward_record(device: str, forward_dtype: str) -> dict:
-    """What a conversion record says about the calibration forward."""
-    return {"device": device, "forward_dtype": forward_dtype}
+    """What a conversion record says about the calibration forward: the device it ran on ("cpu" or
+    "cuda", `--device auto` resolved) and its dtype."""
+    return {"device": resolve_device(device).type, "forward_dtype": forward_dtype}
 
 
 def is_sliding_layer(config, layer: int) -> bool:
@@ -102,7 +103,7 @@ class LayerwiseModel:
     """
 
     def __init__(
-        self, src_dir: str | os.PathLike, *, device: str = "cpu", forward_dtype: str = "float32"
+        self, src_dir: str | os.PathLike, *, device: str = DEFAULT_DEVICE, forward_dtype: str = "float32"
     ) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -171,6 +172,7 @@ class LayerwiseModel:
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids (N,) -> (N, C) in the forward dtype on the forward device. The embedding matrix is read
         in blocks of rows of at most EMBEDDING_BLOCK_BYTES, so it is never in memory whole."""
+        announce_device(self.device)  # every pass starts here: the running command says where it computes
         if EMBEDDING_KEY not in self.index:
             raise KeyError(f"Tensor {EMBEDDING_KEY!r} is missing from the checkpoint {self.src_dir}.")
         info = self.index[EMBEDDING_KEY]

@@ -48,7 +48,7 @@ def calibrate(
     window: int = cal.DEFAULT_WINDOW,
     shared_keys: bool = False,
     sample_stride: int = 0,
-    device: str = "cpu",
+    device: str = layerwise.DEFAULT_DEVICE,
     forward_dtype: str = "float32",
     scratch_dir: Path | None = None,
 ) -> Calibration:

@@ -55,7 +55,7 @@ from hf_attn.conversion.checkpoint import (
     read_tensor,
     save_streamed,
 )
-from hf_attn.conversion.layerwise import DEVICES, LayerwiseModel, resolve_forward
+from hf_attn.conversion.layerwise import LayerwiseModel, resolve_forward
 from hf_attn.conversion.shards import SpilledLayers
 from hf_attn.tooling import assets, loading
 from hf_attn.tooling.cli import (
@@ -66,6 +66,7 @@ from hf_attn.tooling.cli import (
     setting,
     settings_from_args,
 )
+from hf_attn.tooling.devices import DEFAULT_DEVICE, DEVICE_HELP, DEVICES
 from hf_attn.tooling.errors import UserError, check_number, user_input
 from hf_attn.tooling.files import check_output, check_text_files, checkpoint_hash, scratch_directory
 
@@ -105,7 +106,9 @@ class RefineSettings:
         metavar="FILE",
         exclusive="calibration text",
     )
-    device: str = setting("cpu", help="where the two models' layers run (fp32)", choices=DEVICES)
+    device: str = setting(
+        DEFAULT_DEVICE, help=f"where the two models' layers run, in fp32 ({DEVICE_HELP})", choices=DEVICES
+    )
     overwrite: bool = setting(False, help="replace an existing --output")
 
 
@@ -334,7 +337,10 @@ def refine(settings: RefineSettings, *, progress: bool = True, source_name: str 
             kind="refine",
             source=source_name or str(model_dir),
             source_hash=checkpoint_hash(model_dir),
-            settings={k: v for k, v in asdict(s).items() if k not in ("model", "output", "overwrite")},
+            settings={
+                **{k: v for k, v in asdict(s).items() if k not in ("model", "output", "overwrite")},
+                "device": converted.device.type,  # where it ran (--device auto resolved)
+            },
             reference=str(source_dir),
             calibration=corpus_record(files, len(ids)),
             layers=[asdict(f) for f in fits],

@@ -37,6 +37,7 @@ from hf_attn.conversion.mla_layer import DEFAULT_FACTORIZATION, DEFAULT_ROPE_SEL
 from hf_attn.conversion.refine import RefineSettings
 from hf_attn.tooling import assets, loading
 from hf_attn.tooling.cli import add_settings_arguments, check_choices, setting
+from hf_attn.tooling.devices import DEFAULT_DEVICE, DEVICE_HELP, DEVICES
 from hf_attn.tooling.errors import UserError, check_number, user_input
 from hf_attn.tooling.files import check_text_files
 
@@ -81,7 +82,9 @@ class CalibrationSpec:
         cal.DEFAULT_WINDOW, flag="--calibration-window", help="tokens per calibration forward"
     )
     device: str = setting(
-        "cpu", help="device of the layer-by-layer calibration forward", choices=layerwise.DEVICES
+        DEFAULT_DEVICE,
+        help=f"device of the calibration forward and the refinement ({DEVICE_HELP})",
+        choices=DEVICES,
     )
     forward_dtype: str = setting(
         "float32",

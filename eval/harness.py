@@ -9,7 +9,7 @@ as a path in `--tasks`. Only when a task is not local is lm-eval's full task ind
 
     python -m eval.harness [--model PATH_OR_HUB_ID] [--tasks persuasion_lastword,persuasion_nextsent]
         [--include-path DIR ...] [--attn-implementation NAME] [--dtype float32|bfloat16|float16]
-        [--batch-size 8] [--device cpu|cuda] [--limit N] [--num-fewshot K] [--seed 1234]
+        [--batch-size 8] [--device auto|cpu|cuda] [--limit N] [--num-fewshot K] [--seed 1234]
         [--trust-remote-code] [--log-samples] [--output results.json]
 
 Prints one line per task metric and writes the JSON record (lm-eval's results, configs, versions, plus the
@@ -24,6 +24,7 @@ from pathlib import Path
 
 from hf_attn.tooling import loading
 from hf_attn.tooling.cli import ArgumentParser, add_deprecated_alias, run_command
+from hf_attn.tooling.devices import DEFAULT_DEVICE, DEVICE_HELP, announce_device, resolve_device
 from hf_attn.tooling.errors import UserError, check_number, one_line
 from hf_attn.tooling.files import check_output
 
@@ -208,7 +209,7 @@ def run(
     attn_implementation: str | None = None,
     dtype: str = "float32",
     batch_size: int = 8,
-    device: str | None = None,
+    device: str = DEFAULT_DEVICE,
     limit: int | float | None = None,
     num_fewshot: int | None = None,
     seed: int = 1234,
@@ -227,6 +228,7 @@ def run(
         output=output,
     )
     torch_dtype = loading.parse_dtype(dtype)
+    target = resolve_device(device)  # auto: CUDA where torch sees it, else the CPU
     names, paths = resolve_tasks(list(tasks), list(include_paths))  # check the tasks before loading
     manager = task_manager(names, paths)
     _check_task_data(names, manager)  # before loading weights: offline hub datasets fail here
@@ -242,8 +244,8 @@ def run(
         if not Path(model_path).exists() and _is_offline_error(err):
             raise UserError(_offline_message(f"Model {model_path}", err)) from err
         raise
-    if device is not None:
-        lm_model.to(device)
+    announce_device(target)  # every input checked: the command's one line saying where it runs
+    lm_model.to(target)
     start = time.perf_counter()
     results = evaluate_model(
         lm_model,
@@ -266,6 +268,7 @@ def run(
         "tasks": names,
         "limit": limit,
         "batch_size": batch_size,
+        "device": str(target),
         "seconds": time.perf_counter() - start,
         "versions": {**loading.library_versions(), "lm_eval": results.get("lm_eval_version")},
         "results": results["results"],
@@ -309,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-dtype", default="float32", choices=dtypes, help="dtype the weights load in")
     add_deprecated_alias(p, "--dtype", new_flag="--load-dtype", dest="load_dtype", choices=dtypes)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: where the model loads)")
+    p.add_argument("--device", default=DEFAULT_DEVICE, help=f"{DEVICE_HELP} (also cuda:N)")
     p.add_argument("--limit", type=float, default=None, help="first N items per task (or a fraction < 1)")
     p.add_argument("--num-fewshot", type=int, default=None)
     p.add_argument("--seed", type=int, default=1234)

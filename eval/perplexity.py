@@ -7,7 +7,8 @@ The protocol (windows, scoring, batching, the (NLL, count) reduce across process
     python -m eval.perplexity --model PATH_OR_HUB_ID [--attn-implementation NAME]
         [--text FILE ... | --dataset NAME [--dataset-config C] [--split S] [--text-column COL]]
         [--context-length 1024] [--stride 1024] [--max-tokens N] [--batch-size B]
-        [--load-dtype float32|bfloat16|float16] [--device-map auto] [--output results.json]
+        [--load-dtype float32|bfloat16|float16] [--device auto|cpu|cuda | --device-map auto]
+        [--output results.json]
 
 `--load-dtype` is the dtype the weights are loaded in (`--dtype` is its deprecated spelling).
 """
@@ -19,8 +20,6 @@ import dataclasses
 import sys
 from pathlib import Path
 
-import torch
-
 from hf_attn.eval.kv_cache import kv_bytes_per_token, measured_kv_bytes_per_token
 from hf_attn.tooling import assets, loading
 from hf_attn.tooling.cli import (
@@ -31,6 +30,7 @@ from hf_attn.tooling.cli import (
     settings_from_args,
 )
 from hf_attn.tooling.corpus import load_corpus, tokenize
+from hf_attn.tooling.devices import DEFAULT_DEVICE, DEVICE_HELP, DEVICES, announce_device, resolve_device
 from hf_attn.tooling.errors import UserError, check_number, user_input
 from hf_attn.tooling.files import (
     check_output,
@@ -67,7 +67,10 @@ class PerplexitySettings:
         choices=list(loading.DTYPES),
         deprecated_flags=("--dtype",),
     )
-    device_map: str | None = setting(None, help='e.g. "auto" to spread a large model over devices')
+    device: str = setting(DEFAULT_DEVICE, help=DEVICE_HELP, choices=DEVICES)
+    device_map: str | None = setting(
+        None, help='e.g. "auto" to spread a large model over devices (then --device is not used)'
+    )
     output: str | None = setting(
         None, help="write the JSON record here (replaces only a JSON record hf-attn wrote; default: none)"
     )
@@ -103,6 +106,7 @@ def validate(settings: PerplexitySettings) -> str:
         )
     loading.parse_dtype(s.load_dtype)
     loading.check_attn_implementation(s.attn_implementation)
+    resolve_device(s.device)  # --device cuda without CUDA: one line, before any loading
     if s.texts:
         check_text_files(s.texts, "--text")
     if s.output is not None:
@@ -149,9 +153,12 @@ def run(settings: PerplexitySettings, *, accelerator=None) -> dict:
     if accelerator is None:
         from accelerate import Accelerator
 
-        # cpu=True where there is no accelerator: then `accelerate launch --multi_gpu --num_processes N` (or
-        # torchrun) starts N CPU processes that accelerate joins with gloo (MULTI_CPU); else they stay apart.
-        accelerator = Accelerator(cpu=not torch.accelerator.is_available())
+        # cpu=True where --device resolves to the CPU (auto: no CUDA device): then `accelerate launch
+        # --multi_gpu --num_processes N` (or torchrun) starts N CPU processes that accelerate joins with gloo
+        # (MULTI_CPU); else they stay apart. On CUDA, accelerate puts each process on its own GPU.
+        accelerator = Accelerator(cpu=resolve_device(s.device).type == "cpu")
+    if s.device_map is None and accelerator.is_main_process:
+        announce_device(accelerator.device)  # every input checked: the command's one line saying where
     lm = loading.load_causal_lm(
         model_path, attn_implementation=s.attn_implementation, dtype=torch_dtype, device_map=s.device_map
     )

@@ -1,7 +1,7 @@
 """The main job: one command runs the whole study on the embedded default and writes a readable report.
 
     python -m eval.study [--profile default|quick] [--config FILE] [--results DIR] [--only NAME ...] [--fresh]
-                         [--discard-checkpoints]
+                         [--discard-checkpoints] [--device auto|cpu|cuda]
 
 For every variant in the config (`eval/study.toml`): convert the source (GQA/MQA pooling, MLA factorization,
 exact MHA expansion), evaluate it, heal it for a fixed wall-clock budget and evaluate it again. Every row
@@ -36,6 +36,7 @@ from hf_attn.eval.rows import row_key as _key
 from hf_attn.eval.study_config import DEFAULT_CONFIG, PROFILES, Settings, Variant, check_settings, load_config
 from hf_attn.tooling import assets
 from hf_attn.tooling.cli import ArgumentParser, run_command
+from hf_attn.tooling.devices import DEFAULT_DEVICE, DEVICE_HELP, DEVICES, announce_device, resolve_device
 from hf_attn.tooling.errors import UserError
 from hf_attn.tooling.files import check_output, checkpoint_hash
 
@@ -91,7 +92,13 @@ class Progress:
 
 
 def convert(
-    variant: Variant, *, source: Path, dst: Path, settings: Settings, shared: dict | None = None
+    variant: Variant,
+    *,
+    source: Path,
+    dst: Path,
+    settings: Settings,
+    shared: dict | None = None,
+    device: str = DEFAULT_DEVICE,
 ) -> None:
     """Write the converted checkpoint of `variant` to `dst` through the conversion pipeline
     (`conversion.pipeline.convert`: the closed form, then `refine = true`: the layer-local refinement with the
@@ -110,7 +117,7 @@ def convert(
             f"{settings.refine_steps} and {settings.refine_tokens}"
         )
     spec, calibration = pipeline.specs_from_options(
-        variant.kind, opts, calibration=CalibrationSpec(tokens=settings.calibration_tokens)
+        variant.kind, opts, calibration=CalibrationSpec(tokens=settings.calibration_tokens, device=device)
     )
     stages = (
         RefineSpec(steps=settings.refine_steps, tokens=settings.refine_tokens) if refine else RefineSpec(0)
@@ -149,7 +156,7 @@ def _shared_calibration(spec, source: Path, calibration, shared: dict):
     return shared[key]
 
 
-def heal(src: Path, dst: Path, settings: Settings) -> dict:
+def heal(src: Path, dst: Path, settings: Settings, device: str = DEFAULT_DEVICE) -> dict:
     from hf_attn.conversion.heal import HealSettings
     from hf_attn.conversion.heal import heal as heal_checkpoint
 
@@ -163,11 +170,12 @@ def heal(src: Path, dst: Path, settings: Settings) -> dict:
         trainable=settings.heal_trainable,
         train_corpus=settings.heal_corpus,
         eval_tokens=0,  # the study measures every checkpoint itself, with one protocol
+        device=device,
     )
     return heal_checkpoint(recipe, progress=False)
 
 
-def measure(path: Path, settings: Settings) -> dict:
+def measure(path: Path, settings: Settings, device: str = DEFAULT_DEVICE) -> dict:
     """Perplexity (with measured KV bytes per token) and decode speed of one checkpoint."""
     from hf_attn.eval.bench.decode import bench_decode
     from hf_attn.eval.perplexity import PerplexitySettings
@@ -179,6 +187,7 @@ def measure(path: Path, settings: Settings) -> dict:
             context_length=settings.context_length,
             max_tokens=settings.eval_tokens,
             progress=False,
+            device=device,
         )
     )
     second = {}
@@ -190,6 +199,7 @@ def measure(path: Path, settings: Settings) -> dict:
                 context_length=settings.context_length,
                 max_tokens=settings.second_corpus_tokens,
                 progress=False,
+                device=device,
             )
         )
     accuracy = task_accuracy_of(path, settings.task_items)
@@ -252,8 +262,10 @@ class Study:
         store=None,
         keep_checkpoints=True,
         log: Callable[[str], None] = _silent,
+        device: str = DEFAULT_DEVICE,
     ):
         self.settings, self.variants, self.results, self.fresh = settings, variants, Path(results), fresh
+        self.device = device  # --device of every stage: conversion, healing, perplexity
         self.keep_checkpoints, self.log = keep_checkpoints, log
         self.rows = RowStore(self.results / "rows", fresh=fresh)
         self.store = Path(store) if store is not None else assets.cache_dir() / "study"
@@ -315,7 +327,7 @@ class Study:
         built: dict[str, tuple[Path, float, bool]] = {}  # this run's checkpoints: (path, seconds, cached)
 
         def build_converted(dst: Path) -> None:
-            convert(v, source=self.source, dst=dst, settings=s, shared=self.shared)
+            convert(v, source=self.source, dst=dst, settings=s, shared=self.shared, device=self.device)
 
         def converted() -> tuple[Path, float, bool]:
             if "converted" not in built:
@@ -328,7 +340,7 @@ class Study:
 
         def healed() -> tuple[Path, float, bool]:
             built["healed"] = self._checkpoint(
-                f"{v.name}-healed", heal_key, lambda dst: heal(converted()[0], dst, s)
+                f"{v.name}-healed", heal_key, lambda dst: heal(converted()[0], dst, s, self.device)
             )
             self.counts["healed"] += not built["healed"][2]
             return built["healed"]
@@ -374,7 +386,7 @@ class Study:
         ckpt, build_seconds, cached = checkpoint()
         progress.step(f"{v.name}: evaluate" + (" healed" if healed else ""))
         row = {
-            **measure(ckpt, self.settings),
+            **measure(ckpt, self.settings, self.device),
             **self._describe(v, healed=healed, checkpoint=str(ckpt), cached=cached),
             ("heal_seconds" if healed else "convert_seconds"): build_seconds,
         }
@@ -412,9 +424,11 @@ def run_study(
     store: str | Path | None = None,
     keep_checkpoints: bool = True,
     log: Callable[[str], None] = _silent,
+    device: str = DEFAULT_DEVICE,
 ) -> dict:
     """Run the study; write `results.json`, `report.md` and `pareto.png` into `results`; return the record.
-    `log` receives one line per step (and the errors of failed variants)."""
+    `log` receives one line per step (and the errors of failed variants); `device` is every stage's
+    `--device` (auto: CUDA where torch sees it, else the CPU; the record says which)."""
     from hf_attn.eval.report import write_report
     from hf_attn.tooling.loading import library_versions
 
@@ -423,6 +437,7 @@ def run_study(
         settings = dataclasses.replace(settings, **overrides)
         check_settings(settings, "the overrides")
     check_output(None, results, overwrite=False, flag="--results", kind="directory")
+    where = resolve_device(device)  # --device cuda without CUDA: one line, before any work
     if only:
         unknown = set(only) - {v.name for v in variants}
         if unknown:
@@ -439,7 +454,9 @@ def run_study(
         store=store,
         keep_checkpoints=keep_checkpoints,
         log=log,
+        device=device,
     )
+    announce_device(where)  # the command's one line saying where it computes
     rows = study.run()
     record = {
         "profile": profile,
@@ -450,6 +467,7 @@ def run_study(
         "code_hashes": study.code,
         "rows": rows,
         "counts": study.counts,
+        "device": where.type,
         "wall_seconds": time.perf_counter() - start,
         "date": time.strftime("%Y-%m-%d"),
         "versions": library_versions(),
@@ -474,6 +492,7 @@ def main(argv: list[str] | None = None) -> int:
         help="delete each variant's checkpoints once its rows are measured (the default study keeps "
         "about 6 GB of them under $HF_ATTN_CACHE/study/)",
     )
+    parser.add_argument("--device", choices=DEVICES, default=DEFAULT_DEVICE, help=DEVICE_HELP)
     args = parser.parse_args(argv)
 
     def study() -> None:
@@ -488,6 +507,7 @@ def main(argv: list[str] | None = None) -> int:
             fresh=args.fresh,
             keep_checkpoints=not args.discard_checkpoints,
             log=lambda line: print(line, flush=True),
+            device=args.device,
         )
         from hf_attn.eval.report import format_table
 

@@ -99,7 +99,7 @@ ROWS = [
     (MD, [*SRC, "--new-tokens", "0"], "--new-tokens must be a finite integer >= 1, got 0"),
     (MD, [*SRC, "--warmup", "-1"], "--warmup must be a finite integer >= 0, got -1"),
     (MD, [*SRC, "--prefill-threads", "0"], "--prefill-threads must be a finite integer >= 1, got 0"),
-    (MD, [*SRC, "--device", "tpu"], "--device 'tpu' is not a device; use cpu or cuda[:N]"),
+    (MD, [*SRC, "--device", "tpu"], "Unknown --device 'tpu'; choose one of auto, cpu, cuda"),
     *NO_CUDA,
     (MD, [*SRC, "--rope-pairs", "4"], "--rope-pairs must be an integer in [0, 3] (head_dim / 2), got 4"),
     (MD, [*SRC, "--kv-lora-rank", "0"], "--kv-lora-rank must be a finite integer >= 1, got 0"),

@@ -40,6 +40,7 @@ from hf_attn.tooling.cli import (
     setting,
 )
 from hf_attn.tooling.corpus import Corpus, tokenize
+from hf_attn.tooling.devices import DEFAULT_DEVICE, DEVICE_HELP, DEVICES, resolve_device
 from hf_attn.tooling.perplexity import check_window
 
 # --------------------------------------------------------------------------------------------- settings
@@ -128,6 +129,9 @@ class HealSettings:
     )
     attn_implementation: str | None = setting(None)
     trust_remote_code: bool = setting(False)
+    device: str = setting(
+        DEFAULT_DEVICE, f"{DEVICE_HELP}; under accelerate launch: accelerate's device", choices=DEVICES
+    )
     eval_every: int = setting(0, "held-out perplexity every S steps (0: off)")
     eval_tokens: int = setting(8192, "first N tokens of the eval text (0: no eval)")
     eval_context: int = setting(1024, "window length (disjoint windows)")
@@ -142,6 +146,7 @@ class HealSettings:
     def validate(self) -> None:
         """ValueError for a bad value (cheap: before any loading)."""
         check_choices(self)
+        resolve_device(self.device)  # --device cuda without CUDA: refused here, before any loading
         for name in ("seq_len", "batch_size", "grad_accum", "lr"):
             _positive(name, getattr(self, name))
         for name in ("max_steps", "max_tokens", "max_minutes", "relative_lr"):

@@ -37,18 +37,19 @@ from hf_attn.conversion.training.teacher import load_teacher
 from hf_attn.tooling.cli import (
     one_line,
 )
+from hf_attn.tooling.devices import DEFAULT_DEVICE, resolve_device
 from hf_attn.tooling.files import atomic_directory
 
 # --------------------------------------------------------------------------------------------- train state
 
 
-def make_accelerator(autocast_dtype: str, grad_accum: int):
+def make_accelerator(autocast_dtype: str, grad_accum: int, device: str = DEFAULT_DEVICE):
+    """The run's Accelerator: on the CPU where `--device` resolves to it (`devices.resolve_device`), else on
+    the accelerator's device (`accelerate launch` places each process: cuda:<local rank>)."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
-    cpu = not (
-        torch.cuda.is_available() or (hasattr(torch, "accelerator") and torch.accelerator.is_available())
-    )
+    cpu = resolve_device(device).type == "cpu"
     shared = AcceleratorState._shared_state
     if shared and shared.get("_mixed_precision") != PRECISIONS[autocast_dtype]:
         # heal() called again in this process with another precision: accelerate keeps one per process, so

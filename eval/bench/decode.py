@@ -32,6 +32,7 @@ from hf_attn.eval.bench.memory import PeakMemory
 from hf_attn.eval.kv_cache import cache_tensor_bytes, kv_bytes_per_token
 from hf_attn.tooling import loading
 from hf_attn.tooling.cli import ArgumentParser, add_deprecated_alias, run_command
+from hf_attn.tooling.devices import resolve_device
 from hf_attn.tooling.errors import UserError, check_number
 from hf_attn.tooling.files import check_output
 
@@ -55,7 +56,7 @@ def _model(model_path: str, attn_implementation: str | None, dtype: torch.dtype)
 @functools.lru_cache(maxsize=1)
 def _load_model(model_path: str, attn_implementation: str | None, dtype: torch.dtype, stamp: tuple):
     lm = loading.load_causal_lm(model_path, attn_implementation=attn_implementation, dtype=dtype)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device("auto")
     return lm.to(device)
 
 

@@ -42,6 +42,7 @@ from hf_attn.conversion.training.recipe import CLOCKS, TRAINABLE
 from hf_attn.tooling import assets, loading
 from hf_attn.tooling.cli import ArgumentParser, run_command
 from hf_attn.tooling.corpus import tokenize
+from hf_attn.tooling.devices import resolve_device
 from hf_attn.tooling.errors import UserError, check_number
 from hf_attn.tooling.files import check_output, json_record, write_text_atomic
 from hf_attn.tooling.loading import resolve_model
@@ -67,7 +68,7 @@ def bare_loop(
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # where heal's Accelerator puts the model too
+    device = resolve_device("auto")  # where heal's Accelerator puts the model too
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)

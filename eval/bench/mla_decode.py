@@ -14,7 +14,7 @@ random MLA attention weights of the requested ranks (`--kv-lora-rank`, `--rope-p
 shapes only. `--random-weights` needs only the source's config.json (random weights everywhere).
 
     python -m eval.bench_mla_decode [--model MLA_DIR] [--source SRC_DIR] [--contexts 1024 4096 8192]
-        [--new-tokens 32] [--kv-lora-rank 64] [--rope-pairs 8] [--threads 1] [--device cpu]
+        [--new-tokens 32] [--kv-lora-rank 64] [--rope-pairs 8] [--threads 1] [--device auto|cpu|cuda[:N]]
         [--random-weights] [--output results.json]
 """
 
@@ -33,6 +33,7 @@ from hf_attn.eval.kv_cache import numbers_per_token_per_layer
 from hf_attn.models.llama_mla import LlamaMLAConfig, LlamaMLAForCausalLM
 from hf_attn.models.llama_mla.configuration_llama_mla import SOURCE_MODEL_TYPES
 from hf_attn.tooling.cli import ArgumentParser, run_command
+from hf_attn.tooling.devices import DEFAULT_DEVICE, DEVICE_HELP, announce_device, resolve_device
 from hf_attn.tooling.errors import UserError, check_number
 from hf_attn.tooling.files import check_output, json_record, write_text_atomic
 from hf_attn.tooling.loading import (
@@ -93,11 +94,7 @@ def check_run(
     check_number("--new-tokens", new_tokens, minimum=1, inclusive=True, integer=True)
     check_number("--warmup", warmup, minimum=0, inclusive=True, integer=True)
     check_number("--prefill-threads", prefill_threads, minimum=1, inclusive=True, integer=True)
-    kind, _, index = device.partition(":")
-    if kind not in ("cpu", "cuda") or (index and (kind != "cuda" or not index.isdigit())):
-        raise UserError(f"--device {device!r} is not a device; use cpu or cuda[:N]")
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device {device} asked for, but torch sees no CUDA device; use --device cpu")
+    resolve_device(device)  # auto, cpu, cuda[:N] (a CUDA device torch sees)
     cfg = load_config(source) if random_weights else check_checkpoint_complete(source)
     if model is None:
         check_source_config(cfg, kv_lora_rank=kv_lora_rank, rope_pairs=rope_pairs)
@@ -159,7 +156,7 @@ def run(
     warmup: int = 2,
     kv_lora_rank: int = 64,
     rope_pairs: int = 8,
-    device: str = "cpu",
+    device: str = DEFAULT_DEVICE,
     random_weights: bool = False,
     prefill_threads: int | None = None,
     seed: int = 0,
@@ -170,6 +167,7 @@ def run(
     check_run(model=model, source=source, contexts=contexts, new_tokens=new_tokens, warmup=warmup,
               kv_lora_rank=kv_lora_rank, rope_pairs=rope_pairs, device=device, random_weights=random_weights,
               prefill_threads=prefill_threads)  # fmt: skip
+    device = resolve_device(device)
     src = load_source(source, random_weights=random_weights, seed=seed)
     if model is None:
         mla = random_mla_like(src, kv_lora_rank=kv_lora_rank, rope_pairs=rope_pairs, seed=seed)
@@ -178,6 +176,7 @@ def run(
         mla = load_causal_lm(model, attn_implementation="sdpa")
         mla_desc = str(model)
     mla, src = mla.to(device), src.to(device)
+    announce_device(device)  # every input checked: the command's one line saying where it runs
     n_ids = max(contexts) + 1  # the token at L starts the decode of context L
     if random_weights:  # no tokenizer needed: random ids
         generator = torch.Generator().manual_seed(seed)
@@ -248,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rope-pairs", type=int, default=8)
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1, see the protocol)")
     p.add_argument("--prefill-threads", type=int, help="torch threads for the untimed prefill (default: all)")
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    p.add_argument("--device", default=DEFAULT_DEVICE, help=f"{DEVICE_HELP} (also cuda:N)")
     p.add_argument("--random-weights", action="store_true", help="random weights from the source's config")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", help="write the record as JSON here")

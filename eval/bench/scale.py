@@ -1,7 +1,7 @@
 """Every converter on checkpoints shaped like Llama-2-7B and Llama-3-8B: peak RSS, wall time, MB/s.
 
     hf-attn bench scale [--shapes llama-2-7b llama-3-8b] [--workdir DIR] [--calibration-tokens 256]
-                        [--device cpu|cuda] [--output FILE] [--keep]
+                        [--device auto|cpu|cuda] [--output FILE] [--keep]
 
 1. For each shape, write a synthetic checkpoint into `--workdir`: the model's exact config (hidden size,
    layers, heads, KV heads, intermediate size, vocabulary, RoPE theta and scaling, untied embeddings), bf16
@@ -38,6 +38,7 @@ import torch
 
 from hf_attn.eval.bench.synthetic import SHAPES, write_synthetic
 from hf_attn.tooling.cli import ArgumentParser, run_command
+from hf_attn.tooling.devices import DEFAULT_DEVICE, DEVICE_HELP, DEVICES, announce_device, resolve_device
 from hf_attn.tooling.errors import UserError, check_number
 from hf_attn.tooling.files import check_output, json_record, write_text_atomic
 
@@ -356,7 +357,7 @@ def run_shape(
     if "cp" not in skip:
         emit(copy_reference(shape=shape, src=src, dst=workdir / f"{shape}-copy"))
     calibration = ["--calibration-tokens", str(calibration_tokens)]
-    device_args = ["--device", device] if device != "cpu" else []
+    device_args = ["--device", device]  # resolved ("cpu" / "cuda"): every child runs where this one said
     step = functools.partial(run_step, shape=shape, device=device, rss_limit=rss_limit)
     for label, module, args in plan(shape, calibration=calibration, device_args=device_args):
         if label.split()[0] in skip:
@@ -414,7 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["llama-2-7b", "llama-3-8b"])
     parser.add_argument("--workdir", default=None, help="where checkpoints are written (default: a temp dir)")
     parser.add_argument("--calibration-tokens", type=int, default=256)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="calibration forward device")
+    parser.add_argument(
+        "--device", choices=DEVICES, default=DEFAULT_DEVICE, help=f"calibration, refinement ({DEVICE_HELP})"
+    )
     parser.add_argument(
         "--skip",
         nargs="*",
@@ -437,13 +440,13 @@ def main(argv: list[str] | None = None) -> int:
         check_number("--rss-limit-gb", args.rss_limit_gb, minimum=0, inclusive=True)
         if args.output:
             check_outputs(Path(args.output).with_suffix(""))
-        if args.device == "cuda" and not torch.cuda.is_available():
-            raise UserError("--device cuda: no CUDA device here; pass --device cpu")
+        device = resolve_device(args.device)  # --device cuda without CUDA: one line, before any work
+        announce_device(device)
         made = args.workdir is None
         workdir = Path(tempfile.mkdtemp(prefix="hf-attn-bench-scale-")) if made else Path(args.workdir)
         workdir.mkdir(parents=True, exist_ok=True)
         header = (
-            f"calibration: {args.calibration_tokens} tokens; device {args.device}; "
+            f"calibration: {args.calibration_tokens} tokens; device {device.type}; "
             f"nice {os.nice(0)}; {os.cpu_count()} CPUs; torch threads {torch.get_num_threads()}; "
             f"RSS limit {args.rss_limit_gb} GiB"
         )
@@ -464,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
                     shape,
                     workdir=workdir,
                     calibration_tokens=args.calibration_tokens,
-                    device=args.device,
+                    device=device.type,
                     keep=args.keep,
                     skip=set(args.skip),
                     emit=emit,

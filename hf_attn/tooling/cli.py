@@ -82,11 +82,12 @@ def run_command(prog: str, fn: Callable[[], Any]) -> int:
     0): 2 with one line on stderr for a UserError or a file-system error, 130 with one line for Ctrl-C;
     SIGTERM exits through the same cleanup (`sigterm_exits_cleanly`); any other error propagates (a bug: its
     traceback, exit status 1)."""
+    from hf_attn.tooling.devices import announcing
     from hf_attn.tooling.files import sweep_leftovers
 
     sweep_leftovers()
     try:
-        with sigterm_exits_cleanly():
+        with sigterm_exits_cleanly(), announcing(prog):  # where it computes: one line (tooling.devices)
             status = fn()
     except (UserError, OSError) as err:
         return error(prog, err)

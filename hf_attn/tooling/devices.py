@@ -1,0 +1,97 @@
+"""Where a command computes: the one `--device` rule of every command, and the one line that says where.
+
+    --device auto (default)   CUDA where torch sees a CUDA device, else the CPU (never fails for lack of one)
+    --device cpu | cuda       forces one; cuda without a CUDA device is a UserError (one line, exit 2)
+
+`resolve_device(name) -> torch.device` is the rule; `DEVICES` / `DEFAULT_DEVICE` / `DEVICE_HELP` are the
+choices, default and help of every `--device` flag. Under `accelerate launch` the accelerator places each
+process (`cuda:<local rank>`): commands that run through an `Accelerator` resolve `--device` only to decide
+whether it runs on the CPU, and then use the accelerator's device.
+
+A command says where it runs once, on stderr, when a stage first puts work on a device (after every input
+check, so a bad input stays one line): `hf-attn convert mla: device cuda (NVIDIA H100 80GB HBM3)` or
+`hf-attn convert mla: device cpu`. `run_command` opens the scope (`announcing(prog)`); library code calls
+`announce_device(device)`, which prints nothing outside a command (tests, notebooks, library callers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import sys
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from hf_attn.tooling.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+
+DEVICES = ("auto", "cpu", "cuda")  # the choices of every --device flag
+DEFAULT_DEVICE = "auto"
+DEVICE_HELP = "auto: CUDA where torch sees it, else the CPU; cpu or cuda forces one"
+
+
+def resolve_device(name: str = DEFAULT_DEVICE, *, flag: str = "--device") -> torch.device:
+    """The device `name` asks for: "auto" -> cuda where `torch.cuda.is_available()`, else cpu; "cpu";
+    "cuda" or "cuda:N" (UserError naming the value and the fix when torch sees no such CUDA device)."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    kind, colon, index = str(name).partition(":")
+    if name == "cpu":
+        return torch.device("cpu")
+    if kind != "cuda" or (colon and not index.isdigit()):
+        raise UserError(f"Unknown {flag} {name!r}; choose one of {', '.join(DEVICES)} (or cuda:N)")
+    if not torch.cuda.is_available():
+        raise UserError(
+            f"{flag} {name}: torch sees no CUDA device (torch {torch.__version__}); use {flag} cpu (or "
+            f"{flag} auto), or install a CUDA build of torch"
+        )
+    count = torch.cuda.device_count()
+    if colon and int(index) >= count:
+        raise UserError(f"{flag} {name}: torch sees {count} CUDA device(s); use cuda:0 .. cuda:{count - 1}")
+    return torch.device(name)
+
+
+def describe_device(device) -> str:
+    """'cpu', or 'cuda (NVIDIA H100 80GB HBM3)' / 'cuda:1 (...)' with the GPU's name."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return str(device)
+    try:
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    except (RuntimeError, AssertionError):  # (a name torch cannot read: the device alone)
+        return str(device)
+
+
+_SCOPE: contextvars.ContextVar[tuple[str, set] | None] = contextvars.ContextVar(
+    "hf_attn.device", default=None
+)
+
+
+@contextlib.contextmanager
+def announcing(prog: str) -> Iterator[None]:
+    """Inside: `announce_device` prints `prog: device ...` on stderr, once per kind of device."""
+    token = _SCOPE.set((prog, set()))
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
+
+
+def announce_device(device) -> None:
+    """Say where the running command computes (`prog: device cuda (NAME)`), the first time it uses a device
+    of this kind; nothing outside a command (`announcing`)."""
+    scope = _SCOPE.get()
+    if scope is None:
+        return
+    prog, seen = scope
+    kind = getattr(device, "type", str(device).partition(":")[0])
+    if kind in seen:
+        return
+    seen.add(kind)
+    print(f"{prog}: device {describe_device(device)}", file=sys.stderr, flush=True)
