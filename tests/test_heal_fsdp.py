@@ -81,3 +81,27 @@ def test_fsdp_two_processes_match_one_process_and_resume(tiny_mla, tmp_path):
     assert config == reference_config  # same model type, architectures, dtype
     assert record["kind"] == "heal" and record["num_processes"] == 2 and record["steps"] == 2
     assert record["eval_after"]["perplexity"] == pytest.approx(one["eval_after"]["perplexity"], rel=1e-5)
+
+
+def test_fsdp_with_a_replicated_teacher_matches_one_process(tiny_mla, tmp_path, request):
+    """The teacher (the tiny Llama, same tokenizer) stays whole on every process beside the sharded student:
+    the KL losses and the weights equal one plain process's."""
+    if not (torch.distributed.is_available() and torch.distributed.is_gloo_available()):
+        pytest.skip("torch was built without torch.distributed / the gloo backend")
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        pytest.skip("two FSDP processes need two GPUs on a CUDA machine (CPU: gloo)")
+    teacher = str(request.getfixturevalue("tiny")[0])  # (test_heal's tiny Llama)
+    one = _run(tiny_mla, tmp_path / "one", max_steps=2, schedule="constant", teacher=teacher, eval_tokens=0)
+    out = tmp_path / "fsdp"
+    _launch(tiny_mla, out, "--max-steps", "2", "--teacher", teacher)
+    log = read_log(out.with_name("fsdp.heal") / "log.jsonl")
+    assert log[0]["distributed"] == "FSDP"
+    got = [e["kl"] for e in log if e["event"] == "step"]
+    want = [e["kl"] for e in read_log(one["log"]) if e["event"] == "step"]
+    assert got == pytest.approx(want, rel=1e-5) and len(want) == 2 and min(want) > 0
+    healed = load_file(out / "model.safetensors")
+    reference = load_file(tmp_path / "one" / "model.safetensors")
+    for name in reference:
+        torch.testing.assert_close(healed[name], reference[name], rtol=0, atol=TOLERANCE, msg=name)
+    record = json.loads((out / "config.json").read_text())["hf_attn"]["history"][-1]
+    assert record["teacher"] == teacher and record["num_processes"] == 2
