@@ -157,13 +157,13 @@ def run(settings: PerplexitySettings, *, accelerator=None) -> dict:
         # --multi_gpu --num_processes N` (or torchrun) starts N CPU processes that accelerate joins with gloo
         # (MULTI_CPU); else they stay apart. On CUDA, accelerate puts each process on its own GPU.
         accelerator = Accelerator(cpu=resolve_device(s.device).type == "cpu")
-    if s.device_map is None and accelerator.is_main_process:
-        announce_device(accelerator.device)  # every input checked: the command's one line saying where
     lm = loading.load_causal_lm(
         model_path, attn_implementation=s.attn_implementation, dtype=torch_dtype, device_map=s.device_map
     )
     if s.device_map is None:
         lm.to(accelerator.device)
+        if accelerator.is_main_process:  # the model loaded: the command's one line saying where it runs
+            announce_device(accelerator.device)
     result = evaluate_perplexity(
         lm,
         input_ids,
