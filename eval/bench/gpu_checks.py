@@ -1,30 +1,22 @@
-"""Parts of `hf-attn bench gpu` that run other commands: the compiled kernel tests and the engine benchmark.
-
-kernel-tests: `pytest tests/test_mla_kernel.py -k on_gpu` (the compiled Triton kernel against the float64
-reference and `llama_mla` decoded through it; they skip without CUDA), one row per test from pytest's JUnit
-XML. engine: `hf-attn bench engine ARGS` where this checkout has that command (`--set engine.args=[...]`);
-otherwise one row saying it is not available.
+"""`hf-attn bench gpu` part kernel-tests: `pytest tests/test_mla_kernel.py -k on_gpu` (the compiled Triton
+kernel against the float64 reference and `llama_mla` decoded through it; they skip without CUDA). This module
+is also the pytest plugin (`-p`) that appends one row per test to the part's rows file as the test ends, so a
+run cut short keeps every finished test.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
+import os
 import subprocess
 import sys
-import tempfile
-import xml.etree.ElementTree as ET
-from pathlib import Path
 
 from hf_attn.eval.bench.gpu_bundle import ROOT, is_checkout
 from hf_attn.eval.bench.gpu_parts import Adapter
 
-ENGINE_MODULE = "hf_attn.eval.engine.bench"
-
-
-def _pytest(args: list[str], timeout: float | None = None) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args]
-    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+ROWS_ENV = "HF_ATTN_GPU_TEST_ROWS"  # the rows file the plugin appends to
 
 
 def _test_args(settings: dict) -> list[str]:
@@ -55,54 +47,29 @@ def plan_tests(settings: dict) -> list[str]:
 
 
 def run_tests(settings: dict, emit) -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        report = Path(tmp) / "junit.xml"
-        proc = _pytest(["-q", "-rA", f"--junitxml={report}", *_test_args(settings)])
-        emit(meta={"pytest_exit": proc.returncode, "summary": (proc.stdout.strip().splitlines() or [""])[-1]})
-        if not report.is_file():
-            raise RuntimeError(f"pytest wrote no report (exit {proc.returncode}): {proc.stderr[-500:]}")
-        for case in ET.parse(report).getroot().iter("testcase"):
-            outcome, message = "passed", ""
-            for kind in ("failure", "error", "skipped"):
-                found = case.find(kind)
-                if found is not None:
-                    outcome, message = kind, (found.get("message") or "").splitlines()[:1]
-                    message = message[0][:200] if message else ""
-            emit({"test": case.get("name"), "outcome": outcome, "seconds": float(case.get("time") or 0),
-                  "message": message})  # fmt: skip
+    argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", __name__, "-q", "-rfE"]
+    env = dict(os.environ, **{ROWS_ENV: emit.path})
+    proc = subprocess.run(argv + _test_args(settings), cwd=ROOT, env=env, capture_output=True, text=True)
+    summary = (proc.stdout.strip().splitlines() or [""])[-1]
+    emit(meta={"pytest_exit": proc.returncode, "summary": summary})
     if proc.returncode != 0:  # the rows say which tests
-        raise RuntimeError(f"pytest exit {proc.returncode}: {(proc.stdout.strip().splitlines() or [''])[-1]}")
+        raise RuntimeError(f"pytest exit {proc.returncode}: {summary} {proc.stderr.strip()[-300:]}")
 
 
-def _engine_available() -> str | None:
-    """None where `hf-attn bench engine` exists here, else why not."""
-    if importlib.util.find_spec(ENGINE_MODULE) is None:
-        return f"not available: {ENGINE_MODULE} is not in this checkout"
-    from hf_attn.eval.cli import COMMANDS
-
-    if "bench engine" not in COMMANDS:
-        return "not available: `hf-attn bench engine` is not registered in eval/cli.py"
-    return None
-
-
-def plan_engine(settings: dict) -> list[str]:
-    if not isinstance(settings["args"], list):
-        raise ValueError(f"engine.args must be a JSON list of strings, got {settings['args']!r}")
-    why = _engine_available()
-    return [why or f"hf-attn bench engine {' '.join(settings['args'])}"]
-
-
-def run_engine(settings: dict, emit) -> None:
-    why = _engine_available()
-    command = "hf-attn bench engine " + " ".join(settings["args"])
-    if why:
-        emit({"command": command, "status": why, "detail": ""})
+def pytest_runtest_logreport(report) -> None:
+    """pytest hook: a test's row once its call ends, or once its setup fails or skips it (no call then)."""
+    path = os.environ.get(ROWS_ENV)
+    if not path or not (report.when == "call" or (report.when == "setup" and report.outcome != "passed")):
         return
-    argv = [sys.executable, "-m", "hf_attn.eval.cli", "bench", "engine", *settings["args"]]
-    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
-    lines = (proc.stdout + proc.stderr).strip().splitlines() or [""]
-    emit({"command": command, "status": f"exit {proc.returncode}", "detail": lines[-1][:300]})
-    emit(meta={"output_tail": "\n".join(lines[-60:])})
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple):  # a skip: (file, line, reason)
+        message = str(longrepr[-1])
+    else:
+        message = (str(longrepr).strip().splitlines() or [""])[-1] if longrepr else ""
+    row = {"test": report.nodeid.split("::")[-1], "outcome": report.outcome,
+           "seconds": round(report.duration, 2), "message": message[:200]}  # fmt: skip
+    with open(path, "a") as f:
+        f.write(json.dumps({"part": "kernel-tests", "row": row}) + "\n")
 
 
 ADAPTERS = {
@@ -116,11 +83,5 @@ ADAPTERS = {
         ),  # fmt: skip
         plan=plan_tests,
         run=run_tests,
-    ),
-    "engine": Adapter(
-        defaults={"args": []},
-        columns=(("command", "command", ""), ("status", "status", ""), ("last line", "detail", "")),
-        plan=plan_engine,
-        run=run_engine,
     ),
 }

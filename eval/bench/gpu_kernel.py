@@ -4,8 +4,9 @@
 Reuses `eval/bench/mla_kernel.py` (timing with CUDA events and an L2 flush, the copy bandwidth, the layer and
 GQA measurements of one case) and adds per case (shape, dtype, batch B, context S; T = 1):
 - tuning: every (block_n, num_warps, num_splits) of the settings timed on the kernel alone (`tune_repeats`
-  calls each), the fastest re-timed (`repeats` calls); the chosen values go into the row;
-- the expanded path: `LlamaMLAAttention.expanded_attention` (per-head K/V rebuilt from the latent, sdpa).
+  calls each), the fastest re-timed (`repeats` calls); the chosen values go into the row and into the part's
+  meta (`best_launch`, per case);
+- with `expanded` (default off): `LlamaMLAAttention.expanded_attention` (per-head K/V from the latent).
 Shapes: SmolLM2's MLA ranks at 50% and 25% of its cache (d_c 120, r 12 and d_c 48, r 8, per-head RoPE keys;
 README's curve) with SmolLM2's GQA as the source, and 512 + 64 (one shared 64-wide RoPE key, FlashMLA's
 layout) on Llama-3-8B's heads with Llama-3-8B's GQA as the source.
@@ -29,10 +30,10 @@ SHAPES = {  # most wanted first: a part cut short by its time limit keeps these 
     "smollm2-mla50": (mk.Shape(heads=9, kv_heads=3, head_dim=64, kv_lora_rank=120), 12, "per-head"),
     "smollm2-mla25": (mk.Shape(heads=9, kv_heads=3, head_dim=64, kv_lora_rank=48), 8, "per-head"),
 }
-DEFAULTS = dict(
-    shapes=list(SHAPES), contexts=[1024, 4096, 16384, 65536], batch=[1, 32], dtypes=["bfloat16", "float16"],
-    block_n=[16, 32, 64], num_warps=[4, 8], splits=[1, 2, 4, 8, 16, 32, 64, 128, 256],
-    tune_repeats=5, repeats=20, warmup=3,
+DEFAULTS = dict(  # sized for the loan profile: 8 cases, 12 tuning launches each, the expanded path left out
+    shapes=["llama3-8b-512+64", "smollm2-mla50"], contexts=[8192, 32768], batch=[1, 32], dtypes=["bfloat16"],
+    block_n=[32, 64], num_warps=[4, 8], splits=[8, 32, 128], tune_repeats=5, repeats=20, warmup=3,
+    expanded=False,
 )  # fmt: skip
 TARGET_VS_GQA_FROM = 4096
 OOM = (torch.OutOfMemoryError,)
@@ -51,6 +52,8 @@ def plan(settings: dict) -> list[str]:
             raise ValueError(f"mla-kernel.{key} must be a list of positive integers, got {s[key]}")
     if any(b < 16 or b & (b - 1) for b in s["block_n"]):
         raise ValueError(f"mla-kernel.block_n must be powers of two >= 16, got {s['block_n']}")
+    if not isinstance(s["expanded"], bool):
+        raise ValueError(f"mla-kernel.expanded must be true or false, got {s['expanded']!r}")
     if s["tune_repeats"] < 1 or s["repeats"] < 1 or s["warmup"] < 0:
         raise ValueError("mla-kernel.tune_repeats and repeats must be >= 1, warmup >= 0")
     from hf_attn.kernels.mla_decode import mla_decode
@@ -148,7 +151,7 @@ def case_row(name, dtype_name, B, S, settings, flush, copy_gbps) -> dict:
                                        repeats=settings["repeats"], flush=flush)),
         ("tune", lambda: tune(shape, pairs, layout, B, S, dtype, settings, flush)),
         ("expanded", lambda: dict(expanded_ms=expanded_ms(shape, pairs, layout, B, S, dtype, settings,
-                                                          flush))),
+                                                          flush)) if settings["expanded"] else {}),
     )  # fmt: skip
     got = {}
     for step, fn in steps:
@@ -206,11 +209,15 @@ def run(settings: dict, emit) -> None:
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
     copy = mk.copy_bandwidth_gbps(device, warmup=settings["warmup"], repeats=settings["repeats"], flush=flush)
     emit(meta={"device": torch.cuda.get_device_name(device), "copy_gbps": copy, "versions": mk._versions()})
+    best = {}  # "shape dtype B S" -> the tuned launch "block_n/num_warps/num_splits" (also in each row)
     for name in settings["shapes"]:
         for dtype_name in settings["dtypes"]:
             for B in settings["batch"]:
                 for S in settings["contexts"]:
-                    emit(case_row(name, dtype_name, B, S, settings, flush, copy))
+                    row = case_row(name, dtype_name, B, S, settings, flush, copy)
+                    emit(row)
+                    best[f"{name} {dtype_name} B={B} S={S}"] = row["tuned"]
+                    emit(meta={"best_launch": best})
 
 
 COLUMNS = (

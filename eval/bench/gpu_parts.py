@@ -1,5 +1,11 @@
-"""The parts of `hf-attn bench gpu`: their registry, the adapter protocol, the markdown rendering, and the
-child-process entry that runs one part (or dry-runs them all).
+"""The parts and profiles of `hf-attn bench gpu`: their registry, the adapter protocol, the budget check, the
+markdown rendering, and the child-process entry that runs one part (or dry-runs them all).
+
+A part has a planned duration (`plan_s`: seconds on one H100, its process start, imports and Triton
+compilation included) and a time limit (`limit_s`: it is stopped there and keeps the rows it has). A profile
+is one command: its parts in order of value, then optional parts that run only if their planned seconds are
+left. `budget_problems` fails a profile whose planned seconds (SETUP_S + STOP_S + its parts') exceed its
+budget; the dry run and the tests check every profile with it.
 
 Adapter protocol (`Adapter`, listed in the `ADAPTERS` dict of the part's module):
     defaults   settings of the part; `--set PART.KEY=JSON` replaces one
@@ -8,7 +14,8 @@ Adapter protocol (`Adapter`, listed in the `ADAPTERS` dict of the part's module)
                without a GPU (the dry run) and raises ValueError / ImportError / OSError when it cannot
     run        (settings, emit) -> None; measures on the GPU, `emit(row)` per row as soon as it is measured
                and `emit(meta=...)` for part-level facts (chosen values, device figures)
-Rows reach the runner as JSON lines in a file: a part that fails or runs out of time keeps what it measured.
+Rows reach the runner as JSON lines appended to one file (each line names its part), flushed at once: a part
+that fails, runs out of time or is killed keeps what it measured.
 
     python -m hf_attn.eval.bench.gpu_parts run PART SETTINGS_JSON ROWS_FILE
     python -m hf_attn.eval.bench.gpu_parts dry-run SETTINGS_JSON     (SETTINGS_JSON: {part: {key: value}})
@@ -30,6 +37,7 @@ class Part:
     name: str
     module: str  # the module (under hf_attn.eval.bench) whose ADAPTERS has this part
     about: str
+    plan_s: int  # planned seconds on one H100: process start, imports and compilation included
     limit_s: int  # default time limit of its child process
 
 
@@ -47,22 +55,60 @@ class Adapter:
 
 PARTS = {
     p.name: p
-    for p in (
-        Part(
-            "kernel-tests", "gpu_checks", "the compiled MLA kernel tests (pytest, skipped without CUDA)", 150
-        ),
-        Part("mla-kernel", "gpu_kernel", "MLA decode kernel: tuning, GB/s vs copy, vs PyTorch and GQA", 420),
-        Part(
-            "attention", "gpu_attention", "hf_attn_grouped vs sdpa vs flash_attention_2, prefill/decode", 150
-        ),
-        Part("model-decode", "gpu_train", "whole-model decode tok/s: MLA absorbed / expanded vs source", 120),
-        Part("heal", "gpu_train", "healing tokens/s and MFU: one GPU (heal vs bare loop), FSDP", 240),
-        Part("engine", "gpu_checks", "`hf-attn bench engine` where this checkout has it", 60),
-        Part("calibration", "gpu_train", "calibrated GQA / MLA and refine on a 7B-shaped checkpoint", 570),
+    for p in (  # name, module, about, planned s, limit s
+        Part("kernel-tests", "gpu_checks", "the compiled MLA kernel tests (they skip without CUDA)", 50, 90),
+        Part("mla-kernel", "gpu_kernel", "MLA decode kernel: GB/s vs copy, PyTorch, GQA; tuning", 50, 80),
+        Part("capacity", "gpu_capacity", "decode tokens/s at equal KV memory: MHA vs MLA 512+64", 30, 60),
+        Part("recipe", "gpu_recipe", "default convert mla / gqa on CUDA, 2 layers of Llama-3-8B", 120, 170),
+        Part("attention", "gpu_attention", "hf_attn_grouped vs sdpa (and flash), prefill / decode", 25, 45),
+        Part("heal", "gpu_train", "healing tokens/s and MFU, one GPU: heal, bare loop, a teacher", 60, 100),
+        Part("fsdp", "gpu_train", "healing under FSDP (the shipped config), one process per GPU", 45, 90),
+        Part("recipe-full", "gpu_recipe", "default convert mla on CUDA at Llama-3-8B's full depth", 330, 360),
     )
-}
-# The whole suite in three commands of at most 10 minutes each (each group's limits add up to <= 570 s).
-COMMANDS = (("kernel-tests", "mla-kernel"), ("attention", "model-decode", "heal", "engine"), ("calibration",))
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    about: str
+    budget_s: int  # wall seconds of the whole command: wheel setup, parts, stopping and writing
+    parts: tuple[str, ...]  # in order of value; their planned seconds must fit the budget
+    if_time: tuple[str, ...] = ()  # then these, each only if its planned seconds are left
+
+
+SETUP_S = 20  # planned: installing the carried wheels and probing the machine
+STOP_S = 10  # kept back from the budget: stopping a part at the deadline and writing the results
+PROFILES = {
+    p.name: p
+    for p in (
+        Profile("loan", "the essential figures in one command of at most 5 minutes (the default)", 300,
+                ("kernel-tests", "mla-kernel", "capacity", "recipe"), ("attention",)),
+        Profile("extended", "the rest, a second command of at most 8 minutes", 480,
+                ("heal", "fsdp", "recipe-full")),
+    )
+}  # fmt: skip
+
+
+def planned_s(profile: Profile) -> int:
+    """Planned wall seconds of a profile's command without its optional parts."""
+    return SETUP_S + STOP_S + sum(PARTS[name].plan_s for name in profile.parts)
+
+
+def budget_problems(profile: Profile) -> list[str]:
+    """Why the profile's planned work cannot fit its budget by the parts' own estimates ([] when it fits)."""
+    names = profile.parts + profile.if_time
+    problems = [f"{profile.name}: unknown part {n!r}" for n in names if n not in PARTS]
+    if problems:
+        return problems
+    if planned_s(profile) > profile.budget_s:
+        plan = " + ".join(f"{n} {PARTS[n].plan_s}" for n in profile.parts)
+        problems.append(f"{profile.name}: planned {planned_s(profile)} s (setup {SETUP_S} + stop {STOP_S} + "
+                        f"{plan}) > its budget {profile.budget_s} s")  # fmt: skip
+    for name in names:
+        if PARTS[name].limit_s < PARTS[name].plan_s:
+            problems.append(f"{name}: limit {PARTS[name].limit_s} s < its planned {PARTS[name].plan_s} s")
+    return problems
 
 
 def adapter(name: str) -> Adapter:
@@ -99,11 +145,12 @@ def render_table(columns, rows: list[dict]) -> str:
 
 
 class Emitter:
-    """Writes a part's rows and meta as JSON lines, checking every row against the part's schema."""
+    """Appends a part's rows and meta as JSON lines tagged with the part's name (one file for all parts),
+    flushed at once, checking every row against the part's schema."""
 
-    def __init__(self, path: str, keys: set[str]):
+    def __init__(self, path: str, keys: set[str], part: str):
         self.file = open(path, "a")  # noqa: SIM115 (closed by close())
-        self.keys = keys
+        self.path, self.keys, self.part = path, keys, part
 
     def __call__(self, row: dict | None = None, *, meta: dict | None = None) -> None:
         if row is not None:
@@ -115,7 +162,7 @@ class Emitter:
             self.write({"meta": meta})
 
     def write(self, record: dict) -> None:
-        self.file.write(json.dumps(record, default=str) + "\n")
+        self.file.write(json.dumps({"part": self.part, **record}, default=str) + "\n")
         self.file.flush()
 
     def close(self) -> None:
@@ -127,12 +174,10 @@ def run_part(name: str, overrides: dict, rows_file: str) -> None:
     settings = resolve_settings(name, overrides)
     from hf_attn.tooling.cli import sigterm_exits_cleanly
 
-    emit = Emitter(rows_file, part.keys())
+    emit = Emitter(rows_file, part.keys(), name)
     try:
         emit.write({"columns": [list(c) for c in part.columns], "settings": settings})
-        with (
-            sigterm_exits_cleanly()
-        ):  # a time limit's SIGTERM still runs the part's cleanup (scratch folders)
+        with sigterm_exits_cleanly():  # a time limit's SIGTERM still runs the part's cleanup
             part.run(settings, emit)
     finally:
         emit.close()
