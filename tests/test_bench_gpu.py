@@ -235,3 +235,18 @@ def test_merge_of_several_runs(tmp_path, capsys):
     (tmp_path / "other.json").write_text("{}")
     assert gpu.main(["--merge", str(tmp_path / "other.json"), "--output", str(tmp_path / "x")]) == 2
     assert not (tmp_path / "x").exists()
+
+
+def test_recipe_rows_from_the_records_stage_seconds(tmp_path):
+    from hf_attn.eval.bench.gpu_recipe import record_rows
+
+    history = [{"kind": "mla", "stage_seconds": {"read": 1.0, "fit": 2.0, "other": 0.5}}, {"kind": "refine"}]
+    (tmp_path / "config.json").write_text(json.dumps({"hf_attn": {"history": history}}))
+    got = {r["stage"]: r for r in record_rows("mla", tmp_path, {"L": 2, "layers": 16, "bytes": 5})}
+    assert [(r["full_depth_s"], r["per_layer_s"]) for r in got.values()] == [
+        (5.0, None),
+        (32.0, 1.0),
+        (0.5, None),
+    ]
+    assert list(got) == ["mla record: read", "mla record: fit", "mla record: other"]
+    assert record_rows("mla", tmp_path / "absent", {}) == []

@@ -9,7 +9,8 @@ Each conversion runs in its own process, `python -m hf_attn.conversion.<x>` thro
 the recipe's stage functions (HOOKS; each call's seconds appended to a log as the call ends, so a conversion
 stopped at its limit keeps the stages it finished) and reports its peak host RSS (VmHWM) and peak GPU memory
 (torch.cuda.max_memory_allocated) at exit. Rows per converter: one per stage (calls, seconds, seconds per
-layer, the full-depth estimate), the process start (wall time outside the stages) and the total.
+layer, the full-depth estimate), the process start (wall time outside the stages) and the total; then the
+finer `stage_seconds` that the output's conversion records carry, where the converters record them.
 Full-depth estimate: a stage that grows with the layers (calibration, factorization, the layer fits, the rest
 of the refinement) x L_full / L; a stage that reads or writes the checkpoint x (the checkpoint's bytes at full
 depth / at L); the process start as measured; a stage's own time outside the stages inside it by its own rule.
@@ -178,6 +179,25 @@ def stage_rows(converter: str, log: Path, wall: float, status: str, scale: dict)
     return rows
 
 
+def record_rows(converter: str, dst: Path, scale: dict) -> list[dict]:
+    """Rows of the `stage_seconds` the output's conversion records carry (where the converters mark their
+    stages: calibration forward, statistics, fit, refine forward / backward, ..., read, write), one per record
+    and stage; [] where the records carry none. Read and write grow with the bytes, "other" stays."""
+    try:
+        history = json.loads((dst / "config.json").read_text()).get("hf_attn", {}).get("history", [])
+    except (OSError, ValueError):
+        return []
+    rows = []
+    for record in history:
+        for stage, seconds in (record.get("stage_seconds") or {}).items():
+            grows = {"read": "bytes", "write": "bytes", "other": None}.get(stage, "layers")
+            label = f"{record.get('kind')} record: {stage}"
+            rows.append(dict(converter=converter, stage=label, seconds=seconds,
+                             per_layer_s=seconds / scale["L"] if grows == "layers" else None,
+                             full_depth_s=seconds * (scale[grows] if grows else 1.0)))  # fmt: skip
+    return rows
+
+
 def convert(converter: str, src: Path, work: Path, scale: dict, emit) -> None:
     """One wrapped conversion of `src`; its rows emitted when it ends, also when it is stopped."""
     log, dst = work / f"{converter}.stages.jsonl", work / f"{converter}-out"
@@ -190,6 +210,8 @@ def convert(converter: str, src: Path, work: Path, scale: dict, emit) -> None:
         lines = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()
         status = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode}): {lines[-1][:200]}"
         emit(meta={converter: (proc.stdout.strip().splitlines() or [""])[-1][:300]})
+        for row in record_rows(converter, dst, scale):
+            emit(row)
     finally:
         for row in stage_rows(converter, log, time.perf_counter() - start, status, scale):
             emit(row)
