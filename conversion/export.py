@@ -393,7 +393,7 @@ def export_checkpoint(
     )
     out_config = add_record(out_config, record)
     generation = _generation_config(src_dir, config)
-    with atomic_directory(dst, overwrite=overwrite) as tmp:
+    with atomic_directory(dst, overwrite=overwrite, kind="checkpoint") as tmp:
         with ShardedWriter(tmp, max_shard_bytes=max_shard_bytes) as writer:
             for name, tensor in itertools.chain([first], tensors):
                 if cast is not None and tensor.is_floating_point():

@@ -251,9 +251,28 @@ def _check_inputs(s: HealSettings) -> tuple[Path, Path, Path, _Extras]:
     loading.check_checkpoint_complete(source)  # a readable config and every weight, before any training
     check_output(source, output, overwrite=s.overwrite)  # fail fast: before any training
     check_output(source, state_dir, overwrite=True, flag="--state-dir", kind="directory")
+    _check_state_dir(state_dir)
     with user_input():
         check_writable(output.parent, "Output directory")
     return output, state_dir, source, _check_teacher_and_lora(s, source, output, state_dir)
+
+
+def _check_state_dir(state_dir: Path) -> None:
+    """UserError naming the first entry of an existing state directory that heal did not write: its own are
+    LOG_FILE (a log whose first line is a `start` event) and its checkpoints, complete or partial."""
+    for path in sorted(state_dir.iterdir()) if state_dir.is_dir() else ():
+        if path.name == LOG_FILE and path.is_file():
+            with open(path, "rb") as f:
+                first = f.readline()
+            ours = not first.strip() or first.startswith(b'{"event": "start"')
+        else:
+            partial = path.name.startswith(".checkpoint-")
+            ours = partial or (path.name.startswith("checkpoint-") and path.is_dir())
+        if not ours:
+            raise UserError(
+                f"--state-dir {state_dir} holds {path.name}, which hf-attn heal did not write; move it out "
+                f"of {state_dir}, or choose another --state-dir (its default is OUTPUT.heal)"
+            )
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,22 @@
 """The study's outputs: `results.json` (everything), `report.md` (table + plain-language reading) and
-`pareto.png` (KV bytes per token vs perplexity, before/after healing)."""
+`pareto.png` (KV bytes per token vs perplexity, before/after healing). Each carries the study's mark
+(`WRITER`), and `check_results_dir` lets the study replace only files that carry it."""
 
 from __future__ import annotations
 
+import io
 import json
 import textwrap
 from pathlib import Path
 
 from hf_attn.conversion.calibration import DEFAULT_CORPUS as CALIBRATION_CORPUS
 from hf_attn.tooling.assets import CORPUS_TEXTS
+from hf_attn.tooling.errors import UserError
+from hf_attn.tooling.files import WRITTEN_BY, json_record, write_text_atomic
 from hf_attn.tooling.tables import cell, markdown_table
+
+WRITER = "hf-attn study"
+HEADING = f"# {WRITER} ("  # report.md's first line
 
 COLUMNS = (
     ("variant", "Variant"),
@@ -173,8 +180,12 @@ def plot_pareto(record: dict, path: Path) -> None:
             )
     ax.scatter([], [], marker="o", color="tab:blue", label="converted (training-free)")
     ax.scatter([], [], marker="^", color="tab:green", label="after healing (arrow from before)")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
+    if ok:
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+    else:
+        note = "no variant was measured (see the report's table)"
+        ax.text(0.5, 0.5, note, ha="center", transform=ax.transAxes)
     ax.set_xlabel("KV cache, KiB per token (fp32, all layers, measured)")
     ax.set_ylabel("perplexity (lower is better)")
     ax.set_title("SmolLM2-135M: KV cache vs perplexity", fontsize=11)
@@ -183,8 +194,10 @@ def plot_pareto(record: dict, path: Path) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout(rect=(0, 0.02 + 0.018 * protocol.count("\n"), 1, 1))
-    fig.savefig(path)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", metadata={"Software": WRITER})  # the mark `check_results_dir` reads
     plt.close(fig)
+    write_text_atomic(path, png.getvalue())
 
 
 def _resumed_note(record: dict) -> str:
@@ -220,13 +233,50 @@ def _cross_domain_section(record: dict) -> list[str]:
     ]
 
 
+def _written_by_study(path: Path) -> bool:
+    """Whether the file at `path` (in a results directory) carries the study's mark."""
+    if not path.is_file() or path.is_symlink():
+        return False
+    if path.parent.name == "rows":  # a row of the variant it is named after (`eval.rows.RowStore`)
+        row = _json(path)
+        return isinstance(row, dict) and "key" in row and row.get("name") == path.stem
+    if path.suffix == ".json":
+        return isinstance(record := _json(path), dict) and record.get(WRITTEN_BY) == WRITER
+    with open(path, "rb") as f:
+        head = f.read(4096)
+    if path.suffix == ".png":
+        return head.startswith(b"\x89PNG") and b"Software\0" + WRITER.encode() in head
+    return head.startswith(HEADING.encode())
+
+
+def _json(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def check_results_dir(results: Path, names: list[str]) -> None:
+    """UserError naming the first file in `results` that the study would write (results.json, report.md,
+    pareto.png, rows/NAME.json of the variants `names`) and that it did not write."""
+    rows = [f"rows/{name}{healed}.json" for name in names for healed in ("", "+healed")]
+    for rel in ("results.json", "report.md", "pareto.png", *rows):
+        path = results / rel
+        if (path.exists() or path.is_symlink()) and not _written_by_study(path):
+            raise UserError(
+                f"--results {results} holds {rel}, which {WRITER} did not write; it replaces only its own "
+                f"files: move {rel} out of {results}, or choose another --results"
+            )
+
+
 def write_report(record: dict, results: Path) -> None:
+    """results.json, pareto.png and report.md into `results`, each atomically and with the study's mark."""
     results.mkdir(parents=True, exist_ok=True)
-    (results / "results.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+    write_text_atomic(results / "results.json", json_record(record, WRITER))
     plot_pareto(record, results / "pareto.png")
     s = record["settings"]
     text = [
-        f"# hf-attn study ({record['profile']} profile, {record['date']})",
+        f"{HEADING}{record['profile']} profile, {record['date']})",
         "",
         f"Protocol: {record['protocol']}. Healing: {s['heal_minutes']} min per variant, sequences of "
         f"{s['heal_seq_len']} tokens, batch {s['heal_batch_size']}, lr {s['heal_lr']}, trainable "
@@ -251,4 +301,4 @@ def write_report(record: dict, results: Path) -> None:
         "![KV bytes per token vs perplexity](pareto.png)",
         "",
     ]
-    (results / "report.md").write_text("\n".join(text))
+    write_text_atomic(results / "report.md", "\n".join(text))

@@ -33,7 +33,15 @@ from pathlib import Path
 
 from hf_attn.eval.rows import RowStore
 from hf_attn.eval.rows import row_key as _key
-from hf_attn.eval.study_config import DEFAULT_CONFIG, PROFILES, Settings, Variant, check_settings, load_config
+from hf_attn.eval.study_config import (
+    DEFAULT_CONFIG,
+    PROFILES,
+    Settings,
+    Variant,
+    check_settings,
+    check_variants,
+    load_config,
+)
 from hf_attn.tooling import assets
 from hf_attn.tooling.cli import ArgumentParser, run_command
 from hf_attn.tooling.devices import DEFAULT_DEVICE, DEVICE_HELP, DEVICES, announce_device, resolve_device
@@ -429,7 +437,7 @@ def run_study(
     """Run the study; write `results.json`, `report.md` and `pareto.png` into `results`; return the record.
     `log` receives one line per step (and the errors of failed variants); `device` is every stage's
     `--device` (auto: CUDA where torch sees it, else the CPU; the record says which)."""
-    from hf_attn.eval.report import write_report
+    from hf_attn.eval.report import check_results_dir, write_report
     from hf_attn.tooling.loading import library_versions
 
     settings, variants = load_config(config, profile)
@@ -445,6 +453,8 @@ def run_study(
                 f"--only {sorted(unknown)}: no such variants; choose from {[v.name for v in variants]}"
             )
         variants = [v for v in variants if v.name in only]
+    check_results_dir(Path(results), [v.name for v in variants])  # replaces only its own files there
+    check_variants(variants, settings, assets.smollm2_dir(), str(config))  # all of them, before the first
     start = time.perf_counter()
     study = Study(
         settings,

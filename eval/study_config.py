@@ -4,13 +4,14 @@ variants (`Variant`), read and checked by `load_config` before any work."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
 from pathlib import Path
 
 from hf_attn.conversion.calibration import DEFAULT_CORPUS
 from hf_attn.conversion.refine import RELATIVE_LR
 from hf_attn.tooling import assets
-from hf_attn.tooling.errors import UserError, check_number, one_line
+from hf_attn.tooling.errors import UserError, check_number, one_line, user_input
 
 DEFAULT_CONFIG = Path(__file__).with_name("study.toml")
 PROFILES = ("default", "quick")
@@ -76,6 +77,8 @@ class Variant:
 
 
 KINDS = ("source", "expand", "gqa", "mla")
+# A variant's name names its checkpoints in the study cache and its rows in --results: a plain file name.
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 _POSITIVE = (
@@ -136,9 +139,48 @@ def load_config(path: str | Path, profile: str) -> tuple[Settings, list[Variant]
         if not isinstance(entry.get("name"), str) or "kind" not in entry:
             raise UserError(f"a [[variants]] entry of {path} lacks a name or a kind: {entry}")
         name, kind = entry.pop("name"), entry.pop("kind")
+        if not NAME.fullmatch(name):
+            raise UserError(
+                f"variant name {name!r} in {path} is not a plain name: use letters, digits, '.', '_' and '-' "
+                "(it names the variant's files in the study cache and in --results)"
+            )
         if kind not in KINDS:
             raise UserError(f"variant {name!r}: unknown kind {kind!r}; choose one of {KINDS}")
         variants.append(Variant(name, entry.pop("label", name), kind, bool(entry.pop("heal", False)), entry))
     if len({v.name for v in variants}) != len(variants):
         raise UserError(f"variant names in {path} must be unique")
     return settings, variants
+
+
+def check_variants(variants: list[Variant], settings: Settings, source: Path, where: str) -> None:
+    """Every variant's options against the source checkpoint (its attention geometry), before the first
+    variant runs: UserError naming the variant and the first bad option."""
+    from hf_attn.conversion import expand, gqa, mla_plan, pipeline
+    from hf_attn.conversion.checkpoint import AttentionGeometry, read_config
+    from hf_attn.conversion.specs import CalibrationSpec, ExpandSpec, GQASpec
+
+    geometry = AttentionGeometry.from_config(read_config(source))
+    for v in variants:
+        options = dict(v.options)
+        export, refine = options.pop("export", None), options.pop("refine", False)
+        try:
+            if v.kind == "source":
+                if v.options:
+                    raise UserError(f"a source variant takes no options, got {sorted(v.options)}")
+                continue
+            if export not in (None, *pipeline.EXPORTS):
+                raise UserError(f"unknown export {export!r}; choose one of {', '.join(pipeline.EXPORTS)}")
+            if refine and (settings.refine_steps < 1 or settings.refine_tokens < 1):
+                raise UserError("refine = true needs refine_steps and refine_tokens >= 1 in the profile")
+            with user_input():
+                spec, calibration = pipeline.specs_from_options(
+                    v.kind, options, calibration=CalibrationSpec(tokens=settings.calibration_tokens)
+                )
+                if isinstance(spec, GQASpec):
+                    gqa.check_pooling(geometry, spec.num_kv_heads)
+                elif isinstance(spec, ExpandSpec):
+                    expand.check_expansion(geometry, spec.num_kv_heads)
+                else:
+                    mla_plan.check_spec(spec, calibration, geometry)
+        except UserError as err:
+            raise UserError(f"variant {v.name!r} in {where}: {one_line(err)}") from err

@@ -165,7 +165,7 @@ def write_output(
     if state_dict is not None:
         model = plain_copy(model, state_dict)
     model = merged(model)
-    with atomic_directory(output, overwrite=overwrite) as tmp:
+    with atomic_directory(output, overwrite=overwrite, kind="checkpoint") as tmp:
         model.to(stored_dtype(source)).save_pretrained(tmp)
         copy_side_files(source, tmp)
         write_config(tmp, add_record(read_config(tmp), record))

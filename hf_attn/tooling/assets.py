@@ -27,6 +27,7 @@ from pathlib import Path
 
 from hf_attn.tooling.errors import UserError
 from hf_attn.tooling.files import atomic_directory, sha256_file
+from hf_attn.tooling.files import cache_dir as configured_cache_dir
 
 NOVELS = (
     "sensesensibility",
@@ -53,8 +54,9 @@ OFFLINE_FIX = (
 
 
 def cache_dir() -> Path:
-    """The one cache directory of hf-attn (`$HF_ATTN_CACHE`, default `~/.cache/hf-attn`)."""
-    root = Path(os.environ.get("HF_ATTN_CACHE", Path.home() / ".cache" / "hf-attn")).expanduser()
+    """The one cache directory of hf-attn, created if missing (`$HF_ATTN_CACHE`; unset or empty:
+    `~/.cache/hf-attn`; UserError when it is not a directory: `files.cache_dir`)."""
+    root = configured_cache_dir()
     root.mkdir(parents=True, exist_ok=True)
     return root
 

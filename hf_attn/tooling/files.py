@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,8 +48,18 @@ def checkpoint_hash(path: str | os.PathLike) -> str:
 
 
 def cache_dir() -> Path:
-    """hf-attn's cache directory (`$HF_ATTN_CACHE`, default `~/.cache/hf-attn`; `assets.cache_dir` too)."""
-    return Path(os.environ.get("HF_ATTN_CACHE", Path.home() / ".cache" / "hf-attn")).expanduser()
+    """hf-attn's cache directory: `$HF_ATTN_CACHE`, or `~/.cache/hf-attn` when it is unset or empty
+    (`assets.cache_dir` creates it). UserError when it names something that is not a directory."""
+    value = os.environ.get("HF_ATTN_CACHE", "")
+    root = Path(value).expanduser() if value else Path.home() / ".cache" / "hf-attn"
+    if (root.exists() or root.is_symlink()) and not root.is_dir():
+        from hf_attn.tooling.errors import UserError
+
+        raise UserError(
+            f"HF_ATTN_CACHE {root} is {_what_is_there(root)}, not a directory; set HF_ATTN_CACHE to a "
+            "directory (unset, it is ~/.cache/hf-attn)"
+        )
+    return root
 
 
 def _owner_tag(pid: int | None = None) -> str:
@@ -76,67 +87,102 @@ def _remove(path: Path) -> None:
 
 # ------------------------------------------------------------------------------------- leftovers registry
 # Every scratch directory and half-written output is named with its writer's HOST-PID and listed in
-# CACHE/running/HOST-PID (one path a line). A clean exit removes both; after SIGKILL they stay, and the next
-# project command on this host (any of them: `run_command` calls `sweep_leftovers`) removes what a process
-# that no longer runs listed, wherever it was written. Only paths whose name carries the dead process's tag
-# are removed, so nothing a user made is ever touched.
+# CACHE/running/HOST-PID (one path a line; where the cache cannot be written, in a directory of this user in
+# the system's temporary directory). A clean exit removes both; after SIGKILL they stay, and the next project
+# command on this host (any of them: `run_command` calls `sweep_leftovers`) settles what a process that no
+# longer runs listed, wherever it was written. Only paths whose name carries the dead process's tag are
+# touched, so nothing a user made ever is.
+#
+# An output NAME is replaced through tagged siblings: .NAME.HOST-PID-XXXX.tmp (being written), renamed .new
+# once complete; the old NAME is then moved to .old, the .new renamed NAME, and the .old renamed .tmp and
+# removed. A .new or .old is complete: settling puts it back at NAME when NAME is missing (the .new first),
+# and removes it otherwise; a .tmp is always removed. So a kill at any instant leaves a complete output.
+COMPLETE = (".new", ".old")
 
 
-def _registry() -> Path:
-    return cache_dir() / "running"
+def _registries() -> list[Path]:
+    """Where leftovers are listed: CACHE/running/, then this user's directory in the temporary directory."""
+    fallback = Path(tempfile.gettempdir()) / f"hf-attn-running-{os.getuid()}"
+    try:
+        return [cache_dir() / "running", fallback]
+    except ValueError:  # a cache that is not a directory
+        return [fallback]
 
 
 def register(path: str | os.PathLike) -> None:
-    """List `path` (a scratch or half-written output of this process) in this host's leftovers registry."""
-    try:
-        directory = _registry()
-        directory.mkdir(parents=True, exist_ok=True)
-        with open(directory / _owner_tag().rstrip("-"), "a") as f:
-            f.write(f"{Path(path).resolve()}\n")
-    except OSError:  # an unwritable cache: the directory-local sweep (`sweep_stale`) still applies
-        pass
+    """List `path` (a scratch or partial output of this process) in this host's leftovers registry."""
+    for directory in _registries():
+        try:
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            with open(directory / _owner_tag().rstrip("-"), "a") as f:
+                f.write(f"{Path(path).resolve()}\n")
+            return
+        except OSError:  # an unwritable cache: the next registry
+            continue
+
+
+def _settle(path: Path, tag: str) -> None:
+    """Remove a leftover of the dead process tagged `tag`, except a complete copy (.new, .old) of an output
+    that is missing: that one is put in its place."""
+    at = path.name.rfind("." + tag)
+    if path.name.startswith(".") and path.name.endswith(COMPLETE) and at > 0:
+        final = path.with_name(path.name[1:at])
+        if not (final.exists() or final.is_symlink()):
+            with contextlib.suppress(OSError):  # (another process settled it first)
+                path.rename(final)
+            return
+    _remove(path)
+
+
+def _new_first(path: Path) -> bool:
+    return path.name.endswith(".old")
 
 
 def sweep_leftovers() -> list[Path]:
-    """Remove what processes of this host that no longer run left (their registry lists it); returns it."""
+    """Settle what processes of this host that no longer run left (their registry lists it); returns it."""
     host = socket.gethostname()
-    removed: list[Path] = []
-    try:
-        entries = list(_registry().iterdir())
-    except OSError:
-        return removed
-    for entry in entries:
-        owner, _, pid = entry.name.rpartition("-")
-        if owner != host or not pid.isdigit() or _running(int(pid)):
-            continue
-        tag = _owner_tag(int(pid))
+    settled: list[Path] = []
+    for registry in _registries():
         try:
-            paths = [Path(line) for line in entry.read_text().splitlines() if line]
+            if registry.stat().st_uid != os.getuid():  # listed by another user: not followed
+                continue
+            entries = list(registry.iterdir())
         except OSError:
             continue
-        for path in paths:
-            if tag in path.name and (path.exists() or path.is_symlink()):
-                _remove(path)
-                removed.append(path)
-        with contextlib.suppress(OSError):
-            entry.unlink()
-    return removed
+        for entry in entries:
+            owner, _, pid = entry.name.rpartition("-")
+            if owner != host or not pid.isdigit() or _running(int(pid)):
+                continue
+            tag = _owner_tag(int(pid))
+            try:
+                paths = [Path(line) for line in entry.read_text().splitlines() if line]
+            except OSError:
+                continue
+            for path in sorted(paths, key=_new_first):
+                if tag in path.name and (path.exists() or path.is_symlink()):
+                    _settle(path, tag)
+                    settled.append(path)
+            with contextlib.suppress(OSError):
+                entry.unlink()
+    return settled
 
 
 def _forget_own_registry(owner: int = os.getpid()) -> None:
-    """At a clean exit: this process's registry entry goes (its scratch is cleaned by its own `with`s)."""
+    """At a clean exit: this process's registry entries go (its scratch is cleaned by its own `with`s)."""
     if os.getpid() == owner:
-        with contextlib.suppress(OSError):
-            (_registry() / _owner_tag().rstrip("-")).unlink()
+        for registry in _registries():
+            with contextlib.suppress(OSError):
+                (registry / _owner_tag().rstrip("-")).unlink()
 
 
 atexit.register(_forget_own_registry)
 
 
 def sweep_stale(directory: str | os.PathLike, prefix: str, suffix: str = "") -> list[Path]:
-    """Remove the entries in `directory` named PREFIX + HOST-PID- ... + SUFFIX that a process of this
-    host, no longer running, left behind (SIGKILL skips every cleanup). Other hosts' and running processes'
-    entries, and names without the tag, are kept. Returns what was removed."""
+    """Settle the entries in `directory` named PREFIX + HOST-PID- ... + SUFFIX that a process of this
+    host, no longer running, left behind (SIGKILL skips every cleanup): removed, or put back in place where
+    they are the complete copy of a missing output (`_settle`). Other hosts' and running processes'
+    entries, and names without the tag, are kept. Returns what was settled."""
     pattern = re.compile(
         re.escape(prefix) + re.escape(socket.gethostname()) + r"-(\d+)-.*" + re.escape(suffix)
     )
@@ -145,10 +191,10 @@ def sweep_stale(directory: str | os.PathLike, prefix: str, suffix: str = "") -> 
     except OSError:
         return []
     removed = []
-    for path in entries:
+    for path in sorted(entries, key=_new_first):
         match = pattern.fullmatch(path.name)
         if match and not _running(int(match.group(1))):
-            _remove(path)
+            _settle(path, f"{socket.gethostname()}-{match.group(1)}-")
             removed.append(path)
     return removed
 
@@ -165,7 +211,7 @@ def scratch_directory(prefix: str, dir: str | os.PathLike | None = None) -> temp
 
 def _partial(final: Path, suffix: str, *, directory: bool) -> Path:
     """A registered sibling of `final`, .NAME.HOST-PID-XXXX`suffix` (a directory or an empty file)."""
-    sweep_stale(final.parent, f".{final.name}.", suffix)  # a killed writer's leftovers
+    sweep_stale(final.parent, f".{final.name}.")  # what a killed writer of `final` left
     make = tempfile.mkdtemp if directory else tempfile.mkstemp
     made = make(prefix=f".{final.name}.{_owner_tag()}", suffix=suffix, dir=final.parent)
     if not directory:
@@ -182,10 +228,11 @@ def atomic_directory(
     """Yield a temporary directory beside `final`; rename it to `final` only if the block completes.
 
     A failure or interruption leaves `final` untouched (no half-written output); what a killed writer of this
-    host left is removed by the next command (`sweep_leftovers`). An existing `final` is an error unless
-    `overwrite=True`; then it is replaced only once the new one is complete, by two renames (the old one
-    moved aside under a tagged name, then removed), and with `kind` only if it still is one
-    (`check_replaceable`).
+    host left is settled by the next command (`sweep_leftovers`). An existing `final` is an error unless
+    `overwrite=True`; then it is replaced only once the new one is complete, by renames that leave a
+    complete output at every instant (`_swap`), and with `kind` only if it still is one
+    (`check_replaceable`). A "checkpoint" lists the files it holds in MANIFEST. An OSError that names no
+    file (a full disk) names `final`.
     """
     final = Path(final).resolve()
     if final.exists() and not overwrite:
@@ -198,15 +245,34 @@ def atomic_directory(
     tmp = _partial(final, ".tmp", directory=True)
     try:
         yield tmp
+        if kind == "checkpoint":
+            names = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if not p.is_dir())
+            (tmp / MANIFEST).write_text("".join(f"{n}\n" for n in names if n != MANIFEST))
         tmp.chmod(0o755)
         _swap(tmp, final, overwrite=overwrite, kind=kind)
+    except OSError as err:
+        _name_the_file(err, final)
+        raise
     finally:
         _remove(tmp)
+        _remove(_renamed(tmp, ".new"))
+
+
+def _name_the_file(err: OSError, path: Path) -> None:
+    """Make `err` name `path` if it names no file (a write to a full disk names none)."""
+    if err.filename is None and err.errno is not None:
+        err.filename = str(path)
+
+
+def _renamed(partial: Path, suffix: str) -> Path:
+    """The sibling .NAME.HOST-PID-XXXX`suffix` of a partial .NAME.HOST-PID-XXXX.SUFFIX."""
+    return partial.with_name(partial.name.rsplit(".", 1)[0] + suffix)
 
 
 def _swap(new: Path, final: Path, *, overwrite: bool, kind: str | None) -> None:
-    """Put `new` at `final`; an existing `final` (allowed by `overwrite`, and of `kind` if given) is moved
-    aside to a tagged sibling and removed once `new` is in place."""
+    """Put the complete `new` at `final`. An existing `final` (allowed by `overwrite`, and of `kind` if
+    given) is replaced by renames that leave a complete output at every instant (see COMPLETE): `new`
+    becomes .new, `final` moves to .old, the .new becomes `final`, and the .old is removed."""
     if not (final.exists() or final.is_symlink()):
         new.rename(final)
         return
@@ -214,31 +280,41 @@ def _swap(new: Path, final: Path, *, overwrite: bool, kind: str | None) -> None:
         raise FileExistsError(f"Output {final} appeared while writing; pass --overwrite to replace it.")
     if kind is not None:
         check_replaceable(final, kind)
+    complete = _renamed(new, ".new")
+    register(complete)
+    new.rename(complete)
     old = _partial(final, ".old", directory=False)
     if final.is_dir() and not final.is_symlink():
         old.unlink()  # a directory is renamed onto a free name
     os.replace(final, old)
     try:
-        new.rename(final)
+        complete.rename(final)
     except BaseException:
         old.rename(final)  # put the old one back
         raise
-    _remove(old)
+    trash = _renamed(old, ".tmp")  # no longer a complete copy: never put back once partly removed
+    register(trash)
+    os.replace(old, trash)
+    _remove(trash)
 
 
-def write_text_atomic(final: str | os.PathLike, text: str, *, overwrite: bool = True) -> Path:
-    """Write a file atomically: a registered temporary sibling, then one rename over `final`."""
+def write_text_atomic(final: str | os.PathLike, text: str | bytes, *, overwrite: bool = True) -> Path:
+    """Write a file (text, or bytes) atomically: a registered temporary sibling, then one rename over
+    `final`. An OSError that names no file (a full disk) names `final`."""
     final = Path(final).resolve()
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = _partial(final, ".tmp", directory=False)
     try:
-        tmp.write_text(text)
+        tmp.write_bytes(text) if isinstance(text, bytes) else tmp.write_text(text)
         tmp.chmod(0o644)
         if final.is_dir():
             raise IsADirectoryError(21, "is a directory; give a file name", str(final))
         if final.exists() and not overwrite:
             raise FileExistsError(f"Output {final} appeared while writing; pass --overwrite to replace it.")
         os.replace(tmp, final)
+    except OSError as err:
+        _name_the_file(err, final)
+        raise
     finally:
         _remove(tmp)
     return final
@@ -283,11 +359,25 @@ def check_text_files(paths, flag: str = "--text") -> list[Path]:
 # record carrying WRITTEN_BY (every JSON a command writes has it: `json_record`).
 WRITTEN_BY = "written_by"
 OUTPUT_KINDS = ("checkpoint", "json", "directory")
+# In a checkpoint directory hf-attn wrote: the files it wrote there (relative paths, one a line). A checkpoint
+# written before this list existed: the files every checkpoint may hold (`_CHECKPOINT_FILE`).
+MANIFEST = ".hf-attn-files"
+_CHECKPOINT_FILE = re.compile(
+    r"(config|generation_config|special_tokens_map|added_tokens|hf_attn_study)\.json|tokenizer[^/]*"
+    r"|vocab\.[^/]+|merges\.txt|chat_template\.[^/]+|[^/]+\.index\.json|[^/]+\.(safetensors|bin)"
+)
+_SPECIAL_FILES = (
+    (stat.S_ISFIFO, "a named pipe (FIFO)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
 
 
 def json_record(record: dict, prog: str) -> str:
-    """The text of a command's JSON output: `record` with WRITTEN_BY = `prog` first."""
-    return json.dumps({WRITTEN_BY: prog, **record}, indent=2, default=str) + "\n"
+    """The text of a command's JSON output: `record` with WRITTEN_BY = `prog` first. Valid JSON only: a NaN
+    or an infinity raises ValueError (a result that is not a number is an error, never written)."""
+    return json.dumps({WRITTEN_BY: prog, **record}, indent=2, default=str, allow_nan=False) + "\n"
 
 
 def _read_json(path: Path):
@@ -302,7 +392,9 @@ def _what_is_there(path: Path) -> str:
     if path.is_symlink():
         return f"a link to {os.readlink(path)}"
     if not path.is_dir():
-        return f"a file of {path.stat().st_size} bytes"
+        mode = path.stat().st_mode
+        special = (what for is_kind, what in _SPECIAL_FILES if is_kind(mode))
+        return next(special, f"a file of {path.stat().st_size} bytes")
     names = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
     if not names:
         return "an empty directory"
@@ -310,10 +402,24 @@ def _what_is_there(path: Path) -> str:
     return f"a directory holding {shown}"
 
 
+def not_written_here(directory: Path) -> list[str]:
+    """The files in the checkpoint `directory` (relative paths) that hf-attn did not write there: those its
+    MANIFEST does not list (without one: those `_CHECKPOINT_FILE` does not name)."""
+    try:
+        listed = set((directory / MANIFEST).read_text().splitlines()) | {MANIFEST}
+    except (OSError, UnicodeDecodeError):
+        listed = None
+    files = (p.relative_to(directory).as_posix() for p in sorted(directory.rglob("*")) if not p.is_dir())
+    if listed is None:
+        return [name for name in files if not _CHECKPOINT_FILE.fullmatch(name)]
+    return [name for name in files if name not in listed]
+
+
 def check_replaceable(path: Path, kind: str, flag: str = "--output") -> None:
     """UserError unless the existing `path` is an output of `kind` that this project wrote: a "checkpoint"
-    directory whose config.json carries config["hf_attn"], a "json" file carrying WRITTEN_BY. A "directory"
-    output is added to, never replaced: anything but a file is fine."""
+    directory whose config.json carries config["hf_attn"] and that holds only files hf-attn wrote there
+    (`not_written_here`), a "json" file carrying WRITTEN_BY. A "directory" output is added to, never
+    replaced: anything but a file is fine."""
     from hf_attn.tooling.errors import UserError
 
     if kind == "directory":
@@ -337,6 +443,13 @@ def check_replaceable(path: Path, kind: str, flag: str = "--output") -> None:
             f"{flag} {path} is {_what_is_there(path)}, not {what}; hf-attn replaces only its own outputs: "
             f"choose another {flag}"
         )
+    foreign = not_written_here(path) if kind == "checkpoint" else []
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise UserError(
+            f"{flag} {path} holds {shown}, which hf-attn did not write; --overwrite replaces only its own "
+            f"files: move them out of {path} (or delete them), or choose another {flag}"
+        )
 
 
 def _check_writable(path: Path, flag: str) -> None:
@@ -352,6 +465,10 @@ def _check_writable(path: Path, flag: str) -> None:
         raise UserError(f"{flag} {path} is not writable ({parent} is not); choose another {flag}")
 
 
+def _dangling(path: Path) -> bool:
+    return path.is_symlink() and not path.exists()
+
+
 def check_output(
     source: str | os.PathLike | None,
     output: str | os.PathLike,
@@ -364,10 +481,24 @@ def check_output(
     `output` is `source`, lies inside it or contains it (a command never modifies its source), if it exists
     and `overwrite` is False, if `overwrite` would replace something of another `kind` than the command
     writes or that this project did not write (`check_replaceable`), or if it cannot be created. kind None:
-    only the source and existence checks. Returns `output` as an absolute path."""
+    only the source and existence checks. A dangling link on the way to `output`, and a trailing slash on
+    a "json" output, are refused. Returns `output` as an absolute path."""
     from hf_attn.tooling.errors import UserError
 
-    out = Path(output).expanduser().resolve()
+    given = Path(output).expanduser()
+    link = next((p for p in (*reversed(given.absolute().parents), given.absolute()) if _dangling(p)), None)
+    if link is not None:  # (as GNU cp: never create a link's target)
+        where = "is" if link == given.absolute() else f"goes through {link},"
+        raise UserError(
+            f"{flag} {given} {where} a dangling link (to {os.readlink(link)}); hf-attn does not write "
+            "through it: remove the link or give the path of its target"
+        )
+    if kind == "json" and str(output).endswith(("/", os.sep)):
+        raise UserError(
+            f"{flag} {output} ends with '/', a directory, but the output is a JSON file: give a file name "
+            f"such as {output}result.json"
+        )
+    out = given.resolve()
     if source is not None:
         src = Path(source).expanduser().resolve()
         if out == src or src in out.parents or out in src.parents:
