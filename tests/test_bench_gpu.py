@@ -76,6 +76,8 @@ def test_dry_run_covers_both_profiles_and_fails_one_that_cannot_fit(monkeypatch,
 def test_runner_writes_every_part_into_one_folder(tmp_path, monkeypatch, capsys):
     """A part that fails at once on a machine without CUDA: its status, the four files, the exit status."""
     monkeypatch.setattr(gpu, "probe", lambda env: {"device": "GPU X"})
+    plain = gpu_bundle.child_env
+    monkeypatch.setattr(gpu_bundle, "child_env", lambda: plain(install=False))  # no carried wheels here
     out = tmp_path / "out"
     assert gpu.main(["--parts", "capacity", "--output", str(out)]) == 1
     assert sorted(p.name for p in out.iterdir()) == ["log.txt", "results.json", "results.md", "rows.jsonl"]

@@ -10,7 +10,7 @@ together). The bundle (`make gpu-wheels` writes it; an ignored folder) holds:
                               without its weights (517 MB): the parts that need SmolLM2 use random weights
     .gpu/bundle/manifest.json file names, sizes, sha256 and the size account against the limit
 
-On the GPU machine the runner installs the wheels with `pip install --no-index --no-deps --target
+On the GPU machine the runner installs the wheels with `pip install --no-index --no-deps --no-compile --target
 .gpu/site/wheels` and builds `.gpu/site/src/hf_attn`, the installed package layout (`hf_attn.eval`,
 `hf_attn.conversion`) made of symbolic links into the checkout, so an edit in the checkout is what runs next.
 Child processes get both on PYTHONPATH, with PYTHONSAFEPATH=1 so that the checkout's own `hf_attn/` folder
@@ -209,17 +209,9 @@ def install_wheels(bundle: Path, site: Path) -> Path | None:
         return target
     if target.exists():
         shutil.rmtree(target)
-    argv = [
-        sys.executable,
-        "-m",
-        "pip",
-        "install",
-        "--quiet",
-        "--no-index",
-        "--no-deps",
-        "--target",
-        str(target),
-    ]
+    # --no-compile: no bytecode for all of transformers up front; each import compiles what it uses
+    pip = ["pip", "install", "--quiet", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir"]
+    argv = [sys.executable, "-m", *pip, "--target", str(target)]
     proc = subprocess.run(argv + [str(w) for w in wheels], capture_output=True, text=True)
     if proc.returncode != 0:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
