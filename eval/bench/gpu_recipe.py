@@ -202,7 +202,7 @@ def convert(converter: str, src: Path, work: Path, scale: dict, emit) -> None:
     """One wrapped conversion of `src`; its rows emitted when it ends, also when it is stopped."""
     log, dst = work / f"{converter}.stages.jsonl", work / f"{converter}-out"
     env = dict(os.environ, **{STAGE_LOG: str(log)})
-    start, status = time.perf_counter(), "stopped (time limit)"
+    start, status, finer = time.perf_counter(), "stopped (time limit)", []
     try:
         proc = subprocess.run(
             converter_argv(converter, str(src), str(dst)), env=env, capture_output=True, text=True
@@ -210,10 +210,9 @@ def convert(converter: str, src: Path, work: Path, scale: dict, emit) -> None:
         lines = (proc.stderr.strip() or proc.stdout.strip() or "no output").splitlines()
         status = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode}): {lines[-1][:200]}"
         emit(meta={converter: (proc.stdout.strip().splitlines() or [""])[-1][:300]})
-        for row in record_rows(converter, dst, scale):
-            emit(row)
+        finer = record_rows(converter, dst, scale)
     finally:
-        for row in stage_rows(converter, log, time.perf_counter() - start, status, scale):
+        for row in stage_rows(converter, log, time.perf_counter() - start, status, scale) + finer:
             emit(row)
         shutil.rmtree(dst, ignore_errors=True)
 
