@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 from transformers.models.llama.modeling_llama import rotate_half
 
 from hf_attn.conversion import calibration as cal
-from hf_attn.conversion import layerwise
+from hf_attn.conversion import layerwise, stages
 from hf_attn.conversion.checkpoint import (
     AttentionGeometry,
     TensorInfo,
@@ -469,7 +469,8 @@ def calibrate(
         torch.set_num_threads(1)  # the fits are many small matrix products: threads only add synchronisation
         try:
             weights = model.attention_weights(layer)  # float32, as the fp32 model holds them
-            out[layer] = calibrated_pool_layer(weights=weights, stats=stats, pooling=pooling)
+            with stages.stage("fit"):
+                out[layer] = calibrated_pool_layer(weights=weights, stats=stats, pooling=pooling)
         finally:
             torch.set_num_threads(threads)
 
@@ -543,7 +544,7 @@ def convert_gqa(
     source = open_source(src, dst=dst, overwrite=write.overwrite, dtype=write.save_dtype)  # before slow work
     pooling = check_pooling(source.geometry, spec.num_kv_heads)
     record = _gqa_record(spec, source, pooling)
-    with contextlib.ExitStack() as stack:
+    with contextlib.ExitStack() as stack, stages.recording():  # the record's stage_seconds
         parent = Path(dst).resolve().parent  # the fitted layers wait beside dst, one file per layer
 
         def spill() -> Path:
@@ -551,16 +552,21 @@ def convert_gqa(
             return Path(stack.enter_context(scratch_directory(".hf-attn-gqa-fit-", dir=where)))
 
         layers = _calibrate_layers(spec, source, pooling, calibration, record, spill)
-        config = add_record({**source.config, "num_key_value_heads": spec.num_kv_heads}, record)
-        return save_streamed(
-            src_dir=source.dir,
-            dst=dst,
-            tensors=_pooled_tensors(source.index, pooling, layers),
-            config=config,
-            overwrite=write.overwrite,
-            dtype=source.dtype,
-            max_shard_bytes=write.max_shard_bytes,
-        )
+
+        def config() -> dict:  # once the weights are written: the stages include the write
+            record["stage_seconds"] = stages.snapshot()
+            return add_record({**source.config, "num_key_value_heads": spec.num_kv_heads}, record)
+
+        with stages.stage("write"):
+            return save_streamed(
+                src_dir=source.dir,
+                dst=dst,
+                tensors=_pooled_tensors(source.index, pooling, layers),
+                config=config,
+                overwrite=write.overwrite,
+                dtype=source.dtype,
+                max_shard_bytes=write.max_shard_bytes,
+            )
 
 
 def describe(record: dict) -> str:

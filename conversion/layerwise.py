@@ -40,6 +40,7 @@ import torch
 from accelerate import init_empty_weights
 from tqdm.auto import tqdm
 
+from hf_attn.conversion import stages
 from hf_attn.conversion.calibration import DEFAULT_WINDOW, AttentionInputFn, _StopForward
 from hf_attn.conversion.checkpoint import layer_attn_keys, read_tensor, tensor_index
 from hf_attn.tooling.cli import setting
@@ -138,9 +139,10 @@ class LayerwiseModel:
     def _materialise(self, module: torch.nn.Module, prefix: str, *, device, dtype) -> None:
         """Load `module`'s weights `prefix + name` from the shards (floating ones cast to `dtype`)."""
         state = {}
-        for name in module.state_dict():
-            tensor = self._read(prefix + name)
-            state[name] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
+        with stages.stage("read"):
+            for name in module.state_dict():
+                tensor = self._read(prefix + name)
+                state[name] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
         module.load_state_dict(state, strict=True, assign=True)
         inside = prefix.removeprefix("model.")
         for name, buffer in self._computed.items():
@@ -287,7 +289,8 @@ class LayerwiseModel:
         try:
             for w, h in enumerate(hidden):
                 try:
-                    out = block(h, **self.layer_kwargs(h, i, cache))
+                    with stages.stage("calibration forward"):
+                        out = block(h, **self.layer_kwargs(h, i, cache))
                     hidden[w] = out[0] if isinstance(out, tuple) else out  # (1, T, C)
                 except _StopForward:
                     pass

@@ -32,6 +32,7 @@ from hf_attn.conversion import calibration as cal
 from hf_attn.conversion import factorization as fac
 from hf_attn.conversion import rope_selection as rs
 from hf_attn.conversion import shared_rope as sr
+from hf_attn.conversion import stages
 from hf_attn.conversion.checkpoint import DEFAULT_MAX_SHARD_BYTES, add_record, open_source, save_streamed
 from hf_attn.conversion.mla_calibration import DEFAULT_CALIBRATION_TOKENS, Calibration, calibrate
 from hf_attn.conversion.mla_layer import (
@@ -117,15 +118,16 @@ def convert_to_mla(
     result on the same source) is given. The closed form only: `conversion.pipeline.convert` refines it."""
     start = time.perf_counter()
     source = open_source(src, dst=dst, overwrite=write.overwrite, dtype=write.save_dtype)  # before slow work
-    plan = plan_conversion(source, spec, calibration, calibration_pass=calibration_pass)
-    return write_conversion(
-        plan,
-        dst,
-        dtype=source.dtype,
-        overwrite=write.overwrite,
-        max_shard_bytes=write.max_shard_bytes,
-        start=start,
-    )
+    with stages.recording():  # the record's stage_seconds
+        plan = plan_conversion(source, spec, calibration, calibration_pass=calibration_pass)
+        return write_conversion(
+            plan,
+            dst,
+            dtype=source.dtype,
+            overwrite=write.overwrite,
+            max_shard_bytes=write.max_shard_bytes,
+            start=start,
+        )
 
 
 def write_conversion(
@@ -146,17 +148,21 @@ def write_conversion(
 
     def final_config() -> dict:  # once the weights are written: `seconds` counts them
         record["seconds"] = round(time.perf_counter() - start, 2)
+        seconds = stages.snapshot()  # (none outside a recording)
+        if seconds:
+            record["stage_seconds"] = seconds
         return add_record(config, record)
 
-    save_streamed(
-        src_dir=plan.src_dir,
-        dst=dst,
-        tensors=plan.tensors(dtype),
-        config=final_config,
-        overwrite=overwrite,
-        max_shard_bytes=max_shard_bytes,
-        extra_files=copy_model_code,
-    )
+    with stages.stage("write"):
+        save_streamed(
+            src_dir=plan.src_dir,
+            dst=dst,
+            tensors=plan.tensors(dtype),
+            config=final_config,
+            overwrite=overwrite,
+            max_shard_bytes=max_shard_bytes,
+            extra_files=copy_model_code,
+        )
     return dst
 
 

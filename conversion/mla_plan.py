@@ -18,6 +18,7 @@ from hf_attn.conversion import allocation as alloc
 from hf_attn.conversion import factorization as fac
 from hf_attn.conversion import rope_selection as rs
 from hf_attn.conversion import shared_rope as sr
+from hf_attn.conversion import stages
 from hf_attn.conversion.checkpoint import (
     AttentionGeometry,
     Source,
@@ -251,17 +252,18 @@ class MLAConversion:
             weights = {
                 k: read_tensor(index[n]) if n in index else None for k, n in layer_attn_keys(layer).items()
             }
-            new = convert_layer(
-                weights={k: (w.double() if w is not None else None) for k, w in weights.items()},
-                pairs=self.pairs[layer],
-                shape=self.layer_shape(layer),
-                factorization=self.factorization,
-                statistics=None if self.calibration is None else self.calibration.statistics[layer],
-                query_fit=self.query_fit(layer),
-                shared_key=None if self.shared_keys is None else self.shared_keys[layer],
-                norm_eps=self.norm_eps,
-                norm_refine_steps=self.norm_refine_steps,
-            )
+            with stages.stage("fit"):
+                new = convert_layer(
+                    weights={k: (w.double() if w is not None else None) for k, w in weights.items()},
+                    pairs=self.pairs[layer],
+                    shape=self.layer_shape(layer),
+                    factorization=self.factorization,
+                    statistics=None if self.calibration is None else self.calibration.statistics[layer],
+                    query_fit=self.query_fit(layer),
+                    shared_key=None if self.shared_keys is None else self.shared_keys[layer],
+                    norm_eps=self.norm_eps,
+                    norm_refine_steps=self.norm_refine_steps,
+                )
             out_dtype = dtype or weights["q_proj.weight"].dtype
             for key in sorted(new, key=lambda k: (_MLA_PROJ.index(k.split(".")[0]), k)):
                 yield _mla_name(layer, key), new[key].to(out_dtype).contiguous()
@@ -294,6 +296,17 @@ def plan_conversion(
     calibration_pass = _calibration_pass(
         source, shape, spec, selection, factorization, calibration, calibration_pass
     )
+    with stages.stage("fit"):
+        return _plan_fits(
+            spec, source, shape, (selection, factorization), calibration_pass, allocation_normalization
+        )
+
+
+def _plan_fits(spec, source, shape, choices, calibration_pass, allocation_normalization) -> MLAConversion:
+    """`plan_conversion` once calibrated: the pairs, the DeepSeek layout's shared keys, the allocation;
+    choices: (the RoPE selection, the factorization)."""
+    geometry, (selection, factorization) = source.geometry, choices
+    qkv_bias, o_bias = _check_biases(source.index, geometry)
     budget = None if spec.budget is None else spec.budget.fraction
     args = (source.dir, source.index, shape, selection, factorization)
     if spec.layout == "deepseek":

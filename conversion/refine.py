@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from hf_attn.conversion import stages
 from hf_attn.conversion.calibration import DEFAULT_CORPUS, DEFAULT_WINDOW, calibration_ids, corpus_record
 from hf_attn.conversion.checkpoint import (
     add_record,
@@ -56,7 +57,17 @@ from hf_attn.conversion.checkpoint import (
     save_streamed,
 )
 from hf_attn.conversion.layerwise import LayerwiseModel, resolve_forward
+from hf_attn.conversion.refine_fit import (
+    DEFAULT_TARGET,
+    TARGETS,
+    FitRule,
+    LayerFit,
+    Targets,
+    fit_layer,
+    halves,
+)
 from hf_attn.conversion.shards import SpilledLayers
+from hf_attn.conversion.threads import CoreShare
 from hf_attn.tooling import assets, loading
 from hf_attn.tooling.cli import (
     ArgumentParser,
@@ -93,6 +104,14 @@ class RefineSettings:
     lr: float | None = setting(
         None, help="one absolute Adam learning rate for every tensor instead (e.g. 1e-4)"
     )
+    decay: bool = setting(False, help="the learning rate decays linearly to 0 over the steps")
+    target: str = setting(
+        DEFAULT_TARGET,
+        choices=TARGETS,
+        help="what each layer matches: the source's residual stream after attention (the steps skip the MLP) "
+        "or the layer's output",
+    )
+    refit: bool = setting(False, help="o_proj refitted by least squares before and after the steps")
     calibration_tokens: int = setting(4096, help="calibration tokens (disjoint windows of 1,024)")
     calibration_corpus: str = setting(
         DEFAULT_CORPUS,
@@ -112,28 +131,7 @@ class RefineSettings:
     overwrite: bool = setting(False, help="replace an existing --output")
 
 
-@dataclass(frozen=True)
-class LayerFit:
-    """One layer's mean error over the calibration windows before and after; kept=False: not lowered, so the
-    layer was left as converted."""
-
-    layer: int
-    error_before: float
-    error_after: float
-    kept: bool
-
-
 # --------------------------------------------------------------------------------------------- the fit
-
-
-def _rms(h: torch.Tensor) -> torch.Tensor:
-    """h / sqrt(mean(h^2) + 1e-6) over the last dim (an RMSNorm without gain)."""
-    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
-
-
-def _output(layer, h: torch.Tensor, kwargs: dict) -> torch.Tensor:
-    out = layer(h, **kwargs)
-    return out[0] if isinstance(out, tuple) else out  # (1, T, E)
 
 
 def refine_layers(
@@ -144,16 +142,21 @@ def refine_layers(
     steps: int,
     lr: float | None = None,
     relative_lr: float | None = None,
+    target: str = DEFAULT_TARGET,
+    refit: bool = False,
+    decay: bool = False,
     keep: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
     progress: bool = True,
 ) -> list[LayerFit]:
-    """Refine `converted` against `source` layer by layer (see the module docstring); windows (N, T) token
-    ids. keep(i, tensors) receives the refitted `self_attn` tensors of every layer whose error they lower
-    ("q_proj.weight", ...); the checkpoints are never written here."""
+    """Refine `converted` against `source` layer by layer (see the module docstring; one layer's fit:
+    `refine_fit`); windows (N, T) token ids. keep(i, tensors) receives the refitted `self_attn` tensors of
+    every layer whose error they lower ("q_proj.weight", ...); the checkpoints are never written here. On
+    the CPU the threads follow the cores other processes leave free (`threads.CoreShare`)."""
     if source.num_layers != converted.num_layers:
         raise ValueError(f"source has {source.num_layers} layers, the converted model {converted.num_layers}")
     if windows.dim() != 2 or windows.shape[0] < 1:
         raise ValueError(f"windows must be (N, T) token ids with N >= 1, got {tuple(windows.shape)}")
+    rule = FitRule(steps, lr=lr, relative_lr=relative_lr, target=target, refit=refit, decay=decay)
     with torch.no_grad():
         x_src = [source.embed(w).unsqueeze(0) for w in windows]  # N x (1, T, E)
         x_conv = [converted.embed(w).unsqueeze(0) for w in windows]  # N x (1, T, E)
@@ -161,70 +164,24 @@ def refine_layers(
     conv_cache: dict = {}
     fits = []
     bar = tqdm(range(converted.num_layers), desc="refine", unit="layer", disable=not progress)
-    for i in bar:
-        layer, kwargs = source.load_layer(i), source.layer_kwargs(x_src[0], i, src_cache)
-        with torch.no_grad():
-            x_src = [_output(layer, x, kwargs) for x in x_src]  # N x (1, T, E): the targets' stream
-        source.free_layer(i)
-        targets = [_rms(x) for x in x_src]
-        layer, kwargs = converted.load_layer(i), converted.layer_kwargs(x_conv[0], i, conv_cache)
-        layer.requires_grad_(False)  # fit_layer trains self_attn alone; the gradient passes through the MLP
-        fits.append(fit_layer(i, layer, x_conv, targets, kwargs, steps=steps, lr=lr, relative_lr=relative_lr))
-        if fits[-1].kept and keep is not None:
-            keep(i, {k: v.detach().cpu() for k, v in layer.self_attn.state_dict().items()})
-        bar.set_postfix(error=f"{fits[-1].error_before:.3g}->{fits[-1].error_after:.3g}")
-        with torch.no_grad():
-            x_conv = [_output(layer, x, kwargs) for x in x_conv]
-        converted.free_layer(i)
+    with CoreShare() as share:
+        for i in bar:
+            share.update()
+            layer, kwargs = source.load_layer(i), source.layer_kwargs(x_src[0], i, src_cache)
+            with torch.no_grad(), stages.stage("refine targets"):
+                mids, x_src = (list(h) for h in zip(*(halves(layer, x, kwargs) for x in x_src)))
+            source.free_layer(i)
+            targets = Targets.of(mids, x_src, rule.target)
+            del mids
+            layer, kwargs = converted.load_layer(i), converted.layer_kwargs(x_conv[0], i, conv_cache)
+            layer.requires_grad_(False)  # fit_layer trains self_attn alone
+            fit, x_conv = fit_layer(i, layer, x_conv, targets, kwargs, rule)
+            fits.append(fit)
+            if fit.kept and keep is not None:
+                keep(i, {k: v.detach().cpu() for k, v in layer.self_attn.state_dict().items()})
+            bar.set_postfix(error=f"{fit.error_before:.3g}->{fit.error_after:.3g}")
+            converted.free_layer(i)
     return fits
-
-
-def fit_layer(
-    index: int,
-    layer,
-    inputs: list,
-    targets: list,
-    kwargs: dict,
-    *,
-    steps: int,
-    lr: float | None = None,
-    relative_lr: float | None = None,
-) -> LayerFit:
-    """Adam on `layer.self_attn`'s parameters: minimise mean |rms(layer(inputs[j])) - targets[j]|^2, one
-    window per step; the fitted weights are kept only if they lower the error over all windows.
-
-    Learning rate: `lr` for every tensor, or `relative_lr` x each tensor's RMS (a tensor that is all zeros, a
-    bias say, takes the median RMS of the others). The relative form is what makes one setting work for
-    every conversion: an MLA layer's latent factors differ ~100x in scale (down projection RMS ~1.5, up
-    projections ~0.01), so an absolute rate fast enough for one destroys the other."""
-    if (lr is None) == (relative_lr is None):
-        raise ValueError(f"give exactly one of lr ({lr}) and relative_lr ({relative_lr})")
-    attn = layer.self_attn
-
-    def error(j: int) -> torch.Tensor:
-        return (_rms(_output(layer, inputs[j], kwargs)) - targets[j]).pow(2).mean()
-
-    def total() -> float:
-        with torch.no_grad():
-            return sum(float(error(j)) for j in range(len(inputs))) / len(inputs)
-
-    before, saved = total(), {k: v.clone() for k, v in attn.state_dict().items()}
-    params = list(attn.parameters())
-    for p in params:
-        p.requires_grad_(True)
-    optimizer = torch.optim.Adam(param_groups(params, lr=lr, relative_lr=relative_lr))
-    with torch.enable_grad():
-        for step in range(steps):
-            optimizer.zero_grad(set_to_none=True)
-            error(step % len(inputs)).backward()
-            optimizer.step()
-    for p in params:
-        p.requires_grad_(False)
-    after = total()
-    if after >= before:
-        attn.load_state_dict(saved)
-        return LayerFit(index, before, before, False)
-    return LayerFit(index, before, after, True)
 
 
 def param_groups(params: list, *, lr: float | None, relative_lr: float | None) -> list[dict]:
@@ -310,16 +267,9 @@ def refine(settings: RefineSettings, *, progress: bool = True, source_name: str 
                 f"{name} differs: source {getattr(cs, name)}, converted {getattr(cc, name)}; "
                 "pass the --source this checkpoint was converted from"
             )
-    if s.calibration_text:
-        files = [Path(f) for f in s.calibration_text]
-    else:
-        files = assets.calibration_corpus_files(s.calibration_corpus)
-    tokenizer = loading.load_tokenizer(model_dir)
-    ids = calibration_ids(tokenizer, files, tokens=s.calibration_tokens)
-    n = max(1, len(ids) // DEFAULT_WINDOW)
-    windows = ids[: n * DEFAULT_WINDOW].view(n, -1) if len(ids) >= DEFAULT_WINDOW else ids[None]  # (N, T)
+    files, windows = _calibration_windows(s, model_dir)
     torch.manual_seed(0)
-    with scratch_directory("hf-attn-refine-") as scratch:
+    with scratch_directory("hf-attn-refine-") as scratch, stages.recording():  # the record's stage_seconds
         refitted = SpilledLayers(Path(scratch), converted.index)
         start = time.perf_counter()
         fits = refine_layers(
@@ -329,6 +279,9 @@ def refine(settings: RefineSettings, *, progress: bool = True, source_name: str 
             steps=s.steps,
             lr=s.lr,
             relative_lr=None if s.lr is not None else s.relative_lr,
+            target=s.target,
+            refit=s.refit,
+            decay=s.decay,
             keep=refitted.__setitem__,
             progress=progress,
         )
@@ -342,18 +295,36 @@ def refine(settings: RefineSettings, *, progress: bool = True, source_name: str 
                 "device": converted.device.type,  # where it ran (--device auto resolved)
             },
             reference=str(source_dir),
-            calibration=corpus_record(files, len(ids)),
+            calibration=corpus_record(files, windows.numel()),
             layers=[asdict(f) for f in fits],
             seconds=round(seconds, 1),
         )
-        save_streamed(
-            src_dir=model_dir,
-            dst=output,
-            tensors=_refined_tensors(converted.index, refitted),
-            config=add_record(read_config(model_dir), record),
-            overwrite=s.overwrite,
-        )
+
+        def config() -> dict:  # once the weights are written: the stages include the write
+            record["stage_seconds"] = stages.snapshot()
+            return add_record(read_config(model_dir), record)
+
+        with stages.stage("write"):
+            save_streamed(
+                src_dir=model_dir,
+                dst=output,
+                tensors=_refined_tensors(converted.index, refitted),
+                config=config,
+                overwrite=s.overwrite,
+            )
     return record
+
+
+def _calibration_windows(s: RefineSettings, model_dir: Path) -> tuple[list[Path], torch.Tensor]:
+    """The calibration text files and its `calibration_tokens` ids as (N, T) windows of DEFAULT_WINDOW
+    (one shorter window if there are fewer)."""
+    if s.calibration_text:
+        files = [Path(f) for f in s.calibration_text]
+    else:
+        files = assets.calibration_corpus_files(s.calibration_corpus)
+    ids = calibration_ids(loading.load_tokenizer(model_dir), files, tokens=s.calibration_tokens)
+    n = max(1, len(ids) // DEFAULT_WINDOW)
+    return files, ids[: n * DEFAULT_WINDOW].view(n, -1) if len(ids) >= DEFAULT_WINDOW else ids[None]  # (N, T)
 
 
 def _refined_tensors(index: dict, refitted: SpilledLayers):
