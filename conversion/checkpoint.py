@@ -3,8 +3,9 @@
 - `open_source` -> `Source`: every converter's prologue (resolve the model, read and check config.json and
   the attention tensors, parse the dtype, refuse a bad output) before any slow work.
 - `read_config` / `check_supported` / `AttentionGeometry`: what a converter may rely on.
-- `tensor_index` / `iter_tensors` / `read_tensor`: safetensors read with plain file reads (no mmap), one
-  tensor in memory at a time, over a single `model.safetensors` or a sharded `model.safetensors.index.json`.
+- `tensor_index` / `iter_tensors` / `read_tensor`: the one reader of a checkpoint's weights
+  (`hf_attn.tooling.weights`: the files transformers reads, in its precedence), with plain file reads (no
+  mmap), one tensor in memory at a time.
 - `save_streamed`: a complete checkpoint written atomically, its tensors streamed through
   `shards.ShardedWriter` (one tensor in memory at a time).
 - `copy_side_files`, `conversion_record`, `add_record`, `write_config`: everything that is not weights, and
@@ -20,24 +21,31 @@ import copy
 import json
 import os
 import shutil
-import struct
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from hf_attn.conversion.shards import (
-    DEFAULT_MAX_SHARD_BYTES,
-    INDEX_FILE,
-    SAFETENSORS_DTYPES,
-    SINGLE_FILE,
-    ShardedWriter,
-)
+from hf_attn.conversion.shards import DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, ShardedWriter
 from hf_attn.models.llama_mla.configuration_llama_mla import SOURCE_MODEL_TYPES
 from hf_attn.tooling.errors import UserError, one_line
 from hf_attn.tooling.files import TENSOR_SUFFIXES, check_output
-from hf_attn.tooling.loading import check_safetensors_file, dtype_name, parse_dtype, resolve_model
+from hf_attn.tooling.loading import (
+    check_head_counts,
+    checkpoint_weights,
+    dtype_name,
+    parse_dtype,
+    resolve_model,
+)
+from hf_attn.tooling.weights import (
+    NAMED_FILE_KEY,
+    TensorInfo,
+    names_in_file_order,
+    read_tensor,
+    tensor_index,
+    weight_files,
+)
 
 CONFIG_NAME = "config.json"
 # A converter rewrites weights and config itself; every other file (not a TENSOR_SUFFIXES one) is a side file.
@@ -149,10 +157,7 @@ class AttentionGeometry:
         num_heads = config["num_attention_heads"]
         num_kv_heads = config.get("num_key_value_heads") or num_heads
         head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
-        if num_heads % num_kv_heads:
-            raise UserError(
-                f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}."
-            )
+        check_head_counts(num_heads, num_kv_heads)
         return cls(config["num_hidden_layers"], config["hidden_size"], num_heads, num_kv_heads, head_dim)
 
     @property
@@ -193,78 +198,6 @@ def parse_attn_key(name: str) -> tuple[int, str, str] | None:
 
 
 # --------------------------------------------------------------------------------------------- reading
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """Where one tensor lives: file, dtype, shape and byte range (absolute offsets in the file)."""
-
-    file: Path
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    begin: int
-    end: int
-
-
-def _read_header(path: Path) -> tuple[dict, int]:
-    """The JSON header of a safetensors file and where its data starts; UserError naming a damaged file."""
-    check_safetensors_file(path)  # the header parses, the data lies within the file
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    return header, 8 + n
-
-
-def weight_files(model_dir: str | os.PathLike) -> list[Path]:
-    """The safetensors files of a checkpoint, from the sharded index if there is one."""
-    directory = Path(model_dir)
-    index = directory / INDEX_FILE
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = [directory / f for f in dict.fromkeys(weight_map.values())]
-        missing = [f.name for f in files if not f.exists()]
-        if missing:
-            raise FileNotFoundError(f"{INDEX_FILE} in {directory} lists missing shards: {missing}")
-        return files
-    if (directory / SINGLE_FILE).exists():
-        return [directory / SINGLE_FILE]
-    others = sorted(p.name for p in directory.iterdir() if p.suffix in TENSOR_SUFFIXES)
-    raise FileNotFoundError(
-        f"No {SINGLE_FILE} or {INDEX_FILE} in {directory} (found: {others or 'no weight files'}); "
-        "converters read safetensors only (re-save with `save_pretrained(safe_serialization=True)`)."
-    )
-
-
-def tensor_index(model_dir: str | os.PathLike) -> dict[str, TensorInfo]:
-    """Name -> TensorInfo for every tensor of the checkpoint, from the headers only (nothing is loaded)."""
-    out = {}
-    for path in weight_files(model_dir):
-        header, data_start = _read_header(path)
-        header.pop("__metadata__", None)
-        for name, h in header.items():
-            if h["dtype"] not in SAFETENSORS_DTYPES:
-                raise UserError(f"{path.name}: tensor {name} has unsupported dtype {h['dtype']}")
-            begin, end = h["data_offsets"]
-            out[name] = TensorInfo(
-                path, SAFETENSORS_DTYPES[h["dtype"]], tuple(h["shape"]), data_start + begin, data_start + end
-            )
-    return out
-
-
-def read_tensor(info: TensorInfo) -> torch.Tensor:
-    """Read one tensor with a plain file read (no mmap, so memory is exactly this tensor)."""
-    raw = torch.empty(info.end - info.begin, dtype=torch.uint8)
-    with open(info.file, "rb") as f:
-        f.seek(info.begin)
-        got = f.readinto(memoryview(raw.numpy()))
-    if got != info.end - info.begin:
-        raise OSError(f"{info.file}: truncated tensor data (read {got} of {info.end - info.begin} bytes)")
-    return raw.view(info.dtype).reshape(info.shape)
-
-
-def names_in_file_order(index: dict[str, TensorInfo]) -> list[str]:
-    """Tensor names sorted by (file, offset): reading them in this order is sequential on disk."""
-    return sorted(index, key=lambda n: (str(index[n].file), index[n].begin))
 
 
 def iter_tensors(
@@ -374,6 +307,8 @@ def check_attention_tensors(index: dict[str, TensorInfo], geometry: AttentionGeo
         if parsed is None:
             continue
         layer, proj, kind = parsed
+        if proj not in ATTENTION_PROJECTIONS:
+            continue  # not a projection (an old rotary buffer...): `loading.checkpoint_weights` judges it
         want = shapes.get((proj, kind))
         if want is None or layer >= geometry.num_layers:
             raise UserError(f"Unexpected attention tensor {name} {list(info.shape)} for this config.")
@@ -407,8 +342,11 @@ def open_source(
     dtype: str | torch.dtype | None = None,
 ) -> Source:
     """The converters' prologue: resolve `src` (None: the embedded SmolLM2), read and check config.json
-    (`check_supported`) and the attention tensors (`check_attention_tensors`), parse `dtype`, and (when
-    `dst` is given) refuse an output that is the source or exists without `overwrite`. Reads headers only."""
+    (`check_supported`) and the attention tensors (`check_attention_tensors`), parse `dtype`, (when `dst`
+    is given) refuse an output that is the source or exists without `overwrite`, and last refuse a source
+    that would not load completely or holds non-finite weights (`loading.checkpoint_weights`, the rule of
+    every reader). The index leaves out what transformers drops on load (old `rotary_emb.inv_freq`
+    buffers), so no output carries it."""
     dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     src_dir = resolve_model(src)
     config = read_config(src_dir)
@@ -418,6 +356,8 @@ def open_source(
     check_attention_tensors(index, geometry)
     if dst is not None:
         check_output(src_dir, dst, overwrite=overwrite)
+    dropped = checkpoint_weights(src_dir).dropped
+    index = {name: info for name, info in index.items() if name not in dropped}
     return Source(src_dir, config, geometry, index, dtype)
 
 
@@ -444,6 +384,7 @@ def save_streamed(
 
     def final_config() -> dict:
         out = config() if callable(config) else config
+        out = {k: v for k, v in out.items() if k != NAMED_FILE_KEY}  # names a file of the source
         if dtype is not None:
             out = {**out, "dtype": dtype_name(dtype)}
             out.pop("torch_dtype", None)

@@ -45,6 +45,7 @@ from hf_attn.conversion.calibration import DEFAULT_WINDOW, AttentionInputFn, _St
 from hf_attn.conversion.checkpoint import layer_attn_keys, read_tensor, tensor_index
 from hf_attn.tooling.cli import setting
 from hf_attn.tooling.devices import DEFAULT_DEVICE, DEVICE_HELP, DEVICES, announce_device, resolve_device
+from hf_attn.tooling.loading import check_token_ids
 
 FORWARD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 EMBEDDING_KEY = "model.embed_tokens.weight"
@@ -174,15 +175,14 @@ class LayerwiseModel:
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids (N,) -> (N, C) in the forward dtype on the forward device. The embedding matrix is read
         in blocks of rows of at most EMBEDDING_BLOCK_BYTES, so it is never in memory whole."""
-        announce_device(self.device)  # every pass starts here: the running command says where it computes
         if EMBEDDING_KEY not in self.index:
             raise KeyError(f"Tensor {EMBEDDING_KEY!r} is missing from the checkpoint {self.src_dir}.")
         info = self.index[EMBEDDING_KEY]
         vocab, hidden = info.shape
-        if input_ids.numel() and not 0 <= int(input_ids.min()) <= int(input_ids.max()) < vocab:
-            raise ValueError(
-                f"Token ids outside the embedding's {vocab} rows; is the tokenizer this model's?"
-            )
+        check_token_ids(input_ids, vocab)  # a tokenizer larger than the embedding: one line
+        if input_ids.numel() and int(input_ids.min()) < 0:
+            raise ValueError(f"Negative token ids {int(input_ids.min())}")
+        announce_device(self.device)  # every pass starts here: the running command says where it computes
         row_bytes = (info.end - info.begin) // vocab
         rows = max(1, EMBEDDING_BLOCK_BYTES // row_bytes)
         out = torch.empty(len(input_ids), hidden, dtype=self.dtype)  # (N, C)

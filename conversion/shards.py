@@ -3,8 +3,8 @@
 - `ShardedWriter`: streams converted tensors to safetensors shards (at most `max_shard_bytes` each) plus the
   index; each tensor is written to disk as soon as it arrives, so memory stays at one tensor.
 - `SpilledLayers`: the new attention tensors of each layer kept on disk until the save reads them back.
-- `SINGLE_FILE`, `INDEX_FILE`, `SAFETENSORS_DTYPES`: the checkpoint file names and dtype codes that readers
-  (`checkpoint.tensor_index`) and writers share.
+- `SINGLE_FILE`, `INDEX_FILE`, `SAFETENSORS_DTYPES`: the checkpoint file names and dtype codes, defined with
+  the one reader (`hf_attn.tooling.weights`) and shared by the writers here.
 
 Writers are meant to be used inside `hf_attn.tooling.files.atomic_directory`, so a failure leaves no output.
 """
@@ -21,27 +21,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from hf_attn.conversion.checkpoint import TensorInfo
+from hf_attn.tooling.weights import INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE  # the names readers share
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
+if TYPE_CHECKING:
+    from hf_attn.tooling.weights import TensorInfo
+
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
 _DTYPE_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 # One tensor of a shard being written: name, dtype code, shape, data offsets [begin, end).

@@ -25,7 +25,7 @@ from pathlib import Path
 from hf_attn.tooling import loading
 from hf_attn.tooling.cli import ArgumentParser, add_deprecated_alias, run_command
 from hf_attn.tooling.devices import DEFAULT_DEVICE, DEVICE_HELP, announce_device, resolve_device
-from hf_attn.tooling.errors import UserError, check_number, one_line
+from hf_attn.tooling.errors import UserError, check_number, check_seed, one_line
 from hf_attn.tooling.files import check_output
 
 PROG = "hf-attn harness"
@@ -183,6 +183,7 @@ def validate(
     limit: int | float | None,
     num_fewshot: int | None,
     output: str | Path | None,
+    seed: int = 1234,
 ) -> str:
     """The options checked before any work (nothing loaded or written): UserError naming the first bad one.
     Returns the resolved model path (or hub id)."""
@@ -193,6 +194,7 @@ def validate(
     if limit is not None and limit > 1 and not float(limit).is_integer():
         raise UserError(f"--limit must be a whole number of items or a fraction below 1, got {limit}")
     check_number("--num-fewshot", num_fewshot, inclusive=True, integer=True)
+    check_seed(seed)
     if output is not None:
         check_output(None, output, overwrite=True, kind="json")
     model_path = str(loading.resolve_model(model))
@@ -226,6 +228,7 @@ def run(
         limit=limit,
         num_fewshot=num_fewshot,
         output=output,
+        seed=seed,
     )
     torch_dtype = loading.parse_dtype(dtype)
     target = resolve_device(device)  # auto: CUDA where torch sees it, else the CPU

@@ -143,6 +143,7 @@ def run(settings: PerplexitySettings, *, accelerator=None) -> dict:
     leaks = calibrated_on((getattr(config, "hf_attn", None) or {}).get("history", []), scored_files)
     tokenizer = loading.load_tokenizer(model_path)
     input_ids = tokenize(tokenizer, corpus)
+    loading.check_token_ids(input_ids, loading.vocab_size(config), tokenizer=tokenizer)
     n_tokens = min(input_ids.numel(), max_tokens or input_ids.numel())
     if n_tokens < context_length:  # fail before loading the weights (evaluate_perplexity checks again)
         raise UserError(

@@ -41,6 +41,7 @@ from hf_attn.tooling.cli import (
 )
 from hf_attn.tooling.corpus import Corpus, tokenize
 from hf_attn.tooling.devices import DEFAULT_DEVICE, DEVICE_HELP, DEVICES, resolve_device
+from hf_attn.tooling.errors import check_seed
 from hf_attn.tooling.perplexity import check_window
 
 # --------------------------------------------------------------------------------------------- settings
@@ -155,6 +156,7 @@ class HealSettings:
             _positive(name, getattr(self, name), allow_zero=True)
         if self.eval_tokens:
             check_window(self.eval_context, None)
+        check_seed(self.seed)
         _check_teacher_and_lora(self)
 
     def paths(self) -> tuple[Path, Path]:
@@ -235,8 +237,12 @@ def load_data(settings: HealSettings, source: Path, *, num_processes: int) -> He
     check_not_embedded_eval(train_corpus, train_files)
     tokenizer = loading.load_tokenizer(source)
     train_ids = tokenize(tokenizer, train_corpus)
+    rows = loading.vocab_size(loading.load_config(source))
+    loading.check_token_ids(train_ids, rows, tokenizer=tokenizer)
     chunks = chunk_tokens(train_ids, s.seq_len, min_chunks=s.batch_size * num_processes * s.grad_accum)
     eval_ids = tokenize(tokenizer, eval_corpus)[: s.eval_tokens] if s.eval_tokens else None
+    if eval_ids is not None:
+        loading.check_token_ids(eval_ids, rows, tokenizer=tokenizer)
     if eval_ids is not None and eval_ids.numel() < s.eval_context:
         raise ValueError(
             f"The evaluation text {eval_corpus.name} has {eval_ids.numel()} tokens (--eval-tokens "

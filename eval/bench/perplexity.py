@@ -60,17 +60,19 @@ def bench_perplexity(
     limit = loading.max_positions(config)
     if limit is not None and context_length > limit:
         raise UserError(f"--context-length {context_length} exceeds the model's {limit} positions")
-    model = loading.load_causal_lm(model_path, attn_implementation=attn_implementation, dtype=load_dtype)
-    if torch.cuda.is_available():
-        model.to("cuda")
-    device = loading.model_device(model)
-    ids = tokenize(loading.load_tokenizer(model_path), load_corpus())
+    tokenizer = loading.load_tokenizer(model_path)
+    ids = tokenize(tokenizer, load_corpus())  # checked before the weights load
+    loading.check_token_ids(ids, loading.vocab_size(config), tokenizer=tokenizer)
     n = windows * context_length
     if ids.numel() < n:
         raise UserError(
             f"the corpus has {ids.numel()} tokens, fewer than --windows {windows} x --context-length "
             f"{context_length}; ask for fewer or shorter windows"
         )
+    model = loading.load_causal_lm(model_path, attn_implementation=attn_implementation, dtype=load_dtype)
+    if torch.cuda.is_available():
+        model.to("cuda")
+    device = loading.model_device(model)
     ids = ids[:n].to(device)
     batch = ids.view(windows, context_length)  # (W, L)
 

@@ -72,3 +72,14 @@ def check_number(flag: str, value, *, minimum: float = 0, inclusive: bool = Fals
     ):
         raise UserError(f"{flag} must be a finite {kind} {bound}, got {value!r}")
     return value
+
+
+SEED_MAX = 2**32 - 1  # numpy's and `accelerate.utils.set_seed`'s bound
+
+
+def check_seed(value, flag: str = "--seed"):
+    """`value` if it is an integer seed every generator takes ([0, 2**32 - 1]); else a UserError naming the
+    flag and the value."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= SEED_MAX:
+        raise UserError(f"{flag} must be an integer in [0, {SEED_MAX}], got {value!r}")
+    return value

@@ -4,7 +4,9 @@ with clear errors, attention implementation names, checkpoint hashing and librar
 Every function here raises `UserError` (one line, saying what would fix it) for a user mistake;
 `hf_attn.tooling.cli.run_command` turns it into exit status 2. A model is loaded for a number only through
 `load_causal_lm`, which refuses a checkpoint whose weights do not all load (`check_loaded`): a model with
-missing, unexpected or misshapen weights would be partly random, and every score of it meaningless.
+missing, unexpected or misshapen weights would be partly random, and every score of it meaningless; and so
+is one whose weights are not finite (`weights.check_finite`). `checkpoint_weights` makes the same checks
+from the files before any work, reading them as transformers does (`hf_attn.tooling.weights`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import importlib.metadata
 import json
 import os
 import platform
-import struct
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,7 +24,14 @@ import torch
 import hf_attn  # noqa: F401  (registers the hf-attn attention implementations and model types)
 from hf_attn.tooling import assets
 from hf_attn.tooling.errors import UserError, one_line
-from hf_attn.tooling.files import WEIGHT_SUFFIXES, checkpoint_hash
+from hf_attn.tooling.files import checkpoint_hash
+from hf_attn.tooling.weights import (
+    check_finite,
+    check_finite_weights,
+    check_safetensors_file,
+    tensor_index,
+    weight_files,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -125,57 +135,62 @@ def load_config(model: str | Path, *, trust_remote_code: bool = False):
         raise UserError(
             f"{model} is not a causal LM: model type {config.model_type!r} has no AutoModelForCausalLM class"
         )
+    text = config.get_text_config()
+    check_head_counts(getattr(text, "num_attention_heads", None), getattr(text, "num_key_value_heads", None))
     return config
 
 
-def check_weight_files(model: str | Path) -> None:
-    """UserError naming the file when a local checkpoint's safetensors are unreadable before any loading:
-    a header that does not parse, tensor data past the end of the file (a truncated copy), a shard the
-    index lists but the directory lacks, or no weight file at all."""
+def check_head_counts(num_heads, num_kv_heads) -> None:
+    """UserError unless every KV head serves the same number of query heads (the attention of every model
+    class here divides them); counts that are not positive integers are left to the model's own checks."""
+    counts = (num_heads, num_kv_heads)
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in counts):
+        return
+    if num_heads % num_kv_heads:
+        raise UserError(
+            f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}: each "
+            "KV head must serve the same number of query heads; repair config.json (and the weights)"
+        )
+
+
+def vocab_size(config) -> int | None:
+    """Rows of the model's input embedding as its config builds it (`vocab_size`)."""
+    size = getattr(config.get_text_config(), "vocab_size", None)
+    return size if isinstance(size, int) else None
+
+
+def check_token_ids(input_ids: torch.Tensor, rows: int | None, *, tokenizer=None) -> None:
+    """UserError unless every token id of a text indexes one of the embedding's `rows` (None: unknown, not
+    checked): a tokenizer larger than the model's vocabulary gives ids the embedding cannot hold."""
+    if rows is None or not input_ids.numel() or int(input_ids.max()) < rows:
+        return
+    size = f", its tokenizer {len(tokenizer)}" if tokenizer is not None else ""
+    raise UserError(
+        f"the text holds token id {int(input_ids.max())}, but the model's embedding holds {rows} tokens "
+        f"(vocab_size in config.json{size}): the tokenizer is not this model's; use the model's own "
+        "tokenizer or a config whose vocab_size covers it"
+    )
+
+
+def check_weight_files(model: str | Path) -> list[Path]:
+    """The weight files transformers reads from a local checkpoint (`weights.weight_files`: its files, its
+    precedence), UserError naming the file when one is unreadable before any loading: a header that does
+    not parse, tensor data past the end of the file (a truncated copy), a shard the index lists but the
+    directory lacks, or no weight file at all. [] for a hub id."""
     directory = Path(model)
     if not directory.is_dir():
-        return
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError, TypeError) as err:
-            raise UserError(
-                f"{index} is not a safetensors index ({one_line(err)}); repair or replace it"
-            ) from err
-        missing = [n for n in names if not (directory / n).is_file()]
-        if missing:
-            raise UserError(f"{index} lists missing shards: {', '.join(missing[:3])}; copy them in")
-        files = [directory / n for n in names]
-    else:
-        files = sorted(p for p in directory.iterdir() if p.suffix == ".safetensors")
-    if not files and not any(p.suffix in WEIGHT_SUFFIXES for p in directory.iterdir()):
-        raise UserError(f"{directory} has no weight files ({', '.join(WEIGHT_SUFFIXES)})")
+        return []
+    files = weight_files(directory)
     for path in files:
-        check_safetensors_file(path)
+        if path.suffix == ".safetensors":
+            check_safetensors_file(path)
+    return files
 
 
-def check_safetensors_file(path: Path) -> None:
-    """UserError naming `path` unless its safetensors header parses and its tensors lie within the file."""
-    size = path.stat().st_size
-    fix = "the file is damaged or truncated; copy it again"
-    try:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > size - 8:
-                raise ValueError(f"header of {n} bytes in a file of {size}")
-            header = json.loads(f.read(n))
-        ends = [int(h["data_offsets"][1]) for k, h in header.items() if k != "__metadata__"]
-    except (struct.error, ValueError, KeyError, TypeError, IndexError) as err:
-        raise UserError(f"{path} is not a readable safetensors file ({one_line(err)}); {fix}") from err
-    need = 8 + n + max(ends, default=0)
-    if need > size:
-        raise UserError(f"{path} holds {size} bytes but its tensors need {need}; {fix}")
-
-
-def check_loaded(model: str | Path, info: dict) -> None:
+def check_loaded(model: str | Path, info: dict, *, hint: str = "") -> None:
     """UserError unless every weight of the model came from the checkpoint: `info` is from_pretrained's
-    `output_loading_info` (missing, unexpected and mismatched keys). Names the first offending tensors."""
+    `output_loading_info` (missing, unexpected and mismatched keys). Names the first offending tensors
+    (and `hint`, a likely cause)."""
     problems = []
     for key, what in (
         ("missing_keys", "missing from the checkpoint"),
@@ -188,42 +203,47 @@ def check_loaded(model: str | Path, info: dict) -> None:
             problems.append(f"{len(names)} weights {what} ({', '.join(names[:3])}{more})")
     if problems:
         raise UserError(
-            f"{model}: the weights do not match config.json: {'; '.join(problems)}; a model that does not "
-            "load completely would be partly random: repair the checkpoint or its config.json"
+            f"{model}: the weights do not match config.json: {'; '.join(problems)}{hint}; a model that does "
+            "not load completely would be partly random: repair the checkpoint or its config.json"
         )
 
 
-def _safetensors_shapes(model: str | Path) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor in a local checkpoint's safetensors, from the headers alone."""
-    directory = Path(model)
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        files = [directory / n for n in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    else:
-        files = sorted(directory.glob("*.safetensors"))
-    shapes = {}
-    for path in files:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-        shapes.update({k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"})
-    return shapes
+def _dropped_on_load(lm) -> re.Pattern | None:
+    """What `from_pretrained` drops from a checkpoint of `lm`'s class without a word (transformers'
+    `_adjust_missing_and_unexpected_keys`): the class's `_keys_to_ignore_on_load_unexpected`, and the
+    buffers older versions stored (`rotary_emb.inv_freq` of every layer, `position_ids`) where the model
+    now computes them itself."""
+    buffers = [name for name, _ in lm.named_buffers()]
+    patterns = set(getattr(lm, "_keys_to_ignore_on_load_unexpected", None) or ())
+    if any(name.endswith("rotary_emb.inv_freq") for name in buffers):
+        patterns.add(r"rotary_emb\.inv_freq")
+    if any(name.endswith("position_ids") for name in buffers):
+        patterns.add(r"(^|\.)position_ids$")
+    return re.compile("|".join(f"({p})" for p in sorted(patterns))) if patterns else None
 
 
-def check_checkpoint_complete(model: str | Path):
+@dataclass(frozen=True)
+class CheckedWeights:
+    """What `checkpoint_weights` found: the config, and the stored names transformers drops on load."""
+
+    config: object  # the AutoConfig
+    dropped: frozenset[str]
+
+
+def checkpoint_weights(model: str | Path) -> CheckedWeights:
     """UserError unless a local safetensors checkpoint holds exactly the weights its config describes (names
-    and shapes, tied copies excepted), checked from the headers against the model built on the meta device
-    (nothing is loaded): for readers that take weights layer by layer instead of `load_causal_lm`, and
-    before slow work that ends in `load_causal_lm`. Returns the config."""
-    import re
-
+    and shapes, tied copies and what transformers drops on load excepted), checked from the headers of the
+    files transformers reads (`weights.weight_files`) against the model built on the meta device, and
+    every floating weight is finite (`weights.check_finite_weights`: each tensor read once, one at a time).
+    For readers that take weights tensor by tensor instead of `load_causal_lm`, and before slow work that
+    ends in `load_causal_lm`. A hub id or `.bin` weights: `load_causal_lm` checks them as it loads."""
     from transformers import AutoModelForCausalLM
 
     config = load_config(model)
-    check_weight_files(model)
-    present = _safetensors_shapes(model) if Path(model).is_dir() else {}
-    if not present:  # a hub id or .bin weights: `load_causal_lm` checks them as it loads
-        return config
+    files = check_weight_files(model)
+    if not files or any(f.suffix != ".safetensors" for f in files):
+        return CheckedWeights(config, frozenset())
+    index = tensor_index(model)
     with torch.device("meta"):
         lm = AutoModelForCausalLM.from_config(config)
     expected, seen = {}, set()
@@ -231,21 +251,32 @@ def check_checkpoint_complete(model: str | Path):
         if id(tensor) not in seen:  # a tied weight is stored once
             expected[name] = tuple(tensor.shape)
         seen.add(id(tensor))
-    ignored = [re.compile(p) for p in getattr(lm, "_keys_to_ignore_on_load_unexpected", None) or ()]
     stored_once = {n for n in lm.state_dict() if n not in expected}
-    check_loaded(
-        model,
-        {
-            "missing_keys": [n for n in expected if n not in present],
-            "unexpected_keys": [
-                n
-                for n in present
-                if n not in expected and n not in stored_once and not any(p.search(n) for p in ignored)
-            ],
-            "mismatched_keys": [n for n in expected if n in present and present[n] != expected[n]],
-        },
+    drop = _dropped_on_load(lm)
+    unexpected = [n for n in index if n not in expected and n not in stored_once]
+    dropped = frozenset(n for n in unexpected if drop is not None and drop.search(n))
+    missing = [n for n in expected if n not in index]
+    tied = getattr(config.get_text_config(), "tie_word_embeddings", True)
+    untied = "lm_head.weight" in missing and not tied
+    hint = (
+        " (config.json sets tie_word_embeddings false, yet no lm_head.weight is stored: set it true if the "
+        "output layer is the input embedding)"
+        if untied
+        else ""
     )
-    return config
+    info = {
+        "missing_keys": missing,
+        "unexpected_keys": [n for n in unexpected if n not in dropped],
+        "mismatched_keys": [n for n in expected if n in index and index[n].shape != expected[n]],
+    }
+    check_loaded(model, info, hint=hint)
+    check_finite_weights(model, {n: i for n, i in index.items() if n not in dropped})
+    return CheckedWeights(config, dropped)
+
+
+def check_checkpoint_complete(model: str | Path):
+    """`checkpoint_weights`' checks (complete, matching the config, finite); returns the config."""
+    return checkpoint_weights(model).config
 
 
 def load_causal_lm(
@@ -274,6 +305,7 @@ def load_causal_lm(
     except (OSError, ValueError) as err:
         raise UserError(f"Could not load {model} as a causal LM: {one_line(err)}") from err
     check_loaded(model, info)
+    check_finite(((n, p) for n, p in lm.named_parameters() if not p.is_meta), where=model)
     return lm.eval()
 
 

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_attn.tooling import loading
+from hf_attn.tooling.errors import UserError
 
 _CE_ROWS = 256  # rows of logits per cross-entropy call: bounds the log-softmax temporary
 
@@ -151,6 +152,14 @@ def _evaluated_ids(
     return input_ids
 
 
+def _perplexity(nll_sum: float, count: int) -> float:
+    """exp(mean NLL); inf where it overflows, NaN for a NaN sum."""
+    try:
+        return math.exp(nll_sum / count)
+    except OverflowError:
+        return math.inf
+
+
 def evaluate_perplexity(
     model,
     input_ids: torch.Tensor,
@@ -195,17 +204,25 @@ def evaluate_perplexity(
             nll_sum, count = nll_sum + nll, count + k
             forwarded += sum(w.end - w.begin for w in batch)
             bar.update(len(batch))
-            bar.set_postfix(ppl=f"{math.exp(nll_sum / count):.3f}")
+            bar.set_postfix(ppl=f"{_perplexity(nll_sum, count):.3f}")
     if accelerator is not None and world > 1:
         sums = torch.tensor([nll_sum, count, forwarded], dtype=torch.float64, device=accelerator.device)
         nll_sum, count, forwarded = accelerator.reduce(sums, reduction="sum").tolist()
         count, forwarded = int(count), int(forwarded)
     seconds = time.perf_counter() - start
     assert count == sum(w.end - w.score_from for w in windows), (count, len(windows))
+    perplexity = _perplexity(nll_sum, count)
+    if not math.isfinite(perplexity):
+        dtype = next(model.parameters()).dtype
+        fix = "repair the weights" if dtype == torch.float32 else "load it in float32, or repair the weights"
+        raise UserError(
+            f"the perplexity is not finite (NLL per token {nll_sum / count}): the model's logits overflow or "
+            f"are not finite in {loading.dtype_name(dtype)}, and no number is reported for it; {fix}"
+        )
     return PerplexityResult(
         nll_sum=nll_sum,
         tokens_scored=count,
-        perplexity=math.exp(nll_sum / count),
+        perplexity=perplexity,
         context_length=context_length,
         stride=stride,
         windows=len(windows),
