@@ -216,6 +216,17 @@ def _stop(proc: subprocess.Popen) -> None:
             continue
 
 
+def _die_with_runner() -> None:
+    """In a part's process before it starts: SIGTERM to it when the runner dies, even of SIGKILL, so that no
+    part outlives the command in its own session (Linux's PR_SET_PDEATHSIG; elsewhere nothing)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def read_rows(path: Path, part: str, offset: int = 0) -> dict:
     """The rows, meta, columns and settings that `part` appended to `path` after byte `offset`."""
     out = {"rows": [], "meta": {}, "columns": [], "settings": {}}
@@ -255,7 +266,7 @@ def run_part(name: str, overrides: dict, limit: float, env: dict, output: Path, 
     status, interrupted = None, False
     with open(log_file, "a") as log:
         proc = subprocess.Popen(argv, cwd=gpu_bundle.ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # fmt: skip
+                                start_new_session=True, preexec_fn=_die_with_runner)  # fmt: skip
         try:
             while status is None:
                 left = limit - (time.monotonic() - start)
