@@ -1,5 +1,5 @@
 """`hf-attn bench gpu` without a GPU: the dry run sets up every part of both profiles (so the suite cannot
-rot between GPU sessions) and checks each profile's planned seconds against its budget, naming the part that
+rot between runs on a GPU) and checks each profile's planned seconds against its budget, naming the part that
 cannot be set up or the profile that cannot fit; the wheel list satisfies the project's own requirement, the
 carried bundle is checked, the package layout resolves into the checkout; the runner writes every part's rows
 into one folder of four files; the results files."""
