@@ -21,6 +21,12 @@ every process, data position, progress). `resume=True` continues from the newest
 data order and optimizer state: the losses are those of an uninterrupted run. `STATE` defaults to
 `OUTPUT.heal/` and also holds the JSON-lines log `log.jsonl` (one line per step, evaluation, checkpoint).
 
+Teacher (`--teacher`, `conversion/training/teacher.py`): the loss becomes T^2 x KL(teacher || student) of the
+next-token distributions at temperature T, or w x KL + (1 - w) x cross-entropy; `auto` is the source the
+conversion record starts from. The teacher is frozen, in its own dtype, replicated on every process (never
+prepared for training, never written), and its weights hash is part of the recipe a resume must match.
+LoRA (`--lora-rank`, `conversion/training/lora.py`): peft adapters on the named modules, merged on save.
+
 Output: the healed model in the input's format (same config and model type, weights in the input's dtype,
 side files such as the tokenizer copied), written atomically, never over or inside its source
 (`hf_attn.tooling.files.check_output`, checked before training); the run is appended to
@@ -34,7 +40,8 @@ Code (`conversion/training/`): `HealSettings` (every option; the command line is
         [--max-steps N | --max-tokens N | --max-minutes M [--budget-clock wall|cpu]] [--seq-len 512]
         [--batch-size 1] [--grad-accum 1]
         [--lr 3e-5 | --relative-lr R] [--warmup-steps 0] [--schedule cosine|constant]
-        [--trainable all|attention]
+        [--trainable all|attention | --lora-rank R [--lora-targets NAME ...]]
+        [--teacher auto|DIR|none [--distill-temperature 1] [--distill-weight 1]]
         [--autocast-dtype float32|bfloat16|float16] [--eval-text FILE ...] [--eval-every S]
         [--eval-tokens 8192] [--checkpoint-every N] [--resume] [--seed 0] [--gradient-checkpointing]
         [--overwrite]

@@ -105,15 +105,20 @@ class HealSettings:
         metavar="auto|DIR|none",
     )
     distill_temperature: float | None = setting(
-        None, f"with a teacher: the softmax temperature (KL x T^2; default {DEFAULT_DISTILL_TEMPERATURE})"
+        None,
+        f"with a teacher: the softmax temperature (KL x T^2; default {DEFAULT_DISTILL_TEMPERATURE})",
+        metavar="T",
     )
     distill_weight: float | None = setting(
         None,
         "with a teacher: w in w x KL + (1 - w) x next-token cross-entropy, 0..1 "
         f"(default {DEFAULT_DISTILL_WEIGHT})",
+        metavar="W",
     )
     lora_rank: int | None = setting(
-        None, "train rank-R LoRA adapters (peft) instead of the weights; merged into the weights on save"
+        None,
+        "train rank-R LoRA adapters (peft) instead of the weights; merged into the weights on save",
+        metavar="R",
     )
     lora_targets: list[str] | None = setting(
         None,
