@@ -191,6 +191,9 @@ def test_bad_options_exit_2_and_write_nothing(tmp_path, capsys):
         assert gpu.main(argv) == 2
         assert "error:" in capsys.readouterr().err
     assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
+    with pytest.raises(SystemExit) as exit_info:
+        gpu.main(["--profile", "nope"])
+    assert exit_info.value.code == 2 and "invalid choice: 'nope'" in capsys.readouterr().err
     assert gpu.parse_sets(['heal.steps=4', 'recipe.converters=["mla"]', "capacity.shape=llama-2-7b"]) == {
         "heal": {"steps": 4}, "recipe": {"converters": ["mla"]}, "capacity": {"shape": "llama-2-7b"}
     }  # fmt: skip
