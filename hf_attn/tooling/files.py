@@ -101,19 +101,24 @@ COMPLETE = (".new", ".old")
 
 
 def _registries() -> list[Path]:
-    """Where leftovers are listed: CACHE/running/, then this user's directory in the temporary directory."""
+    """Where leftovers are listed: CACHE/running/, then this user's directory in the temporary directory
+    (only while this user owns it: another user's list is never followed)."""
     fallback = Path(tempfile.gettempdir()) / f"hf-attn-running-{os.getuid()}"
+    with contextlib.suppress(OSError):  # (none yet: created on first use)
+        if fallback.lstat().st_uid != os.getuid() or fallback.is_symlink():
+            fallback = None
     try:
-        return [cache_dir() / "running", fallback]
+        return [cache_dir() / "running", *([fallback] if fallback else [])]
     except ValueError:  # a cache that is not a directory
-        return [fallback]
+        return [fallback] if fallback else []
 
 
 def register(path: str | os.PathLike) -> None:
     """List `path` (a scratch or partial output of this process) in this host's leftovers registry."""
     for directory in _registries():
         try:
-            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            private = directory.name != "running"  # this user's, in the temporary directory
+            directory.mkdir(mode=0o700 if private else 0o777, parents=True, exist_ok=True)
             with open(directory / _owner_tag().rstrip("-"), "a") as f:
                 f.write(f"{Path(path).resolve()}\n")
             return
@@ -144,8 +149,6 @@ def sweep_leftovers() -> list[Path]:
     settled: list[Path] = []
     for registry in _registries():
         try:
-            if registry.stat().st_uid != os.getuid():  # listed by another user: not followed
-                continue
             entries = list(registry.iterdir())
         except OSError:
             continue
