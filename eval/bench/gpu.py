@@ -418,6 +418,8 @@ def run_all(args, overrides: dict, limits: dict) -> int:
             )
             if interrupted:
                 return 143
+    except Interrupted:  # between two parts: what they wrote is on disk
+        return 143
     finally:
         signal.signal(signal.SIGTERM, previous)
     print(render(record))
