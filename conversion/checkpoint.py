@@ -356,9 +356,17 @@ def open_source(
     check_attention_tensors(index, geometry)
     if dst is not None:
         check_output(src_dir, dst, overwrite=overwrite)
+    return Source(src_dir, config, geometry, checked_index(src_dir, index), dtype)
+
+
+def checked_index(src_dir: Path, index: dict[str, TensorInfo] | None = None) -> dict[str, TensorInfo]:
+    """The source's `tensor_index` (read if not given) once the source passed `loading.checkpoint_weights`
+    (it would load completely, every weight finite; each tensor read once), less what transformers drops on
+    load (old `rotary_emb.inv_freq` buffers): what a converter may read and write. The last check of a
+    converter's prologue: it reads every weight."""
     dropped = checkpoint_weights(src_dir).dropped
-    index = {name: info for name, info in index.items() if name not in dropped}
-    return Source(src_dir, config, geometry, index, dtype)
+    index = tensor_index(src_dir) if index is None else index
+    return {name: info for name, info in index.items() if name not in dropped}
 
 
 # --------------------------------------------------------------------------------------------- saving
@@ -414,6 +422,7 @@ __all__ = [
     "attn_key",
     "check_attention_tensors",
     "check_supported",
+    "checked_index",
     "copy_side_files",
     "dtype_name",
     "expected_attention_shapes",

@@ -57,13 +57,13 @@ from hf_attn.conversion import cli
 from hf_attn.conversion.checkpoint import (
     add_record,
     check_supported,
+    checked_index,
     conversion_record,
     copy_side_files,
     dtype_name,
     latest_record,
     read_config,
     read_tensor,
-    tensor_index,
     write_config,
 )
 from hf_attn.conversion.engine_dims import ENGINE_DIMS, VLLM_VERSION_READ, accepting_backends
@@ -368,7 +368,7 @@ def export_checkpoint(
         )
     dst = check_output(src_dir, dst, overwrite=overwrite)
     cast = parse_dtype(dtype) if isinstance(dtype, str) else dtype
-    index = tensor_index(src_dir)
+    index = checked_index(src_dir)  # would load completely, finite weights: before any output exists
     names = {n for n in index if not (config.tie_word_embeddings and n == "lm_head.weight")}
     tensors = export_tensors(read=lambda n: read_tensor(index[n]), names=names, plan=plan, config=config)
     first = next(tensors)  # raises the tensor checks (biases, shapes) before any output exists

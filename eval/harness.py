@@ -199,7 +199,8 @@ def validate(
         check_output(None, output, overwrite=True, kind="json")
     model_path = str(loading.resolve_model(model))
     if Path(model_path).is_dir():
-        loading.check_checkpoint_complete(model_path)
+        config = loading.check_checkpoint_complete(model_path)
+        loading.check_tokenizer_fits(loading.load_tokenizer(model_path), loading.vocab_size(config))
     return model_path
 
 

@@ -19,8 +19,9 @@ from safetensors.torch import load_file, save_file
 from test_bad_input import TINY, make_checkpoint
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from hf_attn.conversion import expand, gqa, heal, mla
+from hf_attn.conversion import expand, export, gqa, heal, mla
 from hf_attn.eval import harness, perplexity
+from hf_attn.eval.bench import decode as bench_decode
 from hf_attn.eval.bench import perplexity as bench_perplexity
 from hf_attn.tooling import assets
 from hf_attn.tooling.errors import UserError
@@ -41,10 +42,11 @@ def _edit_config(path: Path, **changes) -> None:
     (path / "config.json").write_text(json.dumps(config))
 
 
-def _variant(root: Path, name: str, *, config: dict | None = None, edit=None) -> Path:
-    """A copy of root/tiny named `name`, its config.json updated with `config` and its weights with `edit`."""
+def _variant(root: Path, name: str, *, config: dict | None = None, edit=None, base: str = "tiny") -> Path:
+    """A copy of root/`base` named `name`, its config.json updated with `config` and its weights with
+    `edit`."""
     path = root / name
-    shutil.copytree(root / "tiny", path)
+    shutil.copytree(root / base, path)
     if config:
         _edit_config(path, **config)
     if edit is not None:
@@ -94,6 +96,10 @@ def ws(tmp_path_factory):
     _variant(root, "untied", config={"tie_word_embeddings": False})
     _variant(root, "invfreq", edit=_add_inv_freq)
     _stale_index(root)
+    mla_argv = ["--model", str(root / "tiny"), "--output", str(root / "mla"), "--layout", "deepseek"]
+    assert mla.main([*mla_argv, "--calibration-tokens", "256", "--factorization", "weight-svd"]) == 0
+    _variant(root, "mla-nan", base="mla", edit=_set("model.layers.0.mlp.up_proj.weight", float("nan")))
+    shutil.rmtree(root / "mla")
     (root / "text.txt").write_text(assets.train_text_files()[0].read_text(encoding="utf-8")[:20000])
     return root
 
@@ -114,10 +120,11 @@ PPL = ["--context-length", "128", "--max-tokens", "256", "--no-progress"]
 HEAL = ["--output", O, "--train-text", "{ws}/text.txt", "--eval-tokens", "0", "--max-steps", "1"]
 BP = ["--context-length", "64", "--windows", "1", "--repeats", "1"]
 HAR = ["--limit", "2"]
+BD = ["--prompt-tokens", "16", "--batch-sizes", "1", "--new-tokens", "2"]
 ODD = "num_attention_heads=6 is not a multiple of num_key_value_heads=4"
 SEED = "--seed must be an integer in [0, 4294967295]"
-P, H, B = perplexity.main, heal.main, bench_perplexity.main
-E, G, M = expand.main, gqa.main, mla.main
+P, H, B, D = perplexity.main, heal.main, bench_perplexity.main, bench_decode.main
+E, G, M, X = expand.main, gqa.main, mla.main, export.main
 NAN = "model.layers.1.mlp.down_proj.weight holds NaN"
 INF = "model.embed_tokens.weight holds -inf"
 ROWS = [
@@ -136,6 +143,7 @@ ROWS = [
         ["--model", "{ws}/inf", "--output", O, "--factorization", "weight-svd", "--allocation", "uniform"],
         INF,
     ),
+    (X, ["--model", "{ws}/mla-nan", "--output", O, "--to", "deepseek_v3"], "up_proj.weight holds NaN"),
     # --------------------------------------------------------------------- seeds numpy / torch cannot take
     (H, ["--model", T, *HEAL, "--seed", "-1"], f"{SEED}, got -1"),
     (H, ["--model", T, *HEAL, "--seed", str(2**32)], f"{SEED}, got 4294967296"),
@@ -150,6 +158,8 @@ ROWS = [
     (B, ["--model", "{ws}/smallvocab", *BP], "the model's embedding holds 256"),
     (H, ["--model", "{ws}/smallvocab", *HEAL], "the model's embedding holds 256"),
     (M, ["--model", "{ws}/smallvocab", "--output", O, "--calibration-tokens", "256"], "embedding holds 256"),
+    (harness.main, ["--model", "{ws}/smallvocab", *HAR], "the model's embedding holds 256"),
+    (D, ["--model", "{ws}/smallvocab", *BD], "the model's embedding holds 256"),
     # --------------------------------------------------------------------- untied embeddings, no lm_head
     (E, ["--model", "{ws}/untied", "--output", O], "lm_head.weight"),
     (G, ["--model", "{ws}/untied", "--output", O, "--num-kv-heads", "1"], "lm_head.weight"),
@@ -160,10 +170,12 @@ PROGS = {
     P: "hf-attn perplexity",
     H: "hf-attn heal",
     B: "hf-attn bench perplexity",
+    D: "hf-attn bench decode",
     harness.main: "hf-attn harness",
     E: "hf-attn convert expand",
     G: "hf-attn convert gqa",
     M: "hf-attn convert mla",
+    X: "hf-attn export",
 }
 
 

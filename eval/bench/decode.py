@@ -170,6 +170,7 @@ def run(
             f"--prompt-tokens {max(prompt_tokens)} + --new-tokens {new_tokens} + {decoding.WARMUP} warm-up "
             f"tokens exceed the model's {limit} positions; use shorter prompts"
         )
+    decoding.corpus_ids(model_path)  # the prompts' tokens fit the embedding: checked before any run
     results = []
     for name in names:
         for p in prompt_tokens:

@@ -26,8 +26,12 @@ WARMUP = 2
 
 
 def corpus_ids(model_path: str) -> torch.Tensor:
-    """(N,) token ids of the default corpus under the checkpoint's tokenizer."""
-    return tokenize(loading.load_tokenizer(model_path), load_corpus())
+    """(N,) token ids of the default corpus under the checkpoint's tokenizer, every one within the model's
+    embedding (`loading.check_token_ids`)."""
+    tokenizer = loading.load_tokenizer(model_path)
+    ids = tokenize(tokenizer, load_corpus())
+    loading.check_token_ids(ids, loading.vocab_size(loading.load_config(model_path)), tokenizer=tokenizer)
+    return ids
 
 
 def prompt_rows(ids: torch.Tensor, batch_size: int, length: int) -> torch.Tensor:

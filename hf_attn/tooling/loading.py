@@ -172,6 +172,18 @@ def check_token_ids(input_ids: torch.Tensor, rows: int | None, *, tokenizer=None
     )
 
 
+def check_tokenizer_fits(tokenizer, rows: int | None) -> None:
+    """UserError when the tokenizer has more tokens than the embedding has `rows`, for texts not known in
+    advance (task items, padding): `check_token_ids`' rule before the text is seen."""
+    if rows is None or len(tokenizer) <= rows:
+        return
+    raise UserError(
+        f"the tokenizer has {len(tokenizer)} tokens, but the model's embedding holds {rows} tokens "
+        "(vocab_size in config.json): a text can give ids the embedding cannot hold; use the model's own "
+        "tokenizer or a config whose vocab_size covers it"
+    )
+
+
 def check_weight_files(model: str | Path) -> list[Path]:
     """The weight files transformers reads from a local checkpoint (`weights.weight_files`: its files, its
     precedence), UserError naming the file when one is unreadable before any loading: a header that does
