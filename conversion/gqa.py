@@ -57,6 +57,7 @@ from hf_attn.tooling.files import checkpoint_hash, scratch_directory
 
 PROG = "hf-attn convert gqa"
 _RIDGE = 1e-9  # relative ridge on the covariances that are inverted or square-rooted
+_RANGE_TOL = 1e-10  # value statistics: eigenvalues up to this fraction of the largest are never seen
 _CG_STEPS, _CG_TOL = 50, 1e-4  # conjugate-gradient budget of one value refit (relative residual)
 
 
@@ -293,22 +294,27 @@ def fit_values(
     Minimises sum_q tr(G_q (E_q - D_q P) Y_q (E_q - D_q P)^T), E_q selecting head reads[q]: P from the
     output-whitened principal components, D_q by least squares, then `iterations` rounds of alternating
     least squares (P by conjugate gradients). Returns P (d, r d) and D (Q, d, d).
+
+    Where the text is silent (outside the range of Y = sum_q Y_q: eigenvalues <= _RANGE_TOL x the largest)
+    P is zero, the minimum-norm solution; as D absorbs any invertible T (P -> T P, D_q -> D_q T^-1), P is then
+    the one closest to mean pooling P_mean = [I/r ... I/r] in Y's metric, T = P_mean Y P^T (P Y P^T)^+, and
+    each D_q's ridge pulls it toward I: copies of one head (an expanded checkpoint) give back the original.
     """
     nq, rd, d = y.shape[0], y.shape[1], grams.shape[1]
     r = rd // d
     roots = [_sym_sqrt(sum(grams[q] for q in range(nq) if reads[q] == h)) for h in range(r)]  # each (d, d)
     whiten = torch.block_diag(*roots)  # (r d, r d)
     _, evecs = torch.linalg.eigh(whiten @ y.sum(0) @ whiten.T)
-    p = evecs[:, -d:].flip(-1).T @ whiten  # (d, r d)
+    excited, y_inv = _range(y.sum(0))  # (r d, r d) each: the projection on Y's range, Y's pseudo-inverse
+    p = evecs[:, -d:].flip(-1).T @ whiten @ excited  # (d, r d)
     select = torch.stack([torch.eye(rd, dtype=y.dtype)[reads[q] * d : (reads[q] + 1) * d] for q in range(nq)])
 
-    def decoders(p):
+    def decoders(p):  # D_q = (E_q Y_q P^T + ridge I)(P Y_q P^T + ridge I)^-1: toward I where Y_q is silent
         cross = select @ y @ p.T  # (Q, d, d): E_q Y_q P^T
         gram = p @ y @ p.T  # (Q, d, d): P Y_q P^T
-        gram = gram + _RIDGE * torch.diagonal(gram, dim1=1, dim2=2).mean(-1)[:, None, None] * torch.eye(d)
-        return torch.linalg.solve(gram, cross.transpose(1, 2)).transpose(1, 2)  # (Q, d, d)
+        ridge = _RIDGE * torch.diagonal(gram, dim1=1, dim2=2).mean(-1)[:, None, None] * torch.eye(d)
+        return torch.linalg.solve(gram + ridge, (cross + ridge).transpose(1, 2)).transpose(1, 2)  # (Q, d, d)
 
-    y_inv = _ridge_inverse(y.sum(0))  # (r d, r d)
     for _ in range(iterations):
         dec = decoders(p)
         hess = dec.transpose(1, 2) @ grams @ dec  # (Q, d, d)
@@ -338,11 +344,18 @@ def fit_values(
             z = precondition(res)
             rz_new = (res * z).sum()
             direction, rz = z + (rz_new / rz) * direction, rz_new
-    # scale each pooled value dimension to the RMS of the source values (decoders absorb it)
-    power_old = torch.diagonal(y.sum(0)).mean()
-    power_new = torch.diagonal(p @ y.sum(0) @ p.T)  # (d,)
-    p = p * (power_old / power_new.clamp_min(1e-300)).sqrt()[:, None]
+    p, total, mean_pool = p @ excited, y.sum(0), torch.eye(d, dtype=y.dtype).repeat(1, r) / r  # P_mean
+    p = mean_pool @ total @ p.T @ torch.linalg.pinv(p @ total @ p.T, rtol=_RANGE_TOL, hermitian=True) @ p
     return p, decoders(p)
+
+
+def _range(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the orthogonal projection on the range of the PSD matrix a, a's pseudo-inverse there): eigenvalues
+    up to _RANGE_TOL x the largest count as zero."""
+    evals, evecs = torch.linalg.eigh(a)
+    kept = evals > _RANGE_TOL * evals.max().clamp_min(1e-300)
+    basis = evecs[:, kept]  # (n, k)
+    return basis @ basis.T, (basis / evals[kept]) @ basis.T
 
 
 @torch.inference_mode()

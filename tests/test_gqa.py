@@ -262,6 +262,24 @@ def test_smollm2_expand_then_mean_pool_returns_original_bits(tmp_path, smollm2_p
 
 
 @pytest.mark.slow
+def test_smollm2_expand_then_calibrated_pool_returns_original_weights(tmp_path, smollm2_path):
+    """9 KV heads that are copies of 3 pool back to those 3 with the calibrated method: the text never
+    separates the copies, so every attention weight must be the original (not merely the same logits)."""
+    mha = expand_checkpoint(ExpandSpec(num_kv_heads=9), src=smollm2_path, dst=tmp_path / "mha")
+    back = gqa.convert_gqa(
+        GQASpec(num_kv_heads=3, method="calibrated"),
+        src=mha,
+        dst=tmp_path / "back",
+        calibration=CalibrationSpec(tokens=512, window=256, device="cpu"),
+    )
+    old, new = weights(smollm2_path), weights(back)
+    assert set(old) == set(new)
+    for name in old:
+        want, got = old[name].double(), new[name].double()
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6 * float(want.abs().max()), msg=name)
+
+
+@pytest.mark.slow
 def test_smollm2_calibrated_beats_mean_on_held_out_text(tmp_path, smollm2_path, persuasion_path):
     from hf_attn.eval.perplexity import evaluate_perplexity
 
