@@ -1,8 +1,8 @@
 """`hf-attn bench gpu` parts that train: heal (one GPU) and fsdp.
 
 heal: on SmolLM2's config with random weights (the 517 MB weights do not travel), `eval/bench/heal.throughput`
-(`hf-attn heal` against a bare PyTorch loop doing the same steps), then the bare loop with a teacher: the
-source's logits (a frozen copy, forward only) as the target of a KL loss: what distilling from it costs.
+(`hf-attn heal` against a bare PyTorch loop doing the same steps), then `hf-attn heal --teacher DIR` with a
+second random SmolLM2 as the frozen teacher (KL to its logits): what distilling costs per step.
 fsdp: `hf-attn heal` under `accelerate launch` with the shipped FSDP config, one process per GPU present.
 Tokens/s from the median step; model FLOPs utilisation = FLOPs per token x tokens/s over the GPU's dense fp32
 peak (heal trains in fp32 by default; no TF32), FLOPs per token = 6 N + 12 L Hq d T (PaLM's count) for the
@@ -17,7 +17,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -78,8 +77,10 @@ def _check(settings: dict) -> None:
 
 
 def plan_heal(settings: dict) -> list[str]:
+    import dataclasses
     import inspect
 
+    from hf_attn.conversion.heal import HealSettings
     from hf_attn.eval.bench import heal as bench_heal
 
     _check(settings)
@@ -87,8 +88,10 @@ def plan_heal(settings: dict) -> list[str]:
     wanted = {"model", "steps", "rounds", "seq_len", "batch_size"}
     if wanted - set(inspect.signature(bench_heal.throughput).parameters):
         raise ValueError(f"eval/bench/heal.throughput no longer takes {sorted(wanted)}")
+    if "teacher" not in {f.name for f in dataclasses.fields(HealSettings)}:
+        raise ValueError("hf-attn heal has no --teacher")
     s = settings
-    return [f"heal, bare loop, bare loop + teacher: {s['steps']} steps of {s['batch_size']} x {s['seq_len']}"]
+    return [f"heal, bare loop, heal --teacher: {s['steps']} steps of {s['batch_size']} x {s['seq_len']}"]
 
 
 def plan_fsdp(settings: dict) -> list[str]:
@@ -128,38 +131,17 @@ def _heal_row(mode: str, seconds: float, tokens: int, flops: float, peak: float 
                 mfu_pct=100 * tps * flops / peak if peak else None, **extra)  # fmt: skip
 
 
-def teacher_loop(model_dir: Path, settings: dict, device: str = "cuda") -> float:
-    """Median seconds per step of the bare loop (AdamW, clipping) with a KL loss to a frozen teacher's logits
-    (the same checkpoint, fp32, forward only): what distilling from the source costs per step."""
-    import torch.nn.functional as F
-    from transformers import AutoModelForCausalLM
+def heal_teacher_seconds(model: Path, teacher: Path, out: Path, settings: dict) -> float:
+    """Median seconds per step (the first two left out) of `hf-attn heal --teacher TEACHER` on `model`."""
+    from hf_attn.conversion.heal import HealSettings, heal, read_log
+    from hf_attn.tooling import assets
 
-    from hf_attn.conversion.train_data import chunk_tokens, load_train_corpus
-    from hf_attn.tooling import assets, loading
-    from hf_attn.tooling.corpus import tokenize
-
-    corpus, _ = load_train_corpus([assets.austen_file("northangerabbey")])
-    chunks = chunk_tokens(tokenize(loading.load_tokenizer(model_dir), corpus), settings["seq_len"])
-    student = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).train()
-    teacher = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
-    optimizer = torch.optim.AdamW(student.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0)
-    times = []
-    for step in range(settings["steps"]):
-        start = time.perf_counter()
-        B = settings["batch_size"]
-        batch = chunks[[(step * B + i) % len(chunks) for i in range(B)]].to(device)  # (B, T)
-        with torch.no_grad():
-            target = F.log_softmax(teacher(input_ids=batch, use_cache=False).logits.float(), -1)  # (B, T, V)
-        logits = student(input_ids=batch, use_cache=False).logits.float()  # (B, T, V)
-        loss = F.kl_div(F.log_softmax(logits, -1).flatten(0, 1), target.flatten(0, 1), log_target=True,
-                        reduction="batchmean")  # fmt: skip
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss.item()  # (waits for the device, as heal's logging does)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[2:])
+    s, text = settings, str(assets.austen_file("northangerabbey"))
+    run = HealSettings(model=str(model), output=str(out), train_text=[text], max_steps=s["steps"],
+                       seq_len=s["seq_len"], batch_size=s["batch_size"], schedule="constant", eval_tokens=0,
+                       overwrite=True, teacher=str(teacher))  # fmt: skip
+    result = heal(run, progress=False)
+    return statistics.median([e["step_seconds"] for e in read_log(result["log"]) if e["event"] == "step"][2:])
 
 
 def run_heal(settings: dict, emit) -> None:
@@ -178,12 +160,9 @@ def run_heal(settings: dict, emit) -> None:
                                   batch_size=s["batch_size"])  # fmt: skip
         emit(_heal_row("bare PyTorch loop", r["bare_seconds_per_step"], tokens, flops, peak, **shape))
         emit(_heal_row("hf-attn heal", r["heal_seconds_per_step"], tokens, flops, peak, **shape))
-        seconds = teacher_loop(model, s)
-        emit(
-            _heal_row(
-                "bare loop + teacher (KL to its logits)", seconds, tokens, flops + teacher, peak, **shape
-            )
-        )
+        other = random_smollm2(Path(tmp) / "teacher", seed=1)  # the teacher: same shape and vocabulary
+        seconds = heal_teacher_seconds(model, other, Path(tmp) / "healed", s)
+        emit(_heal_row("hf-attn heal --teacher DIR", seconds, tokens, flops + teacher, peak, **shape))
 
 
 def run_fsdp(settings: dict, emit) -> None:
