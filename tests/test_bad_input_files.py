@@ -130,7 +130,7 @@ def _no_study_work(self):
 @pytest.mark.parametrize(
     "main,argv,env,expected",
     ROWS,
-    ids=[f"{PROGS[m].removeprefix('hf-attn ')}:{' '.join(a[-2:])}" for m, a, _, _ in ROWS],
+    ids=[f"{PROGS[m].removeprefix('hf-attn ')}:{expected}" for m, _, _, expected in ROWS],
 )
 def test_a_file_that_is_not_ours_is_one_line_exit_2_and_untouched(
     ws, special, main, argv, env, expected, capsys, monkeypatch
