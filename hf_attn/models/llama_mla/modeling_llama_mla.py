@@ -266,7 +266,7 @@ class LlamaMLAAttention(nn.Module):
             out = self.absorbed_attention_triton(kernel, q_rope, q_nope, latent, k_rope, attention_mask)
             return out, None  # (B, T, Hq, d), no weights
         B, Hkv, G, T, rd = q_rope.shape
-        S, d, dc, dn = latent.shape[2], self.head_dim, self.kv_lora_rank, self.nope_dim
+        S, dc, dn = latent.shape[2], self.kv_lora_rank, self.nope_dim
         Hr = self.num_rope_keys
         c = latent.squeeze(1)  # (B, S, d_c)
 
@@ -294,13 +294,9 @@ class LlamaMLAAttention(nn.Module):
         probs = probs.to(c.dtype)
 
         context = torch.matmul(probs.view(B, Hkv * G * T, S), c)  # (B, Hq*T, d_c)
-        w_uv = self.v_up_proj.weight.view(Hkv, d, dc)  # (Hkv, d, d_c)
-        out = torch.matmul(context.view(B, Hkv, G * T, dc), w_uv.transpose(1, 2))  # (B, Hkv, G*T, d)
-        if self.v_up_proj.bias is not None:
-            mass = probs.sum(dim=-1).view(B, Hkv, G * T, 1)  # (B, Hkv, G*T, 1): 1, or 0 on fully masked rows
-            out = out + mass * self.v_up_proj.bias.view(1, Hkv, 1, d)  # (B, Hkv, G*T, d)
-        out = out.view(B, Hkv, G, T, d).permute(0, 3, 1, 2, 4)  # (B, T, Hkv, G, d)
-        return out.reshape(B, T, Hkv * G, d), probs.view(B, Hkv * G, T, S)  # (B, T, Hq, d), (B, Hq, T, S)
+        mass = None if self.v_up_proj.bias is None else probs.sum(dim=-1)  # (B, Hkv, G, T): 1, or 0 if masked
+        out = self._value_output(context, mass, B, Hkv, G, T)  # (B, T, Hq, d)
+        return out, probs.view(B, Hkv * G, T, S)  # (B, T, Hq, d), (B, Hq, T, S)
 
     def absorbed_attention_triton(self, kernel, q_rope, q_nope, latent, k_rope, attention_mask):
         """`absorbed_attention` with `kernel` (`mla_decode`) attending over the cache; W_uk, W_uv applied here
@@ -309,7 +305,7 @@ class LlamaMLAAttention(nn.Module):
         -> out (B, T, Hq, d)
         """
         B, Hkv, G, T, rd = q_rope.shape
-        S, d, dc, dn = latent.shape[2], self.head_dim, self.kv_lora_rank, self.nope_dim
+        S, dc, dn = latent.shape[2], self.kv_lora_rank, self.nope_dim
         w_uk = self.k_up_proj.weight.view(Hkv, dn, dc)  # (Hkv, dn, d_c)
         q_latent = torch.matmul(q_nope.reshape(B, Hkv, G * T, dn), w_uk)  # (B, Hkv, G*T, d_c); 0 if dn = 0
         bias, keep = attention_keep_mask(attention_mask, T, S, latent.device)
@@ -317,10 +313,22 @@ class LlamaMLAAttention(nn.Module):
             q_rope, q_latent.view(B, Hkv, G, T, dc), latent, k_rope, keep if bias is None else bias,
             scaling=self.scaling, return_lse=True,
         )  # fmt: skip
+        mass = None
+        if self.v_up_proj.bias is not None:  # (B, Hkv, G, T): 0 on fully masked rows
+            mass = torch.isfinite(lse).to(self.v_up_proj.weight.dtype)  # the dtype of W_uv's product
+        return self._value_output(context, mass, B, Hkv, G, T)  # (B, T, Hq, d)
+
+    def _value_output(self, context, mass, B: int, Hkv: int, G: int, T: int) -> torch.Tensor:
+        """W_uv on the attention-weighted latent, plus b_uv times each row's attention mass.
+
+        context (B, Hkv, G, T, d_c) or a view of that size, mass (B, Hkv, G, T) or None without b_uv
+        -> out (B, T, Hq, d)
+        """
+        d, dc = self.head_dim, self.kv_lora_rank
         w_uv = self.v_up_proj.weight.view(Hkv, d, dc)  # (Hkv, d, d_c)
         out = torch.matmul(context.view(B, Hkv, G * T, dc), w_uv.transpose(1, 2))  # (B, Hkv, G*T, d)
-        if self.v_up_proj.bias is not None:
-            mass = torch.isfinite(lse).to(out.dtype).view(B, Hkv, G * T, 1)  # 0 on fully masked rows
+        if mass is not None:
+            mass = mass.view(B, Hkv, G * T, 1)  # (B, Hkv, G*T, 1)
             out = out + mass * self.v_up_proj.bias.view(1, Hkv, 1, d)  # (B, Hkv, G*T, d)
         out = out.view(B, Hkv, G, T, d).permute(0, 3, 1, 2, 4)  # (B, T, Hkv, G, d)
         return out.reshape(B, T, Hkv * G, d)  # (B, T, Hq, d)
