@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml
 
 assets: $(ASSETS)
 $(ASSETS): $(STAMP)
-	$(PY) -m hf_attn.assets
+	$(PY) -m hf_attn.tooling.assets
 	touch $@
 
 demo: $(ASSETS)

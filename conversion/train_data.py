@@ -1,7 +1,8 @@
 """Training data for healing: text -> one token stream -> fixed-length chunks -> a seeded, resumable order.
 
 - `load_train_corpus`: text files, a dataset split, or (neither) the embedded healing text: the five Austen
-  novels other than *Persuasion* (`hf_attn.assets.train_text_files()`), read through `eval.corpus`.
+  novels other than *Persuasion* (`hf_attn.tooling.assets.train_text_files()`), read through
+  `hf_attn.tooling.corpus`.
 - `check_disjoint`: training and evaluation text must never overlap: not the same file, not the same content
   (sha256 of every file and of the joined corpora), and no shared paragraph of 200+ characters.
   `check_not_embedded_eval` applies it to every embedded evaluation text (*Persuasion*, the Python FAQ).

@@ -1,4 +1,4 @@
-"""Shared fixtures. Tests run offline; the embedded default is fetched once by `hf_attn.assets`."""
+"""Shared fixtures. Tests run offline; the embedded default is fetched once by `hf_attn.tooling.assets`."""
 
 import hashlib
 import os

@@ -56,7 +56,7 @@ def _modules():
 @pytest.mark.parametrize("path,rank", list(_modules()), ids=lambda v: str(v) if isinstance(v, Path) else "")
 def test_imports_point_down(path, rank):
     up = [n for n in _imports(path) if (r := _layer_of_module(n)) is not None and r > rank]
-    if path == ROOT / "hf_attn" / "assets.py":  # `python -m hf_attn.assets`, an alias kept for users
+    if path == ROOT / "hf_attn" / "assets.py":  # the former name of hf_attn.tooling.assets, kept for users
         up = [n for n in up if not n.startswith("hf_attn.tooling.assets")]
     assert not up, f"{path.relative_to(ROOT)} (layer {rank}) imports upward: {sorted(set(up))}"
 
@@ -98,11 +98,12 @@ def test_every_subcommand_and_module_alias_resolves():
         "conversion.heal",
         "eval.perplexity",
         "eval.study",
-        "eval.bench_attention",
-        "eval.bench_decode",
-        "eval.bench_heal",
-        "eval.bench_mla_decode",
-        "eval.bench_perplexity",
+        "eval.bench.attention",
+        "eval.bench.decode",
+        "eval.bench.heal",
+        "eval.bench.mla_decode",
+        "eval.bench.perplexity",
+        "hf_attn.tooling.assets",
         "hf_attn.assets",
     ]
     sys.path.insert(0, str(ROOT))  # the module commands run from the checkout

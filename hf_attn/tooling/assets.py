@@ -343,7 +343,7 @@ class _RReader:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`hf-attn assets` (`python -m hf_attn.assets`): fetch the embedded default once; print where."""
+    """`hf-attn assets` (`python -m hf_attn.tooling.assets`): fetch the embedded default once; print where."""
     from hf_attn.tooling.cli import ArgumentParser, run_command
 
     ArgumentParser(prog="hf-attn assets", description=__doc__.split("\n")[0]).parse_args(argv)

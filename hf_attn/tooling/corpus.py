@@ -4,7 +4,7 @@
   several files are joined with blank lines ("\\n\\n") in the order given.
 - a dataset (hub id, cached or online, e.g. `wikitext` / `wikitext-2-raw-v1`): the rows of `text_column` of
   one split joined with blank lines (the GPTQ / SparseGPT WikiText-2 convention).
-- neither: the embedded evaluation text, Jane Austen's *Persuasion* (`hf_attn.assets.eval_text_files()`).
+- neither: the embedded evaluation text, Jane Austen's *Persuasion* (`assets.eval_text_files()`).
 
 Tokenization adds no special tokens (no BOS/EOS): the corpus is one continuous token stream that the
 perplexity windows cut anywhere. (SmolLM2's tokenizer adds none by default either.)

@@ -11,7 +11,7 @@ with the other assets:
 The checksums are pinned in `TASK_SHA256` and verified on every access, so a damaged file, a changed novel
 or a changed builder is detected instead of silently giving other numbers.
 
-Protocol (all on *Persuasion* as `hf_attn.assets` stores it):
+Protocol (all on *Persuasion* as `hf_attn.tooling.assets` stores it):
 - Text: paragraphs are the blocks between blank lines, their lines joined by one space; chapter headings are
   dropped (contexts never cross one). Sentences end at `.`, `!` or `?` (plus
   closing quotes) followed by a space and an upper-case letter (or an opening quote).
@@ -31,7 +31,7 @@ Protocol (all on *Persuasion* as `hf_attn.assets` stores it):
   `multiple_choice`: acc = argmax of the summed log-likelihood of " " + choice; acc_norm divides by the
   choice's length in characters.
 - Overlap: the source text must share no `OVERLAP_NGRAM`-word sequence (the GPT-3 decontamination length,
-  lower-cased words) with the calibration / healing novels (`hf_attn.assets.TRAIN_NOVELS`); the builder raises
+  lower-cased words) with the calibration / healing novels (`assets.TRAIN_NOVELS`); the builder raises
   otherwise, and refuses a calibration novel as its source outright.
 """
 
