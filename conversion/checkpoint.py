@@ -2,7 +2,8 @@
 
 - `open_source` -> `Source`: every converter's prologue (resolve the model, read and check config.json and
   the attention tensors, parse the dtype, refuse a bad output) before any slow work.
-- `read_config` / `check_supported` / `AttentionGeometry`: what a converter may rely on.
+- `read_config` (from `hf_attn.tooling.loading`) / `check_supported` / `AttentionGeometry`: what a
+  converter may rely on.
 - `tensor_index` / `iter_tensors` / `read_tensor`: the one reader of a checkpoint's weights
   (`hf_attn.tooling.weights`: the files transformers reads, in its precedence), with plain file reads (no
   mmap), one tensor in memory at a time.
@@ -29,13 +30,15 @@ import torch
 
 from hf_attn.conversion.shards import DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, ShardedWriter
 from hf_attn.models.llama_mla.configuration_llama_mla import SOURCE_MODEL_TYPES
-from hf_attn.tooling.errors import UserError, one_line
+from hf_attn.tooling.errors import UserError
 from hf_attn.tooling.files import TENSOR_SUFFIXES, check_output
 from hf_attn.tooling.loading import (
+    CONFIG_NAME,
     check_head_counts,
     checkpoint_weights,
     dtype_name,
     parse_dtype,
+    read_config,
     resolve_model,
 )
 from hf_attn.tooling.weights import (
@@ -47,25 +50,11 @@ from hf_attn.tooling.weights import (
     weight_files,
 )
 
-CONFIG_NAME = "config.json"
 # A converter rewrites weights and config itself; every other file (not a TENSOR_SUFFIXES one) is a side file.
 _NOT_SIDE_FILES = (CONFIG_NAME, INDEX_FILE, "pytorch_model.bin.index.json")
 
 
 # --------------------------------------------------------------------------------------------- model
-
-
-def read_config(model_dir: str | os.PathLike) -> dict:
-    path = Path(model_dir) / CONFIG_NAME
-    if not path.is_file():
-        raise UserError(f"{path} not found: {model_dir} is not a Hugging Face checkpoint directory")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, ValueError) as err:
-        raise UserError(f"{path} is not valid JSON ({one_line(err)}); repair or replace it") from err
-    if not isinstance(config, dict):
-        raise UserError(f"{path} is not a JSON object; it is not a transformers config")
-    return config
 
 
 def write_config(directory: str | os.PathLike, config: dict) -> Path:

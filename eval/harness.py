@@ -26,7 +26,7 @@ from hf_attn.tooling import loading
 from hf_attn.tooling.cli import ArgumentParser, add_deprecated_alias, run_command
 from hf_attn.tooling.devices import DEFAULT_DEVICE, DEVICE_HELP, announce_device, resolve_device
 from hf_attn.tooling.errors import UserError, check_number, check_seed, one_line
-from hf_attn.tooling.files import check_output
+from hf_attn.tooling.files import check_output, write_json
 
 PROG = "hf-attn harness"
 
@@ -279,9 +279,7 @@ def run(
         "lm_eval": {k: v for k, v in results.items() if k != "results"},
     }
     if output is not None:
-        from hf_attn.eval.perplexity import write_json
-
-        write_json(record, output, prog=PROG)
+        write_json(output, record, prog=PROG)
     return record
 
 

@@ -35,9 +35,8 @@ from hf_attn.tooling.errors import UserError, check_number, user_input
 from hf_attn.tooling.files import (
     check_output,
     check_text_files,
-    json_record,
     sha256_file,
-    write_text_atomic,
+    write_json,
 )
 from hf_attn.tooling.perplexity import check_window, evaluate_perplexity
 
@@ -193,7 +192,7 @@ def run(settings: PerplexitySettings, *, accelerator=None) -> dict:
             file=sys.stderr,
         )
     if s.output is not None and accelerator.is_main_process:
-        write_json(record, s.output, prog=PROG)
+        write_json(s.output, record, prog=PROG)
     return record
 
 
@@ -239,12 +238,6 @@ def _record(
         "calibrated_on_scored_text": leaks,
         "versions": loading.library_versions(),
     }
-
-
-def write_json(record: dict, output: str | Path, *, prog: str = PROG) -> Path:
-    """Write a command's JSON record atomically (temp file + rename), marked as written by `prog`, so that
-    a later run may replace it (`files.check_output(kind="json")`)."""
-    return write_text_atomic(output, json_record(record, prog))
 
 
 def build_parser() -> argparse.ArgumentParser:

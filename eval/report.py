@@ -12,7 +12,7 @@ from pathlib import Path
 from hf_attn.conversion.calibration import DEFAULT_CORPUS as CALIBRATION_CORPUS
 from hf_attn.tooling.assets import CORPUS_TEXTS
 from hf_attn.tooling.errors import UserError
-from hf_attn.tooling.files import WRITTEN_BY, json_record, write_text_atomic
+from hf_attn.tooling.files import WRITTEN_BY, write_json, write_text_atomic
 from hf_attn.tooling.tables import cell, markdown_table
 
 WRITER = "hf-attn study"
@@ -272,7 +272,7 @@ def check_results_dir(results: Path, names: list[str]) -> None:
 def write_report(record: dict, results: Path) -> None:
     """results.json, pareto.png and report.md into `results`, each atomically and with the study's mark."""
     results.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(results / "results.json", json_record(record, WRITER))
+    write_json(results / "results.json", record, prog=WRITER)
     plot_pareto(record, results / "pareto.png")
     s = record["settings"]
     text = [

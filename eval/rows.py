@@ -4,7 +4,7 @@ A row is stored with the `key` it was measured under (a hash of everything it de
 the code that built and measured it). A later run asks for the row by name and key and gets it back only
 if the key matches and the row did not fail, so an interrupted run resumes where it stopped, and a changed
 setting or code re-measures exactly the rows it touches. Used by `hf-attn study` and the experiments
-(`experiments/runner.py`); the results tables are generated from such rows (`eval/results.py`).
+(`experiments/runner.py`); the results tables are generated from such rows (`experiments/results.py`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from hf_attn.tooling.files import write_text_atomic
+from hf_attn.tooling.files import write_json
 
 
 def row_key(*parts) -> str:
@@ -51,8 +51,3 @@ class RowStore:
         """Every stored row that did not fail, by name."""
         rows = (json.loads(p.read_text()) for p in sorted(self.directory.glob("*.json")))
         return [r for r in rows if "error" not in r]
-
-
-def write_json(path: str | Path, data) -> Path:
-    """`data` as indented JSON at `path`, atomically (`hf_attn.tooling.files.write_text_atomic`)."""
-    return write_text_atomic(path, json.dumps(data, indent=2, default=str) + "\n")

@@ -25,10 +25,10 @@ from pathlib import Path
 
 from experiments.runner import Point, run_grid
 from hf_attn.eval.report import TOLERANCE, check_row
-from hf_attn.eval.rows import row_key, write_json
+from hf_attn.eval.rows import row_key
 from hf_attn.tooling import assets
 from hf_attn.tooling.cli import error, run_command
-from hf_attn.tooling.files import scratch_directory, sha256_file, write_text_atomic
+from hf_attn.tooling.files import scratch_directory, sha256_file, write_json, write_text_atomic
 from hf_attn.tooling.tables import markdown_table
 
 PROG = "python -m experiments.cross_domain"

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from hf_attn.eval.rows import RowStore, row_key, write_json
+from hf_attn.eval.rows import RowStore, row_key
 from hf_attn.eval.study import CONVERSION_CODE, code_hash
 from hf_attn.tooling import assets, loading
 from hf_attn.tooling.corpus import load_corpus, tokenize
-from hf_attn.tooling.files import scratch_directory, write_text_atomic
+from hf_attn.tooling.files import scratch_directory, write_json, write_text_atomic
 from hf_attn.tooling.loading import resolve_model
 from hf_attn.tooling.perplexity import evaluate_perplexity
 

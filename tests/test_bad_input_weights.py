@@ -25,6 +25,7 @@ from hf_attn.eval.bench import decode as bench_decode
 from hf_attn.eval.bench import perplexity as bench_perplexity
 from hf_attn.tooling import assets
 from hf_attn.tooling.errors import UserError
+from hf_attn.tooling.files import write_json
 
 WEIGHTS = "model.safetensors"
 
@@ -256,7 +257,7 @@ def test_old_rotary_buffers_are_accepted_and_dropped_like_transformers_does(ws, 
 def test_no_json_record_holds_a_bare_nan(tmp_path):
     out = tmp_path / "ppl.json"
     with pytest.raises(ValueError):
-        perplexity.write_json({"perplexity": float("nan")}, out)
+        write_json(out, {"perplexity": float("nan")}, prog=perplexity.PROG)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -51,8 +51,9 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from hf_attn.tooling.cli import ArgumentParser, parse_with_quick, run_command
 from hf_attn.tooling.errors import UserError, check_number
-from hf_attn.tooling.files import check_output, json_record, write_text_atomic
+from hf_attn.tooling.files import check_output, write_json
 from hf_attn.tooling.loading import dtype_name, library_versions, parse_dtype
+from hf_attn.tooling.tables import markdown_table
 
 PROG = "hf-attn bench attention"
 
@@ -283,22 +284,21 @@ def summarize(record: dict) -> list[dict]:
 
 
 def format_table(record: dict) -> str:
-    lines = [
-        "| T | S | G | padding | sdpa mode | grouped ms | sdpa ms | eager ms | grouped MiB | sdpa MiB "
-        "| eager MiB | speed vs sdpa | memory vs sdpa | speed vs eager | goal |",
-        "|---:|---:|---:|:---|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---|",
-    ]
+    header = (
+        "T | S | G | padding | sdpa mode | grouped ms | sdpa ms | eager ms | grouped MiB | sdpa MiB "
+        "| eager MiB | speed vs sdpa | memory vs sdpa | speed vs eager | goal"
+    )
+    rows = []
     for c in summarize(record):
         o, s, e = c["ours"], c["sdpa"], c["eager"]
         goal = "within 10%" if c["mode"] != "repeat_kv" else ">= 2x, >= 2x"
-        lines.append(
-            f"| {c['T']} | {c['S']} | {c['G']} | {'left ' + str(c['padding']) if c['padding'] else 'none'} "
-            f"| {c['mode']} | {o['min_ms']:.2f} | {s['min_ms']:.2f} | {e['min_ms']:.2f} "
-            f"| {o['peak_mib']:.2f} | {s['peak_mib']:.2f} | {e['peak_mib']:.2f} "
-            f"| {c['speed_vs_sdpa']:.2f}x | {c['memory_vs_sdpa']:.2f}x | {c['speed_vs_eager']:.2f}x "
-            f"| {goal}: {'met' if c['target_met'] else 'not met'} |"
+        rows.append(
+            [c["T"], c["S"], c["G"], "left " + str(c["padding"]) if c["padding"] else "none", c["mode"]]
+            + [f"{r[key]:.2f}" for key in ("min_ms", "peak_mib") for r in (o, s, e)]
+            + [f"{c[key]:.2f}x" for key in ("speed_vs_sdpa", "memory_vs_sdpa", "speed_vs_eager")]
+            + [f"{goal}: {'met' if c['target_met'] else 'not met'}"]
         )
-    return "\n".join(lines)
+    return markdown_table(header.split(" | "), rows, align="rrrll" + "r" * 9 + "l")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -349,7 +349,7 @@ def bench(args: argparse.Namespace) -> None:
         f"load average before/after: {record['load_average']['before']} / {record['load_average']['after']}"
     )
     if args.output:
-        write_text_atomic(args.output, json_record(record, PROG))
+        write_json(args.output, record, prog=PROG)
 
 
 def main(argv: list[str] | None = None) -> int:

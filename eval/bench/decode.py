@@ -34,7 +34,7 @@ from hf_attn.tooling import loading
 from hf_attn.tooling.cli import ArgumentParser, add_deprecated_alias, run_command
 from hf_attn.tooling.devices import resolve_device
 from hf_attn.tooling.errors import UserError, check_number
-from hf_attn.tooling.files import check_output
+from hf_attn.tooling.files import check_output, write_json
 
 PROG = "hf-attn bench decode"
 
@@ -148,8 +148,6 @@ def run(
     on_result: Callable[[dict], None] | None = None,
 ) -> dict:
     """Every (attention implementation, prompt, batch) measurement; `on_result` sees each as it lands."""
-    from hf_attn.eval.perplexity import write_json
-
     names = attn_implementations or [None]
     for name in names:
         loading.check_attn_implementation(name)
@@ -194,7 +192,7 @@ def run(
         "versions": loading.library_versions(),
     }
     if output is not None:
-        write_json(record, output, prog=PROG)
+        write_json(output, record, prog=PROG)
     return record
 
 

@@ -134,7 +134,8 @@ def _cell(value, spec: str) -> str:
 
 
 def render_table(columns, rows: list[dict]) -> str:
-    """Markdown table of `rows` with `columns` ((header, key, format spec), ...); missing values: n/a."""
+    """Markdown table of `rows` with `columns` ((header, key, format spec), ...); missing values: n/a.
+    (Not `hf_attn.tooling.tables`: importing it would import the runtime, before the wheels are set up.)"""
     lines = ["| " + " | ".join(h for h, _, _ in columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
         lines.append("| " + " | ".join(_cell(row.get(key), spec) for _, key, spec in columns) + " |")

@@ -24,7 +24,7 @@ minutes of this CPU.
 At each mark the held-out perplexity uses the project's protocol: the first `--eval-tokens` (8192) tokens
 of *Persuasion*, disjoint 1024-token windows.
 
-Results go to `--results` (JSON, default under `hf_attn.assets.cache_dir()/bench_heal/`).
+Results go to `--results` (JSON, default under `hf_attn.tooling.assets.cache_dir()/bench_heal/`).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from hf_attn.tooling.cli import ArgumentParser, run_command
 from hf_attn.tooling.corpus import tokenize
 from hf_attn.tooling.devices import resolve_device
 from hf_attn.tooling.errors import UserError, check_number
-from hf_attn.tooling.files import check_output, json_record, write_text_atomic
+from hf_attn.tooling.files import check_output, write_json
 from hf_attn.tooling.loading import resolve_model
 
 PROG = "hf-attn bench heal"
@@ -313,7 +313,7 @@ def bench(args: argparse.Namespace) -> None:
             clock=args.clock,
             cpu_seconds_per_step=args.cpu_seconds_per_step,
         )
-    write_text_atomic(path, json_record(res, PROG))
+    write_json(path, res, prog=PROG)
     print(f"results: {path}")
 
 

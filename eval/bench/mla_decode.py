@@ -35,7 +35,7 @@ from hf_attn.models.llama_mla.configuration_llama_mla import SOURCE_MODEL_TYPES
 from hf_attn.tooling.cli import ArgumentParser, run_command
 from hf_attn.tooling.devices import DEFAULT_DEVICE, DEVICE_HELP, announce_device, resolve_device
 from hf_attn.tooling.errors import UserError, check_number
-from hf_attn.tooling.files import check_output, json_record, write_text_atomic
+from hf_attn.tooling.files import check_output, write_json
 from hf_attn.tooling.loading import (
     check_checkpoint_complete,
     library_versions,
@@ -43,6 +43,7 @@ from hf_attn.tooling.loading import (
     load_config,
     resolve_model,
 )
+from hf_attn.tooling.tables import markdown_table
 
 PROG = "hf-attn bench mla-decode"
 
@@ -225,15 +226,12 @@ def run(
 def format_table(record: dict) -> str:
     """Markdown table: one row per context, tokens/s per variant, absorbed / expanded and / source."""
     by = {(r["context"], r["variant"]): r["tokens_per_s"] for r in record["rows"]}
-    lines = [
-        "| context | absorbed tok/s | expanded tok/s | source GQA (sdpa) tok/s | absorbed / expanded "
-        "| absorbed / source |",
-        "|---:|---:|---:|---:|---:|---:|",
-    ]
+    header = "context | absorbed tok/s | expanded tok/s | source GQA (sdpa) tok/s | absorbed / expanded"
+    rows = []
     for c in sorted({r["context"] for r in record["rows"]}):
         a, e, s = (by[(c, v)] for v in VARIANTS)
-        lines.append(f"| {c} | {a:.1f} | {e:.1f} | {s:.1f} | {a / e:.2f}x | {a / s:.2f}x |")
-    return "\n".join(lines)
+        rows.append([c, f"{a:.1f}", f"{e:.1f}", f"{s:.1f}", f"{a / e:.2f}x", f"{a / s:.2f}x"])
+    return markdown_table([*header.split(" | "), "absorbed / source"], rows, align="r" * 6)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -280,7 +278,7 @@ def bench(args: argparse.Namespace) -> None:
     load = record["load_average"]
     print(f"device {record['device']}, {record['threads']} threads, load average before/after: {load}")
     if args.output:
-        write_text_atomic(args.output, json_record(record, PROG))
+        write_json(args.output, record, prog=PROG)
 
 
 def main(argv: list[str] | None = None) -> int:

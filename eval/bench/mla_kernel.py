@@ -37,6 +37,7 @@ import torch
 from hf_attn.tooling.cli import ArgumentParser, parse_with_quick, run_command
 from hf_attn.tooling.errors import UserError, check_number
 from hf_attn.tooling.files import check_output, check_replaceable, json_record
+from hf_attn.tooling.tables import markdown_table
 
 PROG = "hf-attn bench mla-kernel"
 OUTPUT_FILES = ("results.json", "table.md")
@@ -215,24 +216,23 @@ def _fmt(value, spec: str, suffix: str = "") -> str:
 
 def format_table(record: dict) -> str:
     """Markdown table of `summarize(record)`; times in microseconds."""
-    lines = [
-        "| shape | d_c | RoPE Hr x 2r | B | S | kernel us | kernel GB/s | % of copy | layer Triton us "
+    header = (
+        "shape | d_c | RoPE Hr x 2r | B | S | kernel us | kernel GB/s | % of copy | layer Triton us "
         "| layer PyTorch us | layer speedup | GQA sdpa us | GQA grouped us | grouped vs sdpa "
-        "| MLA layer vs GQA sdpa | goals |",
-        "|:---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---|",
-    ]
+        "| MLA layer vs GQA sdpa | goals"
+    )
+    rows = []
     for c in summarize(record):
         triton_ms, torch_ms = c["layer_triton_ms"], c["layer_torch_ms"]
-        lines.append(
-            f"| {c['shape']} | {c['kv_lora_rank']} | {c['rope_heads']} x {c['rope_width']} | {c['batch']} "
-            f"| {c['context']} | {c['kernel_ms'] * 1e3:.1f} | {c['kernel_gbps']:.0f} "
-            f"| {c['copy_fraction'] * 100:.0f}% | {_fmt(triton_ms and triton_ms * 1e3, '.1f')} "
-            f"| {_fmt(torch_ms and torch_ms * 1e3, '.1f')} "
-            f"| {_fmt(c['layer_speedup'], '.2f', 'x')} | {c['sdpa_ms'] * 1e3:.1f} "
-            f"| {c['hf_attn_grouped_ms'] * 1e3:.1f} | {c['grouped_vs_sdpa']:.2f}x "
-            f"| {_fmt(c['mla_layer_vs_sdpa'], '.2f', 'x')} | {'met' if c['targets_met'] else 'not met'} |"
-        )
-    return "\n".join(lines)
+        rows.append([
+            c["shape"], c["kv_lora_rank"], f"{c['rope_heads']} x {c['rope_width']}", c["batch"], c["context"],
+            f"{c['kernel_ms'] * 1e3:.1f}", f"{c['kernel_gbps']:.0f}", f"{c['copy_fraction'] * 100:.0f}%",
+            _fmt(triton_ms and triton_ms * 1e3, ".1f"), _fmt(torch_ms and torch_ms * 1e3, ".1f"),
+            _fmt(c["layer_speedup"], ".2f", "x"), f"{c['sdpa_ms'] * 1e3:.1f}",
+            f"{c['hf_attn_grouped_ms'] * 1e3:.1f}", f"{c['grouped_vs_sdpa']:.2f}x",
+            _fmt(c["mla_layer_vs_sdpa"], ".2f", "x"), "met" if c["targets_met"] else "not met",
+        ])  # fmt: skip
+    return markdown_table(header.split(" | "), rows, align="l" + "r" * 14 + "l")
 
 
 def build_parser() -> argparse.ArgumentParser:

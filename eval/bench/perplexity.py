@@ -21,12 +21,12 @@ from pathlib import Path
 
 import torch
 
-from hf_attn.eval.perplexity import evaluate_perplexity, write_json
+from hf_attn.eval.perplexity import evaluate_perplexity
 from hf_attn.tooling import loading
 from hf_attn.tooling.cli import ArgumentParser, add_deprecated_alias, run_command
 from hf_attn.tooling.corpus import load_corpus, tokenize
 from hf_attn.tooling.errors import UserError, check_number
-from hf_attn.tooling.files import check_output
+from hf_attn.tooling.files import check_output, write_json
 
 PROG = "hf-attn bench perplexity"
 
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
             load_dtype=args.load_dtype,
         )
         if args.output is not None:
-            write_json(record, args.output, prog=PROG)
+            write_json(args.output, record, prog=PROG)
         print(
             f"bare forward {record['bare_forward_tokens_per_second']:.1f} tokens/s, perplexity evaluation "
             f"{record['eval_tokens_per_second']:.1f} tokens/s: ratio {record['ratio']:.3f} "

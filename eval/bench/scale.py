@@ -40,7 +40,8 @@ from hf_attn.eval.bench.synthetic import SHAPES, write_synthetic
 from hf_attn.tooling.cli import ArgumentParser, run_command
 from hf_attn.tooling.devices import DEFAULT_DEVICE, DEVICE_HELP, DEVICES, announce_device, resolve_device
 from hf_attn.tooling.errors import UserError, check_number
-from hf_attn.tooling.files import check_output, json_record, write_text_atomic
+from hf_attn.tooling.files import check_output, write_json, write_text_atomic
+from hf_attn.tooling.tables import markdown_table
 
 PROG = "hf-attn bench scale"
 
@@ -381,22 +382,17 @@ def _gib(n: int | None) -> str:
 
 
 def markdown(rows: list[Row], header: str) -> str:
-    lines = [
-        header,
-        "",
-        "| shape | converter | device | peak RSS | peak GPU | wall time | output size | MB/s (read+write) "
-        "| status |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    columns = "shape | converter | device | peak RSS | peak GPU | wall time | output size | MB/s (read+write)"
+    cells = []
     for r in rows:
         mbs = r.mb_per_s
-        lines.append(
-            f"| {r.shape} | {r.converter} | {r.device} | {_gib(r.peak_rss_bytes)} | "
-            f"{_gib(r.extra.get('cuda_peak_bytes'))} | {'-' if r.wall_s is None else f'{r.wall_s:.0f} s'} | "
-            f"{_gib(r.output_bytes) if r.output_bytes else '-'} | {'-' if mbs is None else f'{mbs:.0f}'} | "
-            f"{r.status}{(': ' + r.note) if r.note else ''} |"
-        )
-    return "\n".join(lines) + "\n"
+        cells.append([
+            r.shape, r.converter, r.device, _gib(r.peak_rss_bytes), _gib(r.extra.get("cuda_peak_bytes")),
+            "-" if r.wall_s is None else f"{r.wall_s:.0f} s", _gib(r.output_bytes) if r.output_bytes else "-",
+            "-" if mbs is None else f"{mbs:.0f}", f"{r.status}{(': ' + r.note) if r.note else ''}",
+        ])  # fmt: skip
+    table = markdown_table([*columns.split(" | "), "status"], cells, align="l" * 9)
+    return f"{header}\n\n{table}\n"
 
 
 def check_outputs(base: Path) -> None:
@@ -458,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.output:
                 base = Path(args.output).with_suffix("")
                 payload = {"settings": header, "rows": [{**asdict(r), "mb_per_s": r.mb_per_s} for r in rows]}
-                write_text_atomic(base.with_suffix(".json"), json_record(payload, PROG))
+                write_json(base.with_suffix(".json"), payload, prog=PROG)
                 write_text_atomic(base.with_suffix(".md"), markdown(rows, header))
 
         try:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from hf_attn.tooling.cli import ArgumentParser, run_command
 from hf_attn.tooling.errors import check_number
-from hf_attn.tooling.files import check_output, json_record, write_text_atomic
+from hf_attn.tooling.files import check_output, write_json
 
 PROG = "hf-attn bench stream"
 
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         print(json.dumps(result, indent=2))
         if args.output:
-            write_text_atomic(args.output, json_record(result, PROG))
+            write_json(args.output, result, prog=PROG)
 
     return run_command(PROG, bench)
 

@@ -35,16 +35,14 @@ SHAPES: dict[str, dict] = {
         bos_token_id=1,
         eos_token_id=2,
     ),
-    "llama-3-8b": dict(
-        hidden_size=4096,
-        num_hidden_layers=32,
-        num_attention_heads=32,
+}
+SHAPES["llama-3-8b"] = {  # what differs from Llama-2-7B
+    **SHAPES["llama-2-7b"],
+    **dict(
         num_key_value_heads=8,
-        head_dim=128,
         intermediate_size=14336,
         vocab_size=128256,
         max_position_embeddings=131072,
-        rms_norm_eps=1e-5,
         rope_theta=500000.0,
         rope_scaling=dict(
             rope_type="llama3",
@@ -74,6 +72,9 @@ SHAPES["tiny"] = {
         eos_token_id=2,
     ),
 }
+# the tiny one as multi-head attention (no GQA) without RoPE scaling, for `bench engine`'s quick pair
+SHAPES["tiny-mha"] = {**SHAPES["tiny"], **dict(hidden_size=128, num_key_value_heads=4, head_dim=32)}
+SHAPES["tiny-mha"].update(intermediate_size=256, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None)
 HUB_SHARD_BYTES = 5_000_000_000  # the hub's max_shard_size="5GB"
 WEIGHT_STD = 0.02
 ROW_BLOCK_BYTES = 64 * 1024**2  # float32 bytes drawn at a time

@@ -174,23 +174,6 @@ def write_mha_source(directory: Path, *, shape: dict, seed: int = 0, tokenizer_t
     return synthetic.write_synthetic(directory, shape=shape, seed=seed, tokenizer_files=files, progress=False)
 
 
-TINY_SHAPE = dict(
-    hidden_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    head_dim=32,
-    intermediate_size=256,
-    vocab_size=1024,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-6,
-    rope_theta=10000.0,
-    rope_scaling=None,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-
-
 def prepare(name: str, workdir: Path, *, layers: int) -> Pair:
     """The named pair's source and export under `workdir/name` (written once, then reused)."""
     work = workdir / name
@@ -213,7 +196,9 @@ def prepare(name: str, workdir: Path, *, layers: int) -> Pair:
         note = f"Llama-2-7B shape, {layers} layers, random bf16 weights; MLA 512 + 64 (no padding)"
         return Pair(name, source, export, note)
     if name == "tiny":
-        source = write_mha_source(work / "source", shape=TINY_SHAPE, tokenizer_texts=1)
+        from hf_attn.eval.bench.synthetic import SHAPES
+
+        source = write_mha_source(work / "source", shape=SHAPES["tiny-mha"], tokenizer_texts=1)
         rank = ["--kv-lora-rank", "64", "--rope-pairs", "8", "--allocation", "uniform"]
         export = convert_and_export(
             source, work, convert_args=[*rank, "--calibration-tokens", "256"], pad_to_576=True

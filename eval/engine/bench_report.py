@@ -4,6 +4,7 @@ concurrency, the decode-step profile and the end-to-end run, source beside MLA e
 from __future__ import annotations
 
 from hf_attn.eval.engine.bench import NULL_BLOCKS, MiB
+from hf_attn.tooling.tables import markdown_table
 
 
 def markdown(rows: list[dict]) -> str:
@@ -31,10 +32,6 @@ def _levels(row: dict) -> dict[int, dict]:
     return {level["concurrency"]: level for level in row["decode"]["levels_measured"]}
 
 
-def _row(label: str, source, mla, ratio: str) -> str:
-    return f"| {label} | {source} | {mla} | {ratio} |"
-
-
 def _blocks(cap: dict) -> str:
     return f"{cap['num_blocks']:,} x {cap['block_size']} = {cap['vllm_tokens']:,}"
 
@@ -46,46 +43,46 @@ def capacity_lines(source: dict, mla: dict) -> list[str]:
     work = source["workload"]
     req = work["prompt_len"] + work["output_len"]
     s_req, m_req = ((c["num_blocks"] - NULL_BLOCKS) // -(-req // c["block_size"]) for c in (sc, mc))
-    return [
-        "| | source (Llama) | MLA export (deepseek_v3) | MLA / source |",
-        "|---|---|---|---|",
-        _row(
+    rows = [
+        (
             "KV bytes per token (config)",
             f"{sa['bytes_per_token']:,}",
             f"{ma['bytes_per_token']:,}",
             _ratio(ma["bytes_per_token"], sa["bytes_per_token"]),
         ),
-        _row(
+        (
             "tokens that fit (arithmetic)",
             f"{sa['tokens']:,}",
             f"{ma['tokens']:,}",
             _ratio(ma["tokens"], sa["tokens"]),
         ),
-        _row(
+        (
             "vLLM: KV blocks x block size",
             _blocks(sc),
             _blocks(mc),
             _ratio(mc["vllm_tokens"], sc["vllm_tokens"]),
         ),
-        _row(
+        (
             "vLLM's log: KV cache size (tokens; max concurrency x max_model_len)",
             f"{sc['kv_cache_tokens']:,}",
             f"{mc['kv_cache_tokens']:,}",
             _ratio(mc["kv_cache_tokens"], sc["kv_cache_tokens"]),
         ),
-        _row(
+        (
             f"vLLM: max concurrency at {sc['max_model_len']} tokens",
             f"{sc['max_concurrency']:.2f}",
             f"{mc['max_concurrency']:.2f}",
             _ratio(mc["max_concurrency"], sc["max_concurrency"]),
         ),
-        _row(
+        (
             f"requests of {req} tokens running at once (whole blocks, less the null block)",
             s_req,
             m_req,
             _ratio(m_req, s_req),
         ),
     ]
+    header = ["", "source (Llama)", "MLA export (deepseek_v3)", "MLA / source"]
+    return markdown_table(header, rows, align="llll").splitlines()
 
 
 def pair_markdown(source: dict, mla: dict) -> str:
@@ -125,20 +122,22 @@ def decode_lines(s_lv: dict, m_lv: dict) -> list[str]:
         "Decode only (steps where every sequence is past its prefill); each cell: from the median step "
         "(from the fastest step, the least disturbed by other processes):",
         "",
-        "| concurrency | source ms/step | source tok/s | MLA ms/step | MLA tok/s | MLA / source tok/s |",
-        "|---|---|---|---|---|---|",
     ]
+    rows = []
     for c in sorted(set(s_lv) | set(m_lv)):
         s, m = s_lv.get(c, {}), m_lv.get(c, {})
-        cells = [
-            _pair_fmt(s.get("step_ms_median"), s.get("step_ms_min"), 0),
-            _pair_fmt(_tps(s), _tps(s, True)),
-            _pair_fmt(m.get("step_ms_median"), m.get("step_ms_min"), 0),
-            _pair_fmt(_tps(m), _tps(m, True)),
-            _ratios(m, s),
-        ]
-        lines.append(f"| {c} | " + " | ".join(cells) + " |")
-    return lines
+        rows.append(
+            [
+                c,
+                _pair_fmt(s.get("step_ms_median"), s.get("step_ms_min"), 0),
+                _pair_fmt(_tps(s), _tps(s, True)),
+                _pair_fmt(m.get("step_ms_median"), m.get("step_ms_min"), 0),
+                _pair_fmt(_tps(m), _tps(m, True)),
+                _ratios(m, s),
+            ]
+        )
+    header = "concurrency | source ms/step | source tok/s | MLA ms/step | MLA tok/s | MLA / source tok/s"
+    return lines + markdown_table(header.split(" | "), rows, align="l" * 6).splitlines()
 
 
 def operating_point_lines(source: dict, mla: dict, saturation: float = 0.9) -> list[str]:
@@ -198,18 +197,24 @@ def _batch_lines(source: dict, mla: dict) -> list[str]:
         f"End to end: {s['num_requests']} requests of {s['prompt_len']} + {s['output_len']} tokens, "
         "all submitted at once:"
     )
-    return [
-        head,
-        "",
-        "| | source | MLA | MLA / source |",
-        "|---|---|---|---|",
-        f"| output tokens/s | {_fmt(s['output_tokens_per_s'], 2)} | {_fmt(m['output_tokens_per_s'], 2)} |"
-        f" {_ratio(m['output_tokens_per_s'], s['output_tokens_per_s'])} |",
-        f"| mean time per output token (ms) | {_fmt(s['mean_tpot_ms'])} | {_fmt(m['mean_tpot_ms'])} |"
-        f" {_ratio(m['mean_tpot_ms'], s['mean_tpot_ms'])} |",
-        f"| most sequences decoding in one step | {s['peak_decode_batch']} | {m['peak_decode_batch']} | |",
-        f"| wall time (s) | {_fmt(s['wall_s'])} | {_fmt(m['wall_s'])} | |",
+    rows = [
+        (
+            "output tokens/s",
+            _fmt(s["output_tokens_per_s"], 2),
+            _fmt(m["output_tokens_per_s"], 2),
+            _ratio(m["output_tokens_per_s"], s["output_tokens_per_s"]),
+        ),
+        (
+            "mean time per output token (ms)",
+            _fmt(s["mean_tpot_ms"]),
+            _fmt(m["mean_tpot_ms"]),
+            _ratio(m["mean_tpot_ms"], s["mean_tpot_ms"]),
+        ),
+        ("most sequences decoding in one step", s["peak_decode_batch"], m["peak_decode_batch"], ""),
+        ("wall time (s)", _fmt(s["wall_s"]), _fmt(m["wall_s"]), ""),
     ]
+    table = markdown_table(["", "source", "MLA", "MLA / source"], rows, align="llll")
+    return [head, "", *table.splitlines()]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,8 +36,9 @@ from hf_attn.conversion.engine_dims import accepting_backends, platform_sizes
 from hf_attn.eval.engine import environment as env
 from hf_attn.eval.engine import reference as ref
 from hf_attn.tooling.cli import ArgumentParser, run_command
-from hf_attn.tooling.errors import UserError, check_number, one_line
-from hf_attn.tooling.files import check_output, json_record, write_text_atomic
+from hf_attn.tooling.errors import UserError, check_number
+from hf_attn.tooling.files import check_output, write_json
+from hf_attn.tooling.loading import read_config
 
 PROG = "hf-attn engine-check"
 FLOAT_TOL = 1e-3  # nats; fp32 kernels differ by ~1e-5 here (docs/serve.md), real faults by >= 1e-1
@@ -80,17 +81,6 @@ class Comparison:
 # ------------------------------------------------------------------------------------------------ inputs
 
 
-def _read_config(path: Path) -> dict:
-    """A config.json as a dict; UserError naming the file when it is not a JSON object."""
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, ValueError) as err:
-        raise UserError(f"{path} is not valid JSON ({one_line(err)}); repair or replace it") from err
-    if not isinstance(cfg, dict):
-        raise UserError(f"{path} is not a JSON object; it is not a transformers config")
-    return cfg
-
-
 def resolve_target(model: str | Path, source: str | Path | None = None) -> Target:
     """Validate `model` (an `hf-attn export` deepseek_v3 directory) and find its source; UserError naming
     the problem and the fix."""
@@ -100,7 +90,7 @@ def resolve_target(model: str | Path, source: str | Path | None = None) -> Targe
         raise UserError(
             f"--model {model} has no config.json; give an `hf-attn export --to deepseek_v3` output"
         )
-    cfg = _read_config(cfg_path)
+    cfg = read_config(model)
     if cfg.get("model_type") != "deepseek_v3":
         raise UserError(
             f"--model {model} has model_type {cfg.get('model_type')!r}, not deepseek_v3; export it first "
@@ -116,7 +106,7 @@ def resolve_target(model: str | Path, source: str | Path | None = None) -> Targe
         source = record["source"]
     source = Path(source)
     src_cfg = source / "config.json"
-    if not src_cfg.is_file() or _read_config(src_cfg).get("model_type") != "llama_mla":
+    if not src_cfg.is_file() or read_config(source).get("model_type") != "llama_mla":
         raise UserError(
             f"source {source} is not a llama_mla checkpoint; pass --source MLA_DIR (what you exported)"
         )
@@ -379,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(format_report(report))
         if args.json:
-            write_text_atomic(args.json, json_record(report, PROG))
+            write_json(args.json, report, prog=PROG)
         return 0 if report["passed"] else 1
 
     try:

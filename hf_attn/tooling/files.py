@@ -383,6 +383,13 @@ def json_record(record: dict, prog: str) -> str:
     return json.dumps({WRITTEN_BY: prog, **record}, indent=2, default=str, allow_nan=False) + "\n"
 
 
+def write_json(path: str | os.PathLike, data, *, prog: str | None = None) -> Path:
+    """`data` as indented JSON at `path`, atomically (`write_text_atomic`). With `prog`, a command's record
+    (`json_record`: marked as written by `prog`, so that a later run may replace it, and NaN refused)."""
+    text = json.dumps(data, indent=2, default=str) + "\n" if prog is None else json_record(data, prog)
+    return write_text_atomic(path, text)
+
+
 def _read_json(path: Path):
     try:
         return json.loads(path.read_text())

@@ -33,6 +33,7 @@ from hf_attn.tooling.weights import (
     weight_files,
 )
 
+CONFIG_NAME = "config.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _VERSIONED = ("torch", "transformers", "accelerate", "datasets", "tokenizers", "safetensors", "hf-attn")
@@ -103,19 +104,30 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
         ) from err
 
 
-def check_config_file(model: str | Path) -> None:
-    """UserError naming config.json of a local checkpoint when it is missing or not a JSON object."""
-    path = Path(model) / "config.json"
-    if not Path(model).is_dir():
-        return  # a hub id: transformers reads it from the cache
+def read_config(model_dir: str | os.PathLike) -> dict:
+    """The config.json of the checkpoint directory `model_dir`, as read; UserError naming the file when it
+    is missing, not valid JSON or not a JSON object."""
+    path = Path(model_dir) / CONFIG_NAME
     if not path.is_file():
-        raise UserError(f"{model} has no config.json; it is not a Hugging Face checkpoint directory")
+        raise UserError(f"{path} not found: {model_dir} is not a Hugging Face checkpoint directory")
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, ValueError) as err:
         raise UserError(f"{path} is not valid JSON ({one_line(err)}); repair or replace it") from err
-    if not isinstance(config, dict) or "model_type" not in config:
-        raise UserError(f"{path} has no model_type; it is not a transformers config")
+    if not isinstance(config, dict):
+        raise UserError(f"{path} is not a JSON object; it is not a transformers config")
+    return config
+
+
+def check_config_file(model: str | Path) -> None:
+    """UserError naming config.json of a local checkpoint when it is missing, not a JSON object or has no
+    model_type."""
+    if not Path(model).is_dir():
+        return  # a hub id: transformers reads it from the cache
+    if not (Path(model) / CONFIG_NAME).is_file():
+        raise UserError(f"{model} has no config.json; it is not a Hugging Face checkpoint directory")
+    if "model_type" not in read_config(model):
+        raise UserError(f"{Path(model) / CONFIG_NAME} has no model_type; it is not a transformers config")
 
 
 def load_config(model: str | Path, *, trust_remote_code: bool = False):

@@ -1,4 +1,5 @@
-"""The one markdown table renderer: the study's report, the results tables and the experiments use it.
+"""The one markdown table renderer: the study's report, the results tables, the benchmarks and the experiments
+use it.
 
 markdown_table(["model", "perplexity"], [["source", "32.91"], ["mqa", "47.60"]], align="lr")
 """
