@@ -43,6 +43,7 @@ from tqdm.auto import tqdm
 from hf_attn.conversion import stages
 from hf_attn.conversion.calibration import DEFAULT_WINDOW, AttentionInputFn, _StopForward
 from hf_attn.conversion.checkpoint import layer_attn_keys, read_tensor, tensor_index
+from hf_attn.conversion.threads import CoreShare
 from hf_attn.tooling.cli import setting
 from hf_attn.tooling.devices import DEFAULT_DEVICE, DEVICE_HELP, DEVICES, announce_device, resolve_device
 from hf_attn.tooling.loading import check_token_ids
@@ -267,9 +268,12 @@ class LayerwiseModel:
             bar = tqdm(
                 total=(last + 1) * len(hidden), desc="calibration", unit="window", disable=not progress
             )
-            for i in range(last + 1):
-                bar.set_postfix(layer=i)
-                self._run_layer(i, hidden, fn if i in wanted else None, stop=i == last, cache=cache, bar=bar)
+            with CoreShare() as share:  # CPU threads: the cores other processes leave free
+                for i in range(last + 1):
+                    share.update()
+                    bar.set_postfix(layer=i)
+                    use = fn if i in wanted else None
+                    self._run_layer(i, hidden, use, stop=i == last, cache=cache, bar=bar)
             bar.close()
 
     def _run_layer(self, i: int, hidden: list, fn, *, stop: bool, cache: dict, bar) -> None:
@@ -301,7 +305,8 @@ class LayerwiseModel:
                     if stats_attn is not None:
                         block.self_attn = stats_attn  # what `model.layers[i].self_attn` shows the callback
                     try:
-                        fn(i, x, pe)
+                        with stages.stage("statistics"):
+                            fn(i, x, pe)
                     finally:
                         block.self_attn = forward_attn
                 seen.clear()

@@ -59,6 +59,7 @@ from hf_attn.conversion.checkpoint import (
 from hf_attn.conversion.layerwise import LayerwiseModel, resolve_forward
 from hf_attn.conversion.refine_fit import (
     DEFAULT_TARGET,
+    STEP_DTYPES,
     TARGETS,
     FitRule,
     LayerFit,
@@ -112,6 +113,11 @@ class RefineSettings:
         "or the layer's output",
     )
     refit: bool = setting(False, help="o_proj refitted by least squares before and after the steps")
+    step_dtype: str = setting(
+        "float32",
+        choices=tuple(STEP_DTYPES),
+        help="dtype of the steps' matmuls (autocast; the errors, the refit and the stream stay float32)",
+    )
     calibration_tokens: int = setting(4096, help="calibration tokens (disjoint windows of 1,024)")
     calibration_corpus: str = setting(
         DEFAULT_CORPUS,
@@ -145,6 +151,7 @@ def refine_layers(
     target: str = DEFAULT_TARGET,
     refit: bool = False,
     decay: bool = False,
+    step_dtype: str = "float32",
     keep: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
     progress: bool = True,
 ) -> list[LayerFit]:
@@ -156,7 +163,9 @@ def refine_layers(
         raise ValueError(f"source has {source.num_layers} layers, the converted model {converted.num_layers}")
     if windows.dim() != 2 or windows.shape[0] < 1:
         raise ValueError(f"windows must be (N, T) token ids with N >= 1, got {tuple(windows.shape)}")
-    rule = FitRule(steps, lr=lr, relative_lr=relative_lr, target=target, refit=refit, decay=decay)
+    rule = FitRule(
+        steps, lr=lr, relative_lr=relative_lr, target=target, refit=refit, decay=decay, step_dtype=step_dtype
+    )
     with torch.no_grad():
         x_src = [source.embed(w).unsqueeze(0) for w in windows]  # N x (1, T, E)
         x_conv = [converted.embed(w).unsqueeze(0) for w in windows]  # N x (1, T, E)
@@ -282,6 +291,7 @@ def refine(settings: RefineSettings, *, progress: bool = True, source_name: str 
             target=s.target,
             refit=s.refit,
             decay=s.decay,
+            step_dtype=s.step_dtype,
             keep=refitted.__setitem__,
             progress=progress,
         )

@@ -33,6 +33,7 @@ from hf_attn.conversion import stages
 
 TARGETS = ("attention", "layer")
 DEFAULT_TARGET = "layer"
+STEP_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 OUTPUT_RIDGE = 1e-3
 
 
@@ -146,12 +147,15 @@ class FitRule:
     target: str = DEFAULT_TARGET
     refit: bool = False
     decay: bool = False
+    step_dtype: str = "float32"
 
     def __post_init__(self):
         if (self.lr is None) == (self.relative_lr is None):
             raise ValueError(f"give exactly one of lr ({self.lr}) and relative_lr ({self.relative_lr})")
         if self.target not in TARGETS:
             raise ValueError(f"target must be one of {TARGETS}, got {self.target!r}")
+        if self.step_dtype not in STEP_DTYPES:
+            raise ValueError(f"step_dtype must be one of {tuple(STEP_DTYPES)}, got {self.step_dtype!r}")
 
 
 def fit_layer(index: int, layer, inputs: list, targets: Targets, kwargs: dict, rule: FitRule):
@@ -179,8 +183,9 @@ def fit_layer(index: int, layer, inputs: list, targets: Targets, kwargs: dict, r
                 group["lr"] = rate * (1 - step / rule.steps) if rule.decay else rate
             optimizer.zero_grad(set_to_none=True)
             j = step % len(inputs)
-            with stages.stage("refine forward"):
-                loss = (_rms(predict(layer, inputs[j], kwargs)) - targets.normalized[j]).pow(2).mean()
+            with stages.stage("refine forward"), _autocast(rule.step_dtype, inputs[j].device):
+                predicted = predict(layer, inputs[j], kwargs).float()
+                loss = (_rms(predicted) - targets.normalized[j]).pow(2).mean()
             with stages.stage("refine backward"):
                 loss.backward()
             with stages.stage("refine update"):
@@ -198,6 +203,12 @@ def fit_layer(index: int, layer, inputs: list, targets: Targets, kwargs: dict, r
         attn.load_state_dict(saved)
         _, outputs = _predictions(layer, inputs, kwargs, rule.target, full=True)
     return LayerFit(index, before, before, False), outputs
+
+
+def _autocast(step_dtype: str, device: torch.device):
+    """The steps' matmuls in `step_dtype` (torch.autocast; float32: as they are)."""
+    dtype = STEP_DTYPES[step_dtype]
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
 def _layer_output(layer, x: torch.Tensor, kwargs: dict) -> torch.Tensor:

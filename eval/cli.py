@@ -46,6 +46,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "bench engine": ("hf_attn.eval.engine.bench", "source vs MLA export in vLLM: KV capacity, throughput"),
     "bench stream": ("hf_attn.eval.bench.stream", "peak memory of the streamed mean-pooling conversion"),
+    "bench stages": ("hf_attn.eval.bench.stages", "a conversion's time per stage beside its FLOP bound"),
     "bench gpu": ("hf_attn.eval.bench.gpu", "every GPU measurement, each part with its own time limit"),
 }
 PROG = "hf-attn"
