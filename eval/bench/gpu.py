@@ -218,7 +218,7 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def _die_with_runner() -> None:
     """In a part's process before it starts: SIGTERM to it when the runner dies, even of SIGKILL, so that no
-    part outlives the command in its own session (Linux's PR_SET_PDEATHSIG; elsewhere nothing)."""
+    part outlives the command in its own process group (Linux's PR_SET_PDEATHSIG; elsewhere nothing)."""
     try:
         import ctypes
 
