@@ -41,7 +41,7 @@ Code (`conversion/training/`): `HealSettings` (every option; the command line is
         [--batch-size 1] [--grad-accum 1]
         [--lr 3e-5 | --relative-lr R] [--warmup-steps 0] [--schedule cosine|constant]
         [--trainable all|attention | --lora-rank R [--lora-targets NAME ...]]
-        [--teacher auto|DIR|none [--distill-temperature 1] [--distill-weight 1]]
+        [--teacher auto|DIR|none [--distill-temperature 1] [--distill-weight 0.5]]
         [--autocast-dtype float32|bfloat16|float16] [--eval-text FILE ...] [--eval-every S]
         [--eval-tokens 8192] [--checkpoint-every N] [--resume] [--seed 0] [--gradient-checkpointing]
         [--overwrite]

@@ -99,7 +99,8 @@ def test_training_loss_mixes_kl_and_next_token_cross_entropy(tiny):
 def test_a_student_equal_to_its_teacher_has_zero_kl_zero_gradient_and_never_moves(tiny, tmp_path):
     model_dir = tiny[0]
     before = _hashes(model_dir)
-    result = _run(tiny, tmp_path / "out", max_steps=2, teacher=str(model_dir), eval_tokens=0)
+    pure = dict(teacher=str(model_dir), distill_weight=1.0)  # (w < 1 would train on the labels too)
+    result = _run(tiny, tmp_path / "out", max_steps=2, eval_tokens=0, **pure)
     steps = [e for e in read_log(result["log"]) if e["event"] == "step"]
     assert [e["kl"] for e in steps] == [0.0, 0.0] and [e["loss"] for e in steps] == [0.0, 0.0]
     assert all(e["ce"] > 1 for e in steps)  # the labels' loss was not what trained
