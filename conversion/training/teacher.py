@@ -62,7 +62,7 @@ def resolve_teacher(teacher: str, student: Path) -> tuple[Path | None, str | Non
         )
     try:
         digest = checkpoint_hash(path)
-    except (OSError, FileNotFoundError):
+    except OSError:
         digest = None
     if digest is None or (recorded_hash and digest != recorded_hash):
         return (
