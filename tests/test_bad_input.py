@@ -422,6 +422,8 @@ def test_ctrl_c_exits_130_with_one_line_after_cleanup(ws_text, tmp_path):
         text=True,
         env=ENV,
         cwd=tmp_path,
+        # a suite started in the background of a script inherits SIGINT ignored; a terminal's Ctrl-C does not
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     seen = ""
     while "perplexity" not in seen.split("Loading weights")[-1]:  # the evaluation's progress bar started
