@@ -295,10 +295,11 @@ def fit_values(
     output-whitened principal components, D_q by least squares, then `iterations` rounds of alternating
     least squares (P by conjugate gradients). Returns P (d, r d) and D (Q, d, d).
 
-    Where the text is silent (outside the range of Y = sum_q Y_q: eigenvalues <= _RANGE_TOL x the largest)
-    P is zero, the minimum-norm solution; as D absorbs any invertible T (P -> T P, D_q -> D_q T^-1), P is then
-    the one closest to mean pooling P_mean = [I/r ... I/r] in Y's metric, T = P_mean Y P^T (P Y P^T)^+, and
-    each D_q's ridge pulls it toward I: copies of one head (an expanded checkpoint) give back the original.
+    Outside the range of Y = sum_q Y_q (eigenvalues <= _RANGE_TOL x the largest: the text is silent) P is
+    zero (minimum norm); D absorbs any invertible T (P -> T P, D_q -> D_q T^-1), so P is taken closest to mean
+    pooling P_mean = [I/r ... I/r] in Y's metric, T = P_mean Y P^T (P Y P^T)^+, then W T P with W = C_mean^1/2
+    C^-1/2 gives the pooled values the mean pool's covariance (C_mean = P_mean Y P_mean^T, C = T P Y P^T T^T);
+    each D_q's ridge pulls it toward I. Copies of one head (an expanded checkpoint) give back the original.
     """
     nq, rd, d = y.shape[0], y.shape[1], grams.shape[1]
     r = rd // d
@@ -346,6 +347,7 @@ def fit_values(
             direction, rz = z + (rz_new / rz) * direction, rz_new
     p, total, mean_pool = p @ excited, y.sum(0), torch.eye(d, dtype=y.dtype).repeat(1, r) / r  # P_mean
     p = mean_pool @ total @ p.T @ torch.linalg.pinv(p @ total @ p.T, rtol=_RANGE_TOL, hermitian=True) @ p
+    p = _sym_sqrt(mean_pool @ total @ mean_pool.T) @ torch.linalg.inv(_sym_sqrt(p @ total @ p.T)) @ p
     return p, decoders(p)
 
 
