@@ -1,6 +1,7 @@
 """Layer-local refinement of a converted checkpoint against its source: calibration text only, no labels.
 
     hf-attn refine --model CONVERTED --output DIR [--source SRC] [--steps 32] [--relative-lr 0.01 | --lr LR]
+        [--loss-stride 4] [--step-dtype bfloat16|float32] [--target layer|attention]
         [--calibration-tokens 4096] [--calibration-corpus austen|python-docs|mix | --calibration-text FILE...]
         [--overwrite]
 
@@ -22,10 +23,13 @@ own stream:
 
 over the converted layer's `self_attn` parameters only (the MLP and norms are frozen; the gradient passes
 through the MLP), `steps` Adam steps of one window each; rms() compares what the next layer's RMSNorm
-reads, so the few huge residual-stream dimensions do not dominate. A layer keeps its refined weights only if
-they lower the error over all windows (an exact conversion is left as it is). Then x_conv and x_src move
-on. The parameter shapes never change, so the output has the converted checkpoint's format (a DeepSeek-layout
-`llama_mla` stays exportable).
+reads, so the few huge residual-stream dimensions do not dominate. Each step's loss covers every
+`loss_stride`-th position (the MLP runs on those alone) and its matmuls run in `step_dtype`
+(`conversion.refine_fit`); the errors and the hidden states carried on stay float32. A layer keeps its
+refined weights only if they lower the error over all windows (an exact conversion is left as it is). Then
+x_conv and x_src move on; on the CPU the threads follow the cores other processes leave free
+(`conversion.threads`). The parameter shapes never change, so the output has the converted checkpoint's
+format (a DeepSeek-layout `llama_mla` stays exportable).
 
 Both models are read from their safetensors one decoder layer at a time (`layerwise.LayerwiseModel`), in fp32
 on `--device`: memory is one layer of each model plus 3 N T E floats of hidden states, whatever the depth (a
@@ -58,14 +62,13 @@ from hf_attn.conversion.checkpoint import (
 )
 from hf_attn.conversion.layerwise import LayerwiseModel, resolve_forward
 from hf_attn.conversion.refine_fit import (
-    DEFAULT_TARGET,
     STEP_DTYPES,
     TARGETS,
     FitRule,
     LayerFit,
-    Targets,
     fit_layer,
     halves,
+    targets_of,
 )
 from hf_attn.conversion.shards import SpilledLayers
 from hf_attn.conversion.threads import CoreShare
@@ -85,6 +88,8 @@ from hf_attn.tooling.files import check_output, check_text_files, checkpoint_has
 PROG = "hf-attn refine"
 CONVERSION_KINDS = ("gqa", "mla")  # records whose `source` a refinement defaults to
 RELATIVE_LR = 0.01
+LOSS_STRIDE = 4  # each step's loss on every 4th position: a quarter of the MLP's work (docs/scale.md)
+STEP_DTYPE = "bfloat16"  # the steps' matmuls (docs/scale.md: the same perplexity as float32)
 
 
 @dataclass(frozen=True)
@@ -105,18 +110,20 @@ class RefineSettings:
     lr: float | None = setting(
         None, help="one absolute Adam learning rate for every tensor instead (e.g. 1e-4)"
     )
-    decay: bool = setting(False, help="the learning rate decays linearly to 0 over the steps")
     target: str = setting(
-        DEFAULT_TARGET,
+        TARGETS[0],
         choices=TARGETS,
-        help="what each layer matches: the source's residual stream after attention (the steps skip the MLP) "
-        "or the layer's output",
+        help="what each layer matches: the source layer's output, or the residual stream after its attention "
+        "(cheaper steps that skip the MLP, a little less accurate)",
     )
-    refit: bool = setting(False, help="o_proj refitted by least squares before and after the steps")
+    loss_stride: int = setting(
+        LOSS_STRIDE,
+        help="each step's loss on every k-th position of its window (the MLP runs on those alone)",
+    )
     step_dtype: str = setting(
-        "float32",
+        STEP_DTYPE,
         choices=tuple(STEP_DTYPES),
-        help="dtype of the steps' matmuls (autocast; the errors, the refit and the stream stay float32)",
+        help="dtype of the steps' matmuls (autocast; the errors and the carried hidden states stay float32)",
     )
     calibration_tokens: int = setting(4096, help="calibration tokens (disjoint windows of 1,024)")
     calibration_corpus: str = setting(
@@ -148,10 +155,9 @@ def refine_layers(
     steps: int,
     lr: float | None = None,
     relative_lr: float | None = None,
-    target: str = DEFAULT_TARGET,
-    refit: bool = False,
-    decay: bool = False,
-    step_dtype: str = "float32",
+    target: str = TARGETS[0],
+    loss_stride: int = LOSS_STRIDE,
+    step_dtype: str = STEP_DTYPE,
     keep: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
     progress: bool = True,
 ) -> list[LayerFit]:
@@ -164,7 +170,7 @@ def refine_layers(
     if windows.dim() != 2 or windows.shape[0] < 1:
         raise ValueError(f"windows must be (N, T) token ids with N >= 1, got {tuple(windows.shape)}")
     rule = FitRule(
-        steps, lr=lr, relative_lr=relative_lr, target=target, refit=refit, decay=decay, step_dtype=step_dtype
+        steps, lr=lr, relative_lr=relative_lr, target=target, loss_stride=loss_stride, step_dtype=step_dtype
     )
     with torch.no_grad():
         x_src = [source.embed(w).unsqueeze(0) for w in windows]  # N x (1, T, E)
@@ -180,7 +186,7 @@ def refine_layers(
             with torch.no_grad(), stages.stage("refine targets"):
                 mids, x_src = (list(h) for h in zip(*(halves(layer, x, kwargs) for x in x_src)))
             source.free_layer(i)
-            targets = Targets.of(mids, x_src, rule.target)
+            targets = targets_of(mids, x_src, rule.target)
             del mids
             layer, kwargs = converted.load_layer(i), converted.layer_kwargs(x_conv[0], i, conv_cache)
             layer.requires_grad_(False)  # fit_layer trains self_attn alone
@@ -245,6 +251,7 @@ def check_settings(s: RefineSettings) -> None:
     """The options checked before any work: UserError naming the first bad one."""
     check_choices(s)
     check_number("--steps", s.steps, minimum=1, inclusive=True, integer=True)
+    check_number("--loss-stride", s.loss_stride, minimum=1, inclusive=True, integer=True)
     check_number("--lr", s.lr)
     check_number("--relative-lr", s.relative_lr)
     check_number("--calibration-tokens", s.calibration_tokens, minimum=1, inclusive=True, integer=True)
@@ -289,8 +296,7 @@ def refine(settings: RefineSettings, *, progress: bool = True, source_name: str 
             lr=s.lr,
             relative_lr=None if s.lr is not None else s.relative_lr,
             target=s.target,
-            refit=s.refit,
-            decay=s.decay,
+            loss_stride=s.loss_stride,
             step_dtype=s.step_dtype,
             keep=refitted.__setitem__,
             progress=progress,

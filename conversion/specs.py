@@ -34,7 +34,7 @@ from hf_attn.conversion import shared_rope as sr
 from hf_attn.conversion.checkpoint import DEFAULT_MAX_SHARD_BYTES
 from hf_attn.conversion.engine_dims import ENGINE_DIMS
 from hf_attn.conversion.mla_layer import DEFAULT_FACTORIZATION, DEFAULT_ROPE_SELECTION
-from hf_attn.conversion.refine import TARGETS, RefineSettings
+from hf_attn.conversion.refine import STEP_DTYPES, TARGETS, RefineSettings
 from hf_attn.tooling import assets, loading
 from hf_attn.tooling.cli import add_settings_arguments, check_choices, setting
 from hf_attn.tooling.devices import DEFAULT_DEVICE, DEVICE_HELP, DEVICES
@@ -312,24 +312,26 @@ class RefineSpec:
         RefineSettings.target,
         flag="--refine-target",
         choices=TARGETS,
-        help="what each refined layer matches: the source's residual stream after attention or the layer's "
-        "output (hf-attn refine --target)",
+        help="what each refined layer matches: the source layer's output or the residual stream after its "
+        "attention (hf-attn refine --target)",
     )
-    refit: bool = setting(
-        RefineSettings.refit,
-        flag="--no-refine-refit" if RefineSettings.refit else "--refine-refit",
-        help="o_proj refitted by least squares before and after the steps (hf-attn refine --refit)",
+    loss_stride: int = setting(
+        RefineSettings.loss_stride,
+        flag="--refine-loss-stride",
+        help="each refinement step's loss on every k-th position (hf-attn refine --loss-stride)",
     )
-    decay: bool = setting(
-        RefineSettings.decay,
-        flag="--no-refine-decay" if RefineSettings.decay else "--refine-decay",
-        help="the refinement's learning rate decays linearly to 0 (hf-attn refine --decay)",
+    step_dtype: str = setting(
+        RefineSettings.step_dtype,
+        flag="--refine-step-dtype",
+        choices=tuple(STEP_DTYPES),
+        help="dtype of the refinement steps' matmuls (hf-attn refine --step-dtype)",
     )
 
     def __post_init__(self):
         check_choices(self)
         _check_int("--refine-steps", self.steps, 0)
         _check_int("--refine-tokens", self.tokens, 1)
+        _check_int("--refine-loss-stride", self.loss_stride, 1)
 
 
 @dataclass(frozen=True)

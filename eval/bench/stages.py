@@ -21,14 +21,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-import torch
 
 from hf_attn.conversion import stages
 from hf_attn.eval.bench import stage_work as sw
@@ -47,14 +46,8 @@ CONVERTERS = {
 # the refinement's flags of each recipe ("before": the defaults until 2026-11-26)
 RECIPES = {
     "default": [],
-    "before": [
-        "--refine-steps",
-        "32",
-        "--refine-tokens",
-        "4096",
-        "--refine-target",
-        "layer",
-    ],
+    "before": ["--refine-steps", "32", "--refine-tokens", "4096", "--refine-loss-stride", "1"]
+    + ["--refine-step-dtype", "float32"],
 }
 
 
@@ -186,10 +179,11 @@ def run_conversion(
     dst = workdir / f"{model}-{converter}-{recipe}"
     argv = child_argv(module, cuda=False) + ["--model", str(src), "--output", str(dst), *args]
     argv += [*RECIPES[recipe], *extra, "--device", "cpu"]
-    load = os.getloadavg()[0]
+    load, cpu = os.getloadavg()[0], _children_cpu_seconds()
     with busy_processes(busy):
         code, wall, _, tail, _ = measure(argv)
-    note = f"load {load:.1f} -> {os.getloadavg()[0]:.1f}; {busy} busy; threads {torch.get_num_threads()}"
+        cpu = _children_cpu_seconds() - cpu  # the conversion's (the busy processes are reaped later)
+    note = f"load {load:.1f} -> {os.getloadavg()[0]:.1f}; {busy} busy; child CPU {cpu:.0f} s"
     if code != 0:
         raise UserError(f"{' '.join(argv[3:])} failed (exit {code}): {tail.strip().splitlines()[-1:]}")
     history = json.loads((dst / "config.json").read_text())["hf_attn"]["history"]
@@ -199,6 +193,12 @@ def run_conversion(
                sizes=converted_sizes(dst, layers), source_bytes=weight_bytes(src))  # fmt: skip
     shutil.rmtree(dst)
     return run
+
+
+def _children_cpu_seconds() -> float:
+    """User + system CPU seconds of every child process reaped so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _cell(value: float | None, fmt: str) -> str:
