@@ -182,3 +182,30 @@ def test_convert_with_refine_steps_is_convert_then_refine(converted_pair, tmp_pa
     assert set(a) == set(b)
     for name in a:
         assert torch.equal(read_tensor(a[name]), read_tensor(b[name])), name
+
+
+@pytest.mark.parametrize("stride,visit", [(1, 0), (4, 0), (4, 1), (3, 5)])
+def test_a_strided_step_is_the_layers_own_output_at_its_positions(stride, visit):
+    """A step's prediction on every `stride`-th position (the MLP on those alone) against the decoder layer's
+    own forward at those positions; the offset advances with the visit."""
+    from hf_attn.conversion.refine_fit import FitRule, _step_prediction
+
+    model = tiny_llama(7).eval()
+    layer, t = model.model.layers[0], 11
+    x = torch.randn(1, t, SRC_TINY["hidden_size"], generator=torch.Generator().manual_seed(1))
+    ids = torch.arange(t)[None]
+    kwargs = dict(
+        attention_mask=None,
+        position_ids=ids,
+        position_embeddings=model.model.rotary_emb(x, ids),
+        use_cache=False,
+    )
+    with torch.no_grad():
+        whole = layer(x, **kwargs)
+        whole = whole[0] if isinstance(whole, tuple) else whole  # (1, T, E)
+        got, positions = _step_prediction(layer, x, kwargs, FitRule(1, lr=1e-3, loss_stride=stride), visit)
+    want = whole[:, visit % stride :: stride]
+    assert got.shape == want.shape and torch.arange(t)[positions].tolist() == list(
+        range(visit % stride, t, stride)
+    )
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
