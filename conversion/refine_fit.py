@@ -12,8 +12,8 @@ The target is the source layer's y on the source's own stream (target "layer"), 
 layer's error is mean |rms(prediction) - rms(target)|^2 over every token of the windows, in float32. The fit:
 `steps` Adam steps on all `self_attn` parameters, step k on window k mod N; each step's loss covers every
 `loss_stride`-th position of its window, the offset advancing with each visit of the window (the MLP acts per
-position, so it runs on those positions alone: 1/loss_stride of its work; the attention still runs on every
-position, which the kept ones attend to), with the matmuls in `step_dtype` (torch.autocast). The weights are
+position, so it runs on those positions alone, and the attention is computed for those queries alone, over
+every key: the loss reads nothing else), with the matmuls in `step_dtype` (torch.autocast). The weights are
 kept only if they lower the error over all windows (an exact conversion is left as it is).
 """
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers import AttentionInterface
 
 from hf_attn.conversion import stages
 
@@ -107,12 +108,50 @@ def _evaluate(layer, inputs: list, targets: list, kwargs: dict, target: str) -> 
 
 def _step_prediction(layer, x: torch.Tensor, kwargs: dict, rule: FitRule, visit: int):
     """(what a step's loss compares, (1, T', E); the window positions it covers): the attention residual
-    (target "attention"), or the layer's output on every `loss_stride`-th position from `visit` mod stride."""
-    m = attention_residual(layer, x, kwargs)  # (1, T, E)
+    (target "attention"), or the layer's output on every `loss_stride`-th position from `visit` mod stride,
+    its attention computed for those queries alone (`strided_queries_attention`)."""
     if rule.target == "attention":
-        return m, slice(None)
+        return attention_residual(layer, x, kwargs), slice(None)
     positions = slice(visit % rule.loss_stride, None, rule.loss_stride)
+    if rule.loss_stride == 1:
+        return mlp_residual(layer, attention_residual(layer, x, kwargs)), positions
+    config = layer.self_attn.config
+    attention, config._attn_implementation = config._attn_implementation, STRIDED
+    try:
+        m = attention_residual(layer, x, {**kwargs, "query_rows": positions})  # (1, T, E), right at positions
+    finally:
+        config._attn_implementation = attention
     return mlp_residual(layer, m[:, positions]), positions
+
+
+def strided_queries_attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, query_rows, **kwargs
+):
+    """The attention contract (`fn(module, query, key, value, attention_mask, ...) -> (out, None)`) for the
+    query positions `query_rows` (a slice) alone: query (B, Hq, T, D), key (B, Hkv, S, D), value
+    (B, Hkv, S, Dv) -> out (B, T, Hq, Dv), zero at the other positions. Causal, bottom-right aligned, within
+    `sliding_window` if given, or the rows of `attention_mask` (boolean or additive) where there is one."""
+    b, hq, t, _ = query.shape
+    s = key.shape[2]
+    rows = torch.arange(t, device=query.device)[query_rows]  # (Tq,)
+    if attention_mask is not None:
+        mask = attention_mask[..., rows, :]  # (B or 1, 1, Tq, S)
+    else:
+        at, keys = rows[:, None] + (s - t), torch.arange(s, device=query.device)[None]
+        mask = keys <= at  # (Tq, S)
+        window = kwargs.get("sliding_window")
+        if window is not None:
+            mask &= at - keys < window
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query[:, :, rows], key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=True
+    )  # (B, Hq, Tq, Dv)
+    full = out.new_zeros(b, t, hq, value.shape[-1])
+    full[:, rows] = out.transpose(1, 2)
+    return full, None
+
+
+STRIDED = "hf_attn_strided_queries"  # the refinement's own attention implementation (registered here)
+AttentionInterface.register(STRIDED, strided_queries_attention)
 
 
 def fit_layer(index: int, layer, inputs: list, targets: list, kwargs: dict, rule: FitRule):

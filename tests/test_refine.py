@@ -184,13 +184,20 @@ def test_convert_with_refine_steps_is_convert_then_refine(converted_pair, tmp_pa
         assert torch.equal(read_tensor(a[name]), read_tensor(b[name])), name
 
 
+@pytest.mark.parametrize("kind", ["llama", "llama_mla deepseek layout", "qwen2 biases"])
 @pytest.mark.parametrize("stride,visit", [(1, 0), (4, 0), (4, 1), (3, 5)])
-def test_a_strided_step_is_the_layers_own_output_at_its_positions(stride, visit):
-    """A step's prediction on every `stride`-th position (the MLP on those alone) against the decoder layer's
-    own forward at those positions; the offset advances with the visit."""
+def test_a_strided_step_is_the_layers_own_output_at_its_positions(kind, stride, visit):
+    """A step's prediction on every `stride`-th position (the MLP on those alone, the attention for those
+    queries alone) against the decoder layer's own forward at those positions; the offset advances with
+    the visit."""
     from hf_attn.conversion.refine_fit import FitRule, _step_prediction
 
-    model = tiny_llama(7).eval()
+    models = {
+        "llama": lambda: tiny_llama(7),
+        "llama_mla deepseek layout": lambda: deepseek_layout_model("llama", seed=7),
+        "qwen2 biases": lambda: deepseek_layout_model("qwen2", seed=8),
+    }
+    model = models[kind]().eval()
     layer, t = model.model.layers[0], 11
     x = torch.randn(1, t, SRC_TINY["hidden_size"], generator=torch.Generator().manual_seed(1))
     ids = torch.arange(t)[None]
