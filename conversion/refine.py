@@ -88,8 +88,8 @@ from hf_attn.tooling.files import check_output, check_text_files, checkpoint_has
 PROG = "hf-attn refine"
 CONVERSION_KINDS = ("gqa", "mla")  # records whose `source` a refinement defaults to
 RELATIVE_LR = 0.01
-LOSS_STRIDE = 4  # each step's loss on every 4th position: a quarter of the MLP's work (docs/scale.md)
-STEP_DTYPE = "bfloat16"  # the steps' matmuls (docs/scale.md: the same perplexity as float32)
+LOSS_STRIDE = 1  # each step's loss on every position of its window
+STEP_DTYPE = "float32"  # the steps' matmuls
 
 
 @dataclass(frozen=True)
