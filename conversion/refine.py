@@ -24,8 +24,9 @@ own stream:
 over the converted layer's `self_attn` parameters only (the MLP and norms are frozen; the gradient passes
 through the MLP), `steps` Adam steps of one window each; rms() compares what the next layer's RMSNorm
 reads, so the few huge residual-stream dimensions do not dominate. Each step's loss covers every
-`loss_stride`-th position (the MLP runs on those alone) and its matmuls run in `step_dtype`
-(`conversion.refine_fit`); the errors and the hidden states carried on stay float32. A layer keeps its
+`loss_stride`-th position (the MLP runs on those alone), and the matmuls of the steps, the targets and the
+errors run in `step_dtype` (`conversion.refine_fit`); their outputs are added to float32 hidden states, so
+the stream carried on and the errors stay float32. A layer keeps its
 refined weights only if they lower the error over all windows (an exact conversion is left as it is). Then
 x_conv and x_src move on; on the CPU the threads follow the cores other processes leave free
 (`conversion.threads`). The parameter shapes never change, so the output has the converted checkpoint's
@@ -66,6 +67,7 @@ from hf_attn.conversion.refine_fit import (
     TARGETS,
     FitRule,
     LayerFit,
+    autocast,
     fit_layer,
     halves,
     targets_of,
@@ -88,8 +90,8 @@ from hf_attn.tooling.files import check_output, check_text_files, checkpoint_has
 PROG = "hf-attn refine"
 CONVERSION_KINDS = ("gqa", "mla")  # records whose `source` a refinement defaults to
 RELATIVE_LR = 0.01
-LOSS_STRIDE = 1  # each step's loss on every position of its window
-STEP_DTYPE = "float32"  # the steps' matmuls
+LOSS_STRIDE = 4  # each step's loss on every 4th position of its window (docs/scale.md)
+STEP_DTYPE = "bfloat16"  # the refinement's matmuls (docs/scale.md: perplexity within 1% of float32's)
 
 
 @dataclass(frozen=True)
@@ -123,7 +125,8 @@ class RefineSettings:
     step_dtype: str = setting(
         STEP_DTYPE,
         choices=tuple(STEP_DTYPES),
-        help="dtype of the steps' matmuls (autocast; the errors and the carried hidden states stay float32)",
+        help="dtype of the refinement's matmuls: steps, targets, errors (autocast; the hidden states carried "
+        "from layer to layer and the errors stay float32)",
     )
     calibration_tokens: int = setting(4096, help="calibration tokens (disjoint windows of 1,024)")
     calibration_corpus: str = setting(
@@ -183,7 +186,7 @@ def refine_layers(
         for i in bar:
             share.update()
             layer, kwargs = source.load_layer(i), source.layer_kwargs(x_src[0], i, src_cache)
-            with torch.no_grad(), stages.stage("refine targets"):
+            with torch.no_grad(), stages.stage("refine targets"), autocast(x_src[0].device, rule.step_dtype):
                 mids, x_src = (list(h) for h in zip(*(halves(layer, x, kwargs) for x in x_src)))
             source.free_layer(i)
             targets = targets_of(mids, x_src, rule.target)

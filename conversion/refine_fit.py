@@ -13,8 +13,9 @@ layer's error is mean |rms(prediction) - rms(target)|^2 over every token of the 
 `steps` Adam steps on all `self_attn` parameters, step k on window k mod N; each step's loss covers every
 `loss_stride`-th position of its window, the offset advancing with each visit of the window (the MLP acts per
 position, so it runs on those positions alone, and the attention is computed for those queries alone, over
-every key: the loss reads nothing else), with the matmuls in `step_dtype` (torch.autocast). The weights are
-kept only if they lower the error over all windows (an exact conversion is left as it is).
+every key: the loss reads nothing else). The matmuls of the steps and of the errors run in `step_dtype`
+(torch.autocast); their outputs are added to float32 hidden states, so the errors stay float32. The
+weights are kept only if they lower the error over all windows (an exact conversion is left as it is).
 """
 
 from __future__ import annotations
@@ -95,13 +96,20 @@ def targets_of(mids: list, outputs: list, target: str) -> list:
     return [_rms(m if target == "attention" else y) for m, y in zip(mids, outputs, strict=True)]
 
 
-def _evaluate(layer, inputs: list, targets: list, kwargs: dict, target: str) -> tuple[float, list]:
-    """(the error over all windows, the layer's outputs y: the stream the next layer reads), float32."""
+def autocast(device: torch.device, step_dtype: str):
+    """The matmuls of the refinement in `step_dtype` (torch.autocast; a no-op for float32): their outputs are
+    added to float32 hidden states, so the stream and the errors stay float32."""
+    dtype = STEP_DTYPES[step_dtype]
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+
+def _evaluate(layer, inputs: list, targets: list, kwargs: dict, rule: FitRule) -> tuple[float, list]:
+    """(the error over all windows, the layer's outputs y: the stream the next layer reads, float32)."""
     error, outputs = 0.0, []
-    with torch.no_grad():
+    with torch.no_grad(), autocast(inputs[0].device, rule.step_dtype):
         for x, t in zip(inputs, targets, strict=True):
-            m, y = halves(layer, x, kwargs)
-            error += float((_rms(m if target == "attention" else y) - t).pow(2).mean())
+            m, y = halves(layer, x, kwargs)  # (1, T, E) float32 each: x + bf16 increments
+            error += float((_rms(m if rule.target == "attention" else y) - t).pow(2).mean())
             outputs.append(y)
     return error / len(inputs), outputs
 
@@ -161,22 +169,17 @@ def fit_layer(index: int, layer, inputs: list, targets: list, kwargs: dict, rule
 
     attn = layer.self_attn
     with stages.stage("refine error"):
-        before, outputs_before = _evaluate(layer, inputs, targets, kwargs, rule.target)
+        before, outputs_before = _evaluate(layer, inputs, targets, kwargs, rule)
     saved = {k: v.clone() for k, v in attn.state_dict().items()}
     params = list(attn.parameters())
     optimizer = torch.optim.Adam(param_groups(params, lr=rule.lr, relative_lr=rule.relative_lr))
     for p in params:
         p.requires_grad_(True)
-    autocast = torch.autocast(
-        inputs[0].device.type,
-        dtype=STEP_DTYPES[rule.step_dtype],
-        enabled=rule.step_dtype != "float32",
-    )
     with torch.enable_grad():
         for step in range(rule.steps):
             optimizer.zero_grad(set_to_none=True)
             j = step % len(inputs)
-            with stages.stage("refine forward"), autocast:
+            with stages.stage("refine forward"), autocast(inputs[0].device, rule.step_dtype):
                 predicted, positions = _step_prediction(layer, inputs[j], kwargs, rule, step // len(inputs))
                 loss = (_rms(predicted.float()) - targets[j][:, positions]).pow(2).mean()
             with stages.stage("refine backward"):
@@ -186,7 +189,7 @@ def fit_layer(index: int, layer, inputs: list, targets: list, kwargs: dict, rule
     for p in params:
         p.requires_grad_(False)
     with stages.stage("refine error"):
-        after, outputs = _evaluate(layer, inputs, targets, kwargs, rule.target)
+        after, outputs = _evaluate(layer, inputs, targets, kwargs, rule)
     if after < before:
         return LayerFit(index, before, after, True), outputs
     attn.load_state_dict(saved)
