@@ -6,7 +6,7 @@ calls
 it, `fn(module, query, key, value, mask, scaling=d**-0.5, dropout=0.0)`, with the mask its registered mask
 function builds for T new tokens against S cached ones (no padding), query (B, Hq, T, d) as the model's
 transposed view, key / value (B, Hkv, S, d) contiguous. Time: CUDA events, the L2 flushed before each call,
-median of `repeats` (`eval/bench/mla_kernel.median_ms`). Peak memory: `torch.cuda.max_memory_allocated` during
+median of `repeats` (`benchmarks/mla_kernel.median_ms`). Peak memory: `torch.cuda.max_memory_allocated` during
 one call minus what was allocated before it (inputs and mask excluded). Each output is checked against sdpa's
 (a sanity check, not a test). Decode: T = 1; prefill: T = S (no cache, causal).
 """

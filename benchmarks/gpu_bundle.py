@@ -13,8 +13,9 @@ together). The bundle (`make gpu-wheels` writes it; an ignored folder) holds:
 
 On the GPU machine the runner installs the wheels with `pip install --no-index --no-deps --no-compile --target
 .gpu/site/wheels` and builds `.gpu/site/src/hf_attn`, the installed package layout (`hf_attn.eval`,
-`hf_attn.conversion`) made of symbolic links into the checkout, so an edit in the checkout is what runs next.
-Child processes get both on PYTHONPATH, with PYTHONSAFEPATH=1 so that the checkout's own `hf_attn/` folder
+`hf_attn.conversion`) made of symbolic links into the checkout, with `.gpu/site/src/benchmarks` (a link to the
+checkout's `benchmarks/`) beside it, so an edit in the checkout is what runs next. Child processes get both on
+PYTHONPATH, with PYTHONSAFEPATH=1 so that the checkout's own `hf_attn/` folder
 (which lacks `eval` and `conversion`) does not shadow them. Standard library (and `packaging`) only: the
 runner imports this before any package that the wheels replace.
 """

@@ -1,6 +1,6 @@
 """`python -m benchmarks.gpu` parts that train: heal (one GPU) and fsdp.
 
-heal: on SmolLM2's config with random weights (the 517 MB weights do not travel), `eval/bench/heal.throughput`
+heal: on SmolLM2's config with random weights (the 517 MB weights do not travel), `benchmarks/heal.throughput`
 (`hf-attn heal` against a bare PyTorch loop doing the same steps), then `hf-attn heal --teacher DIR` with a
 second random SmolLM2 as the frozen teacher (KL to its logits): what distilling costs per step.
 fsdp: `hf-attn heal` under `accelerate launch` with the shipped FSDP config, one process per GPU present.
@@ -87,7 +87,7 @@ def plan_heal(settings: dict) -> list[str]:
     smollm2_source()
     wanted = {"model", "steps", "rounds", "seq_len", "batch_size"}
     if wanted - set(inspect.signature(bench_heal.throughput).parameters):
-        raise ValueError(f"eval/bench/heal.throughput no longer takes {sorted(wanted)}")
+        raise ValueError(f"benchmarks/heal.throughput no longer takes {sorted(wanted)}")
     if "teacher" not in {f.name for f in dataclasses.fields(HealSettings)}:
         raise ValueError("hf-attn heal has no --teacher")
     s = settings
