@@ -56,6 +56,7 @@ from hf_attn.tooling.loading import dtype_name, library_versions, parse_dtype
 from hf_attn.tooling.tables import markdown_table
 
 PROG = "python -m benchmarks.attention"
+WRITER = "hf-attn benchmarks.attention"  # its JSON's written_by: an hf-attn output (the output guard)
 
 GROUPED = "hf_attn_grouped"
 IMPLEMENTATIONS = (GROUPED, "sdpa", "eager")
@@ -349,7 +350,7 @@ def bench(args: argparse.Namespace) -> None:
         f"load average before/after: {record['load_average']['before']} / {record['load_average']['after']}"
     )
     if args.output:
-        write_json(args.output, record, prog=PROG)
+        write_json(args.output, record, prog=WRITER)
 
 
 def main(argv: list[str] | None = None) -> int:

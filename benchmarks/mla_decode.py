@@ -46,6 +46,7 @@ from hf_attn.tooling.loading import (
 from hf_attn.tooling.tables import markdown_table
 
 PROG = "python -m benchmarks.mla_decode"
+WRITER = "hf-attn benchmarks.mla_decode"  # its JSON's written_by: an hf-attn output (the output guard)
 
 _SOURCE_FIELDS_DROP = ("model_type", "architectures", "transformers_version", "auto_map", "dtype", "hf_attn")
 VARIANTS = ("absorbed", "expanded", "source GQA (sdpa)")
@@ -278,7 +279,7 @@ def bench(args: argparse.Namespace) -> None:
     load = record["load_average"]
     print(f"device {record['device']}, {record['threads']} threads, load average before/after: {load}")
     if args.output:
-        write_json(args.output, record, prog=PROG)
+        write_json(args.output, record, prog=WRITER)
 
 
 def main(argv: list[str] | None = None) -> int:

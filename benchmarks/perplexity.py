@@ -29,6 +29,7 @@ from hf_attn.tooling.errors import UserError, check_number
 from hf_attn.tooling.files import check_output, write_json
 
 PROG = "python -m benchmarks.perplexity"
+WRITER = "hf-attn benchmarks.perplexity"  # its JSON's written_by: an hf-attn output (the output guard)
 
 
 def bare_forward_seconds(model, windows: torch.Tensor) -> float:
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             load_dtype=args.load_dtype,
         )
         if args.output is not None:
-            write_json(args.output, record, prog=PROG)
+            write_json(args.output, record, prog=WRITER)
         print(
             f"bare forward {record['bare_forward_tokens_per_second']:.1f} tokens/s, perplexity evaluation "
             f"{record['eval_tokens_per_second']:.1f} tokens/s: ratio {record['ratio']:.3f} "

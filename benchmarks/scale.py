@@ -44,6 +44,7 @@ from hf_attn.tooling.files import check_output, write_json, write_text_atomic
 from hf_attn.tooling.tables import markdown_table
 
 PROG = "python -m benchmarks.scale"
+WRITER = "hf-attn benchmarks.scale"  # its JSON's written_by: an hf-attn output (the output guard)
 
 CLOSED_FORM = ["--refine-steps", "0"]  # every conversion row times the closed form (refinement: its own row)
 MEAN_POOLING = ["--method", "mean", *CLOSED_FORM]  # the GQA paper's pooling
@@ -454,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.output:
                 base = Path(args.output).with_suffix("")
                 payload = {"settings": header, "rows": [{**asdict(r), "mb_per_s": r.mb_per_s} for r in rows]}
-                write_json(base.with_suffix(".json"), payload, prog=PROG)
+                write_json(base.with_suffix(".json"), payload, prog=WRITER)
                 write_text_atomic(base.with_suffix(".md"), markdown(rows, header))
 
         try:

@@ -38,6 +38,7 @@ from hf_attn.tooling.errors import UserError, check_number
 from hf_attn.tooling.files import json_record, write_text_atomic
 
 PROG = "python -m benchmarks.stages"
+WRITER = "hf-attn benchmarks.stages"  # its JSON's written_by: an hf-attn output (the output guard)
 MODELS = ("smollm2", "llama-2-7b", "llama-3-8b", "tiny")
 CONVERTERS = {
     "mla": ("hf_attn.conversion.mla", ["--kv-budget", "0.5"]),
@@ -287,7 +288,7 @@ def _write(output: str | None, rows: list[StageRow], headers: list[str]) -> None
         return
     base = Path(output).with_suffix("")
     payload = {"rates": headers, "rows": [asdict(r) for r in rows]}
-    write_text_atomic(base.with_suffix(".json"), json_record(payload, PROG))
+    write_text_atomic(base.with_suffix(".json"), json_record(payload, WRITER))
     write_text_atomic(base.with_suffix(".md"), markdown(rows, "\n".join(headers)))
 
 
