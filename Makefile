@@ -59,4 +59,4 @@ lint: $(STAMP)
 # Wheels, text and SmolLM2's config for an offline GPU machine (docs/gpu.md): .gpu/bundle, checked against 64 MiB
 .PHONY: gpu-wheels
 gpu-wheels: $(ASSETS)
-	$(VENV)/bin/hf-attn bench gpu --fetch
+	$(PY) -m benchmarks.gpu --fetch

@@ -1,11 +1,12 @@
 """`hf-attn`: the one command-line tool. Each subcommand is a module's `main(argv) -> int`, imported only when
 it runs; the documented `python -m ...` module commands are the same functions.
 
-    hf-attn convert gqa|mla|expand ...   hf-attn heal|refine ...  hf-attn perplexity ...
-    hf-attn study ...                    hf-attn assets
-    hf-attn bench attention|decode|heal|mla-decode|perplexity|stream ...
-    hf-attn --version                    hf-attn convert --help / hf-attn bench --help
-"""
+    hf-attn convert gqa|mla|expand ...   hf-attn heal|refine|export ...   hf-attn perplexity|harness ...
+    hf-attn study ...                    hf-attn engine-check ...         hf-attn assets
+    hf-attn bench decode ...             hf-attn --version                hf-attn convert --help
+
+The project's own benchmarks (GPU suite, scale, stages, the engine benchmark, ...) are not installed: they run
+from a checkout as `python -m benchmarks.<name>` (benchmarks/README.md)."""
 
 from __future__ import annotations
 
@@ -30,24 +31,21 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "study": ("hf_attn.eval.study", "convert, evaluate, heal every variant and write the report"),
     "engine-check": ("hf_attn.eval.engine.check", "an export served by vLLM vs transformers and its source"),
     "assets": ("hf_attn.tooling.assets", "fetch the embedded default (SmolLM2, Austen, the Python docs)"),
-    "bench attention": (
-        "hf_attn.eval.bench.attention",
-        "hf_attn_grouped vs sdpa / eager attention functions",
-    ),
     "bench decode": ("hf_attn.eval.bench.decode", "decode tokens/s and KV bytes of whole models"),
-    "bench heal": ("hf_attn.eval.bench.heal", "healing throughput and quality-vs-time curves"),
-    "bench mla-decode": ("hf_attn.eval.bench.mla_decode", "MLA absorbed vs expanded decode"),
-    "bench perplexity": ("hf_attn.eval.bench.perplexity", "perplexity evaluation vs a bare forward loop"),
-    "bench mla-kernel": ("hf_attn.eval.bench.mla_kernel", "the Triton MLA decode kernel (GPU)"),
-    "bench mla-kernel-registers": ("hf_attn.eval.bench.mla_kernel_registers", "the kernel's sm_90 registers"),
-    "bench scale": (
-        "hf_attn.eval.bench.scale",
-        "every converter on Llama-2-7B / Llama-3-8B-shaped checkpoints",
-    ),
-    "bench engine": ("hf_attn.eval.engine.bench", "source vs MLA export in vLLM: KV capacity, throughput"),
-    "bench stream": ("hf_attn.eval.bench.stream", "peak memory of the streamed mean-pooling conversion"),
-    "bench stages": ("hf_attn.eval.bench.stages", "a conversion's time per stage beside its FLOP bound"),
-    "bench gpu": ("hf_attn.eval.bench.gpu", "every GPU measurement, each part with its own time limit"),
+}
+# the project's own benchmarks run from a checkout (benchmarks/, not installed): name -> its module there
+BENCHMARKS: dict[str, str] = {
+    "bench attention": "benchmarks.attention",
+    "bench heal": "benchmarks.heal",
+    "bench mla-decode": "benchmarks.mla_decode",
+    "bench perplexity": "benchmarks.perplexity",
+    "bench mla-kernel": "benchmarks.mla_kernel",
+    "bench mla-kernel-registers": "benchmarks.mla_kernel_registers",
+    "bench scale": "benchmarks.scale",
+    "bench engine": "benchmarks.engine",
+    "bench stream": "benchmarks.stream",
+    "bench stages": "benchmarks.stages",
+    "bench gpu": "benchmarks.gpu",
 }
 PROG = "hf-attn"
 
@@ -60,6 +58,7 @@ def _usage() -> str:
         "commands:",
     ]
     lines += [f"  {name:<{width}}  {text}" for name, (_, text) in COMMANDS.items()]
+    lines += ["", "the project's own benchmarks: python -m benchmarks.<name> from a checkout (benchmarks/)"]
     return "\n".join(lines)
 
 
@@ -106,6 +105,13 @@ def main(argv: list[str] | None = None) -> int:
         print(_group_usage(argv[0]), file=sys.stdout if len(argv) > 1 else sys.stderr)
         return 0 if len(argv) > 1 else 2
     found = resolve(argv)
+    if found is None and " ".join(argv[:2]) in BENCHMARKS:
+        print(
+            f"{PROG}: error: {' '.join(argv[:2])!r} is not an {PROG} command; it runs as "
+            f"python -m {BENCHMARKS[' '.join(argv[:2])]} (from a checkout)",
+            file=sys.stderr,
+        )
+        return 2
     if found is None:
         groups = sorted({name.split()[0] for name in COMMANDS})
         print(

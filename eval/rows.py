@@ -4,7 +4,8 @@ A row is stored with the `key` it was measured under (a hash of everything it de
 the code that built and measured it). A later run asks for the row by name and key and gets it back only
 if the key matches and the row did not fail, so an interrupted run resumes where it stopped, and a changed
 setting or code re-measures exactly the rows it touches. Used by `hf-attn study` and the experiments
-(`experiments/runner.py`); the results tables are generated from such rows (`experiments/results.py`).
+(`benchmarks/experiments/runner.py`); the results tables are generated from such rows
+(`benchmarks/experiments/results.py`).
 """
 
 from __future__ import annotations

@@ -21,12 +21,12 @@ import torch
 from conftest import tree_hashes
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from benchmarks import perplexity as bench_perplexity
 from hf_attn.conversion import expand, export, gqa, heal, mla, refine
 from hf_attn.conversion.specs import GQASpec
 from hf_attn.eval import cli as hf_attn_cli
 from hf_attn.eval import harness, perplexity, study
 from hf_attn.eval.bench import decode as bench_decode
-from hf_attn.eval.bench import perplexity as bench_perplexity
 from hf_attn.tooling import assets
 from hf_attn.tooling.cli import run_command
 
@@ -256,7 +256,7 @@ ROWS = [
     (study.main, ["--results", "{ws}/userfile.txt"], "not a directory"),
     (study.main, ["--only", "nosuch"], "no such variants"),
     (study.main, ["--profile", "huge"], "invalid choice: 'huge'"),
-    # --------------------------------------------------------------------- bench perplexity / decode
+    # ------------------------------------------------ benchmarks.perplexity / hf-attn bench decode
     (bench_perplexity.main, [*BP, "--windows", "0"], "--windows must be"),
     (bench_perplexity.main, [*BP, "--repeats", "0"], "--repeats must be"),
     (bench_perplexity.main, [*BP, "--context-length", "1"], "--context-length must be"),
@@ -286,7 +286,7 @@ PROGS = {
     perplexity.main: "hf-attn perplexity",
     harness.main: "hf-attn harness",
     study.main: "hf-attn study",
-    bench_perplexity.main: "hf-attn bench perplexity",
+    bench_perplexity.main: "python -m benchmarks.perplexity",
     bench_decode.main: "hf-attn bench decode",
     hf_attn_cli.main: "hf-attn",
 }

@@ -17,8 +17,7 @@ import torch
 from conftest import tree_hashes
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from hf_attn.eval import cli as hf_attn_cli
-from hf_attn.eval.bench import (
+from benchmarks import (
     attention,
     gpu,
     heal,
@@ -28,7 +27,8 @@ from hf_attn.eval.bench import (
     scale,
     stream,
 )
-from hf_attn.eval.engine import bench as engine_bench
+from benchmarks.engine import bench as engine_bench
+from hf_attn.eval import cli as hf_attn_cli
 from hf_attn.eval.engine import check as engine_check
 from hf_attn.tooling import assets
 
@@ -62,10 +62,10 @@ T = "{ws}/tiny"
 A, MD, H, K = attention.main, mla_decode.main, heal.main, mla_kernel.main
 R, EC, GPU, ST, SC = mla_kernel_registers.main, engine_check.main, gpu.main, stream.main, scale.main
 SRC = ["--source", T]
-PART = "attention"  # a part of `hf-attn bench gpu`
+PART = "attention"  # a part of `python -m benchmarks.gpu`
 NO_CUDA = [] if torch.cuda.is_available() else [(MD, [*SRC, "--device", "cuda"], "torch sees no CUDA device")]
 ROWS = [
-    # ------------------------------------------------------------------------ bench attention
+    # ------------------------------------------------------------------- benchmarks.attention
     (A, ["--threads", "0"], "--threads must be a finite integer >= 1, got 0"),
     (A, ["--repeats", "0"], "--repeats must be a finite integer >= 1, got 0"),
     (A, ["--batch", "-2"], "--batch must be a finite integer >= 1, got -2"),
@@ -80,20 +80,20 @@ ROWS = [
     (A, ["--frobnicate"], "unrecognized arguments: --frobnicate"),
     (A, ["--output", "{ws}/userfile.txt"], "not a JSON record hf-attn wrote"),
     (A, ["--output", "{ws}/userfile.txt/x.json"], "is not writable"),
-    # ------------------------------------------------------------------------ bench stream
+    # ------------------------------------------------------------------- benchmarks.stream
     (ST, ["--model", T, "--num-kv-heads", "0"], "--num-kv-heads must be a finite integer >= 1, got 0"),
     (ST, ["--model", T, "--shard-mb", "0"], "--shard-mb must be a finite integer >= 1, got 0"),
     (ST, ["--model", T, "--output", "{ws}/userfile.txt"], "not a JSON record hf-attn wrote"),
     (ST, ["--shard-mb", "big"], "invalid int value: 'big'"),
-    # ------------------------------------------------------------------------ bench scale
+    # ------------------------------------------------------------------- benchmarks.scale
     (SC, ["--calibration-tokens", "0"], "--calibration-tokens must be a finite integer >= 1, got 0"),
     (SC, ["--rss-limit-gb", "nan"], "--rss-limit-gb must be a finite number >= 0"),
     (SC, ["--output", "{ws}/usernotes"], "usernotes.md exists without the record"),
     (SC, ["--shapes", "gpt-9"], "invalid choice: 'gpt-9'"),
-    # ------------------------------------------------------------------------ bench engine
+    # ------------------------------------------------------------------- benchmarks.engine
     (engine_bench.main, ["--layers", "0"], "--layers must be a finite integer >= 1, got 0"),
     (engine_bench.main, ["--cpu-threads", "0"], "--cpu-threads must be a finite integer >= 1, got 0"),
-    # ------------------------------------------------------------------------ bench mla-decode
+    # ------------------------------------------------------------------- benchmarks.mla_decode
     (MD, [*SRC, "--threads", "0"], "--threads must be a finite integer >= 1, got 0"),
     (MD, [*SRC, "--contexts", "1024", "0"], "--contexts must be a finite integer >= 1, got 0"),
     (MD, [*SRC, "--new-tokens", "0"], "--new-tokens must be a finite integer >= 1, got 0"),
@@ -114,7 +114,7 @@ ROWS = [
     (MD, [*SRC, "--model", T], "is not a llama_mla checkpoint; convert it with `hf-attn convert mla`"),
     (MD, [*SRC, "--output", "{ws}/userdir"], "not a JSON record hf-attn wrote"),
     (MD, [*SRC, "--contexts", "1k"], "invalid int value: '1k'"),
-    # ------------------------------------------------------------------------ bench heal
+    # ------------------------------------------------------------------- benchmarks.heal
     (H, ["throughput", "--model", T, "--steps", "2"], "--steps must be a finite integer >= 3, got 2"),
     (H, ["throughput", "--model", T, "--rounds", "0"], "--rounds must be a finite integer >= 1, got 0"),
     (H, ["throughput", "--model", T, "--seq-len", "1"], "--seq-len must be a finite integer >= 2, got 1"),
@@ -133,7 +133,7 @@ ROWS = [
     (H, ["curve", "--model", T, "--trainable", "mlp"], "invalid choice: 'mlp'"),
     (H, ["curve"], "the following arguments are required: --model"),
     (H, ["sprint"], "invalid choice: 'sprint'"),
-    # ------------------------------------------------------------------------ bench mla-kernel
+    # ------------------------------------------------------------------- benchmarks.mla_kernel
     (K, ["--batch", "0"], "--batch must be a finite integer >= 1, got 0"),
     (K, ["--context", "1024", "-8"], "--context must be a finite integer >= 1, got -8"),
     (K, ["--repeats", "0"], "--repeats must be a finite integer >= 1, got 0"),
@@ -143,7 +143,7 @@ ROWS = [
     (K, ["--output", "{ws}/userfile.txt"], "already exists; pass --overwrite"),
     (K, ["--output", "{ws}/userfile.txt", "--overwrite"], "not a directory"),
     (K, ["--output", "{ws}/userdir", "--overwrite"], "holds files this command did not write (notes.txt)"),
-    # ------------------------------------------------------------------------ bench mla-kernel-registers
+    # ------------------------------------------------------------------- benchmarks.mla_kernel_registers
     (R, ["--arch", "60"], "--arch must be a finite integer >= 70, got 60"),
     (R, ["--block-n", "24"], "--block-n must be a power of two >= 16, got 24"),
     (R, ["--block-n", "8"], "--block-n must be a power of two >= 16, got 8"),
@@ -157,7 +157,7 @@ ROWS = [
     (EC, ["--model", "{ws}/nope"], "has no config.json"),
     (EC, ["--model", T, "--rotary-workaround", "maybe"], "invalid choice: 'maybe'"),
     (EC, [], "the following arguments are required: --model"),
-    # ------------------------------------------------------------------------ bench gpu
+    # ------------------------------------------------------------------- benchmarks.gpu
     (GPU, ["--budget-s", "nan"], "--budget-s must be a finite number of seconds > 0, got nan"),
     (GPU, ["--budget-s", "0"], "--budget-s must be a finite number of seconds > 0"),
     (GPU, ["--limit", f"{PART}=inf"], f"--limit '{PART}=inf': expected PART=SECONDS (finite, > 0)"),
@@ -168,21 +168,20 @@ ROWS = [
     (GPU, ["--merge", "{ws}/userfile.txt", "--output", "{ws}/new"], "is not a results.json"),
     # ------------------------------------------------------------------------ assets, and through hf-attn
     (assets.main, ["--frobnicate"], "unrecognized arguments: --frobnicate"),
-    (hf_attn_cli.main, ["bench", "attention", "--threads", "0"], "--threads must be"),
-    (hf_attn_cli.main, ["bench", "mla-kernel-registers", "--arch", "x"], "invalid int value: 'x'"),
+    (hf_attn_cli.main, ["bench", "decode", "--model", T, "--new-tokens", "0"], "--new-tokens must be"),
     (hf_attn_cli.main, ["engine-check", "--model", T, "--new-tokens", "1"], "--new-tokens must be"),
 ]
 PROGS = {
-    A: "hf-attn bench attention",
-    MD: "hf-attn bench mla-decode",
-    H: "hf-attn bench heal",
-    K: "hf-attn bench mla-kernel",
-    R: "hf-attn bench mla-kernel-registers",
+    A: "python -m benchmarks.attention",
+    MD: "python -m benchmarks.mla_decode",
+    H: "python -m benchmarks.heal",
+    K: "python -m benchmarks.mla_kernel",
+    R: "python -m benchmarks.mla_kernel_registers",
     EC: "hf-attn engine-check",
-    GPU: "hf-attn bench gpu",
-    ST: "hf-attn bench stream",
-    SC: "hf-attn bench scale",
-    engine_bench.main: "hf-attn bench engine",
+    GPU: "python -m benchmarks.gpu",
+    ST: "python -m benchmarks.stream",
+    SC: "python -m benchmarks.scale",
+    engine_bench.main: "python -m benchmarks.engine",
     assets.main: "hf-attn assets",
     hf_attn_cli.main: "hf-attn ",
 }
@@ -296,7 +295,7 @@ def test_assets_with_a_damaged_cached_file_is_one_line_and_deletes_nothing(empty
 
 
 def test_no_bench_command_builds_a_plain_argparse_parser():
-    """Every command's parser is the project's (one-line usage errors); `bench gpu` keeps its own copy of
+    """Every command's parser is the project's (one-line usage errors); `benchmarks.gpu` keeps its own copy of
     that rule because it runs before `hf_attn` is importable on a bare GPU machine."""
     root = Path(__file__).resolve().parents[1]
     plain = [
@@ -309,7 +308,7 @@ def test_no_bench_command_builds_a_plain_argparse_parser():
 
 
 def test_mla_kernel_output_is_replaced_only_when_this_command_wrote_it(tmp_path):
-    """The guard lets `--overwrite` replace a directory `hf-attn bench mla-kernel` wrote, nothing else."""
+    """The guard lets `--overwrite` replace a directory `benchmarks.mla_kernel` wrote, nothing else."""
     out = tmp_path / "kernel"
     mla_kernel.write_outputs({"copy_gbps": 1.0, "rows": []}, str(out), overwrite=False)
     assert sorted(p.name for p in out.iterdir()) == sorted(mla_kernel.OUTPUT_FILES)

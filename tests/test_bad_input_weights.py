@@ -19,10 +19,10 @@ from safetensors.torch import load_file, save_file
 from test_bad_input import TINY, make_checkpoint
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from benchmarks import perplexity as bench_perplexity
 from hf_attn.conversion import expand, export, gqa, heal, mla
 from hf_attn.eval import harness, perplexity
 from hf_attn.eval.bench import decode as bench_decode
-from hf_attn.eval.bench import perplexity as bench_perplexity
 from hf_attn.tooling import assets
 from hf_attn.tooling.errors import UserError
 from hf_attn.tooling.files import write_json
@@ -170,7 +170,7 @@ ROWS = [
 PROGS = {
     P: "hf-attn perplexity",
     H: "hf-attn heal",
-    B: "hf-attn bench perplexity",
+    B: "python -m benchmarks.perplexity",
     D: "hf-attn bench decode",
     harness.main: "hf-attn harness",
     E: "hf-attn convert expand",

@@ -1,16 +1,16 @@
-"""`hf-attn bench gpu` without a GPU: the dry run sets up every part of both profiles (so the suite cannot
-rot between runs on a GPU) and checks each profile's planned seconds against its budget, naming the part that
-cannot be set up or the profile that cannot fit; the wheel list satisfies the project's own requirement, the
-carried bundle is checked, the package layout resolves into the checkout; the runner writes every part's rows
-into one folder of four files; the results files."""
+"""`python -m benchmarks.gpu` without a GPU: the dry run sets up every part of both profiles (so the suite
+cannot rot between runs on a GPU) and checks each profile's planned seconds against its budget, naming the
+part that cannot be set up or the profile that cannot fit; the wheel list satisfies the project's own
+requirement, the carried bundle is checked, the package layout resolves into the checkout; the runner writes
+every part's rows into one folder of four files; the results files."""
 
 import json
 from types import SimpleNamespace
 
 import pytest
 
-from hf_attn.eval.bench import gpu, gpu_bundle, gpu_checks, gpu_parts
-from hf_attn.eval.bench.gpu_parts import PARTS, PROFILES
+from benchmarks import gpu, gpu_bundle, gpu_checks, gpu_parts
+from benchmarks.gpu_parts import PARTS, PROFILES
 
 
 def test_dry_run_sets_up_every_part():
@@ -108,7 +108,7 @@ def test_kernel_test_rows_are_appended_as_each_test_ends(tmp_path, monkeypatch):
 
 
 def test_recipe_rows_and_full_depth_estimate(tmp_path):
-    from hf_attn.eval.bench.gpu_recipe import stage_rows
+    from benchmarks.gpu_recipe import stage_rows
 
     log = tmp_path / "stages.jsonl"
     events = [("calibration", 2.0), ("factorization", 1.0), ("factorization", 1.0),
@@ -160,7 +160,8 @@ def test_package_layout_resolves_into_the_checkout(tmp_path):
     src = gpu_bundle.package_layout(gpu_bundle.ROOT, tmp_path)
     root = gpu_bundle.ROOT
     assert (src / "hf_attn" / "__init__.py").resolve() == root / "hf_attn" / "__init__.py"
-    assert (src / "hf_attn" / "eval" / "bench" / "gpu.py").resolve() == root / "eval" / "bench" / "gpu.py"
+    assert (src / "hf_attn" / "eval" / "cli.py").resolve() == root / "eval" / "cli.py"
+    assert (src / "benchmarks" / "gpu_parts.py").resolve() == root / "benchmarks" / "gpu_parts.py"
     assert (
         src / "hf_attn" / "conversion" / "heal_fsdp.yaml"
     ).resolve() == root / "conversion" / "heal_fsdp.yaml"
@@ -200,7 +201,7 @@ def test_bad_options_exit_2_and_write_nothing(tmp_path, capsys):
 
 
 def test_results_merge_and_markdown(tmp_path):
-    part = dict(date="2026-11-25", command="hf-attn bench gpu --parts capacity",
+    part = dict(date="2026-11-25", command="python -m benchmarks.gpu --parts capacity",
                 environment={"device": "GPU X"}, planned_s=30,
                 status="ok", seconds=1.0, limit_s=60, log_tail=[], meta={}, settings={"args": []},
                 columns=[["command", "command", ""], ["value", "value", ".2f"]],
@@ -214,7 +215,7 @@ def test_results_merge_and_markdown(tmp_path):
 
 
 def test_kernel_goals_per_row():
-    from hf_attn.eval.bench.gpu_kernel import goals
+    from benchmarks.gpu_kernel import goals
 
     row = dict(context=16384, tuned_copy_pct=65.0, vs_torch=2.5, vs_gqa=1.2)
     assert goals(row) == "not met: bandwidth"
@@ -243,7 +244,7 @@ def test_merge_of_several_runs(tmp_path, capsys):
 
 
 def test_recipe_rows_from_the_records_stage_seconds(tmp_path):
-    from hf_attn.eval.bench.gpu_recipe import record_rows
+    from benchmarks.gpu_recipe import record_rows
 
     history = [{"kind": "mla", "stage_seconds": {"read": 1.0, "fit": 2.0, "other": 0.5}}, {"kind": "refine"}]
     (tmp_path / "config.json").write_text(json.dumps({"hf_attn": {"history": history}}))

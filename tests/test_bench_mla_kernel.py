@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eval.bench import mla_kernel
+from benchmarks import mla_kernel
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the benchmark would run")

@@ -1,4 +1,4 @@
-"""`hf-attn bench scale`: vanilla transformers loads the synthetic checkpoint; a step gives a row."""
+"""`python -m benchmarks.scale`: vanilla transformers loads the synthetic checkpoint; a step gives a row."""
 
 import json
 
@@ -6,7 +6,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from hf_attn.eval.bench import scale, synthetic
+from benchmarks import scale, synthetic
 
 
 def _tiny(tmp_path, max_shard_bytes=200_000):

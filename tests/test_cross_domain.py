@@ -6,7 +6,7 @@ import hashlib
 import pytest
 from conftest import exit_status
 
-from experiments import cross_domain
+from benchmarks.experiments import cross_domain
 from hf_attn.conversion import calibration as cal
 from hf_attn.conversion import gqa, mla
 from hf_attn.conversion.heal import HealSettings, load_data

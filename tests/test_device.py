@@ -15,11 +15,11 @@ import torch
 from conftest import exit_status, tree_hashes
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from benchmarks import mla_decode, scale
 from hf_attn.conversion import gqa, heal, layerwise, mla, refine
 from hf_attn.conversion.specs import CalibrationSpec
 from hf_attn.conversion.training import state as train_state
 from hf_attn.eval import harness, perplexity, study
-from hf_attn.eval.bench import mla_decode, scale
 from hf_attn.tooling import assets, devices
 from hf_attn.tooling.cli import run_command
 from hf_attn.tooling.errors import UserError
@@ -44,8 +44,8 @@ COMMANDS = {
     "perplexity": perplexity.main,
     "harness": harness.main,
     "study": study.main,
-    "bench scale": scale.main,
-    "bench mla-decode": mla_decode.main,
+    "benchmarks.scale": scale.main,  # python -m benchmarks.scale (from the checkout)
+    "benchmarks.mla_decode": mla_decode.main,
 }
 
 
@@ -153,8 +153,8 @@ def _bad_rows(ws: Path) -> list[tuple[str, list[str]]]:
         ("perplexity", ["--model", t, "--context-length", "64", "--output", str(ws / "ppl.json")]),
         ("harness", ["--model", t, "--limit", "2"]),
         ("study", ["--results", str(ws / "results")]),
-        ("bench scale", ["--shapes", "llama-3-8b", "--output", str(ws / "scale")]),
-        ("bench mla-decode", ["--source", t]),
+        ("benchmarks.scale", ["--shapes", "llama-3-8b", "--output", str(ws / "scale")]),
+        ("benchmarks.mla_decode", ["--source", t]),
     ]
 
 
@@ -167,7 +167,8 @@ def test_cuda_without_cuda_is_one_line_exit_2_and_writes_nothing(ws, name, no_cu
     assert exit_status(COMMANDS[name], [*argv, "--device", "cuda"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
-    assert err.startswith(f"hf-attn {name}: error: ") and "--device cuda" in err and "no CUDA" in err, err
+    prog = f"python -m {name}" if name.startswith("benchmarks.") else f"hf-attn {name}"
+    assert err.startswith(f"{prog}: error: ") and "--device cuda" in err and "no CUDA" in err, err
     assert tree_hashes(ws) == before
 
 

@@ -1,5 +1,5 @@
-"""`hf-attn bench engine`: the cache arithmetic, and a quick run in vLLM whose KV-cache capacity must equal
-the arithmetic computed here from the checkpoints' tensor shapes (not from the code under test).
+"""`python -m benchmarks.engine`: the cache arithmetic, and a quick run in vLLM whose KV-cache capacity must
+equal the arithmetic computed here from the checkpoints' tensor shapes (not from the code under test).
 
 The quick run needs the engine environment (`make engine`); without it that test is skipped with the reason.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from hf_attn.eval.engine import bench, bench_report
+from benchmarks.engine import bench, bench_report
 
 
 def test_cache_bytes_per_token_llama2_7b_and_its_576_export():

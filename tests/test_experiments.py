@@ -1,5 +1,5 @@
-"""The experiments (`experiments/`, not installed): the shared runner's resume and tables, the MLA curve's
-grid and report, the one markdown table renderer."""
+"""The experiments (`benchmarks/experiments/`, not installed): the shared runner's resume and tables, the MLA
+curve's grid and report, the one markdown table renderer."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from experiments.runner import Point, run_grid
+from benchmarks.experiments.runner import Point, run_grid
 from hf_attn.conversion import mla
 from hf_attn.conversion.checkpoint import AttentionGeometry
 from hf_attn.tooling.tables import markdown_table
@@ -49,7 +49,7 @@ def test_run_grid_measures_only_missing_rows_and_writes_the_table(tmp_path):
 
 
 def test_curve_grid_points_are_valid_and_within_budget():
-    from experiments.mla_curve import grid, key
+    from benchmarks.experiments.mla_curve import grid, key
 
     points = grid("default", SMOL)
     assert len({key(p) for p in points}) == len(points)
@@ -65,7 +65,7 @@ def test_curve_grid_points_are_valid_and_within_budget():
 
 def test_curve_report_tables_and_plot(tmp_path, smollm2_path):
     """The options table reads each budget's default-r rows only, bolds the best, and the plot is written."""
-    from experiments.mla_curve import markdown, plot_curve
+    from benchmarks.experiments.mla_curve import markdown, plot_curve
 
     def row(budget, r, sel, fac, ppl):
         shape = mla.plan_shape(SMOL, kv_budget=budget, rope_pairs=r)
@@ -113,8 +113,9 @@ def test_curve_report_tables_and_plot(tmp_path, smollm2_path):
 
 
 def test_results_tables_match_their_stored_rows():
-    """docs/results/*.md and the README summary are what `python -m experiments.results` makes of the rows."""
-    from experiments import results
+    """docs/results/*.md and the README summary are what `python -m benchmarks.experiments.results` makes of
+    the rows."""
+    from benchmarks.experiments import results
 
     stale = [p for p, text in results.outputs().items() if not p.exists() or p.read_text() != text]
-    assert not stale, f"run `python -m experiments.results`: {stale}"
+    assert not stale, f"run `python -m benchmarks.experiments.results`: {stale}"

@@ -1,5 +1,7 @@
-"""The layer stack: hf_attn runtime <- hf_attn.tooling <- hf_attn.conversion <- hf_attn.eval (imports point
-down only), `import hf_attn` loads nothing above the runtime, and one `hf-attn` command fronts every tool."""
+"""The layer stack: hf_attn runtime <- hf_attn.tooling <- hf_attn.conversion <- hf_attn.eval <- benchmarks
+(imports point down only; benchmarks/ is not installed, so nothing installed imports it), `import hf_attn`
+loads nothing above the runtime, and one `hf-attn` command of at most 12 subcommands fronts the user's
+tools."""
 
 from __future__ import annotations
 
@@ -17,7 +19,10 @@ LAYERS = {
     "hf_attn/tooling": ("hf_attn.tooling", 1),
     "conversion": ("hf_attn.conversion", 2),
     "eval": ("hf_attn.eval", 3),
+    "benchmarks": ("benchmarks", 4),  # the project's own benchmarks and experiments, run from a checkout
 }
+INSTALLED = [folder for folder in LAYERS if folder != "benchmarks"]
+MAX_SUBCOMMANDS = 12
 RANK = {package: rank for package, rank in LAYERS.values()}
 
 
@@ -71,6 +76,17 @@ def test_runtime_import_loads_no_tooling():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
+def test_nothing_installed_imports_benchmarks():
+    """benchmarks/ is not installed: an installed module that imported it (even lazily, inside a function)
+    would fail outside a checkout. test_imports_point_down says the same by rank; this names the rule."""
+    bad = []
+    for folder in INSTALLED:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if any(n == "benchmarks" or n.startswith("benchmarks.") for n in _imports(path)):
+                bad.append(str(path.relative_to(ROOT)))
+    assert not bad, bad
+
+
 def test_one_command_lists_every_subcommand():
     from hf_attn.eval import cli
 
@@ -80,6 +96,41 @@ def test_one_command_lists_every_subcommand():
         assert name in res.stdout
     bad = subprocess.run([sys.executable, "-m", "hf_attn.eval.cli", "convrt"], capture_output=True, text=True)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "convrt" in bad.stderr
+    assert len(cli.COMMANDS) <= MAX_SUBCOMMANDS, sorted(cli.COMMANDS)
+    assert not any(module.startswith("benchmarks") for module, _ in cli.COMMANDS.values())
+
+
+@pytest.mark.parametrize("name", ["bench gpu", "bench scale", "bench engine", "bench mla-kernel-registers"])
+def test_a_benchmark_of_the_checkout_is_named_by_its_module_command(name, capsys):
+    """`hf-attn bench X` of a benchmark that runs from the checkout: one line naming `python -m benchmarks.X`,
+    exit status 2, nothing imported from benchmarks/."""
+    from hf_attn.eval import cli
+
+    assert cli.main([*name.split(), "--help"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert f"python -m {cli.BENCHMARKS[name]} (from a checkout)" in err
+
+
+def test_every_benchmark_module_command_exists():
+    """Each `python -m benchmarks.X` that the error path names runs from the checkout (a module with main and
+    a `__main__` block, or a package with __main__.py), and none of them shadows a subcommand."""
+    import importlib.util
+
+    from hf_attn.eval import cli
+
+    assert not set(cli.BENCHMARKS) & set(cli.COMMANDS)
+    for module in cli.BENCHMARKS.values():
+        path = ROOT / Path(*module.split("."))
+        main = path / "__main__.py" if path.is_dir() else path.with_suffix(".py")
+        assert main.is_file(), module
+        assert 'if __name__ == "__main__":' in main.read_text(), module
+    sys.path.insert(0, str(ROOT))
+    try:
+        missing = [m for m in cli.BENCHMARKS.values() if importlib.util.find_spec(m) is None]
+    finally:
+        sys.path.remove(str(ROOT))
+    assert not missing, missing
 
 
 def test_every_subcommand_and_module_alias_resolves():
@@ -98,11 +149,11 @@ def test_every_subcommand_and_module_alias_resolves():
         "conversion.heal",
         "eval.perplexity",
         "eval.study",
-        "eval.bench.attention",
+        "benchmarks.attention",
         "eval.bench.decode",
-        "eval.bench.heal",
-        "eval.bench.mla_decode",
-        "eval.bench.perplexity",
+        "benchmarks.heal",
+        "benchmarks.mla_decode",
+        "benchmarks.perplexity",
         "hf_attn.tooling.assets",
         "hf_attn.assets",
     ]
@@ -116,13 +167,17 @@ def test_every_subcommand_and_module_alias_resolves():
 
 def test_every_package_folder_is_installed():
     """pyproject.toml lists packages explicitly (conversion/ and eval/ are mapped under hf_attn): a new folder
-    with an __init__.py must be listed, or an installed (non-editable) hf-attn would lack it."""
+    with an __init__.py must be listed, or an installed (non-editable) hf-attn would lack it; benchmarks/
+    never is (it runs from a checkout)."""
     import tomllib
 
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = set()
-    for folder, (package, _) in LAYERS.items():
+    for folder in INSTALLED:
+        package = LAYERS[folder][0]
         for init in (ROOT / folder).rglob("__init__.py"):
             parts = init.parent.relative_to(ROOT / folder).parts
             found.add(".".join((package, *parts)))
     assert found == listed, {"not listed": sorted(found - listed), "listed, missing": sorted(listed - found)}
+    assert not any(name.split(".")[0] == "benchmarks" for name in listed), sorted(listed)
+    assert (ROOT / "benchmarks" / "__init__.py").is_file()

@@ -333,7 +333,7 @@ def test_import_hf_attn_does_not_load_the_kernel(interpreted):
 def test_compiles_for_a_gpu_without_one():
     """The interpreter does not lower to GPU code: compile the split kernel for sm_90 ahead of time (per-head
     RoPE keys, additive mask, bf16, Llama-3-8B shape defaults) to catch errors only the compiler sees."""
-    from eval.bench.mla_kernel_registers import launch_config, ptxas_report
+    from benchmarks.mla_kernel_registers import launch_config, ptxas_report
     from hf_attn.kernels import mla_decode
 
     if type(mla_decode._mla_decode_split).__name__ == "InterpretedFunction":

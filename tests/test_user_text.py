@@ -1,5 +1,6 @@
 """What users read carries no work-log vocabulary: README, docs (research write-ups included), every command's
---help, and the docstrings of the installed modules. A hit names the file (or command) and the line.
+--help, and the docstrings of the modules (installed, and the benchmarks of the checkout). A hit names the
+file (or command) and the line.
 
 The patterns are independent of the texts they check: numbered rounds of work, tracker numbers, sessions,
 issues, "targets" met or missed, and the history phrasing of a notebook."""
@@ -26,7 +27,7 @@ WORK_LOG = re.compile(
     r"|\bNext, untried\b",
     re.IGNORECASE,
 )
-PACKAGES = ("hf_attn", "conversion", "eval")
+PACKAGES = ("hf_attn", "conversion", "eval", "benchmarks")  # benchmarks/: run from the checkout
 
 
 def hits(text: str, where: str) -> list[str]:
@@ -82,4 +83,8 @@ def test_help_of_every_command():
     for name, (module, _) in cli.COMMANDS.items():
         text = _help(importlib.import_module(module).main, ["--help"])
         found += hits(text, f"hf-attn {name} --help")
+    for module in cli.BENCHMARKS.values():  # python -m benchmarks.X (a package: its __main__)
+        loaded = importlib.import_module(module)
+        main = getattr(loaded, "main", None) or importlib.import_module(f"{module}.__main__").main
+        found += hits(_help(main, ["--help"]), f"python -m {module} --help")
     assert not found, "\n".join(found)

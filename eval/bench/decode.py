@@ -11,7 +11,7 @@ Peak memory (`eval/bench/memory.py`): on CPU the peak resident set size (VmHWM, 
 measurement; where that reset is impossible, the process-lifetime `ru_maxrss`, marked as such); on CUDA
 `torch.cuda.max_memory_allocated` (reset before each measurement).
 
-    python -m eval.bench_decode [--model PATH] [--attn-implementation NAME ...]
+    python -m eval.bench.decode [--model PATH] [--attn-implementation NAME ...]
         [--prompt-tokens 1024 4096 8192] [--batch-sizes 1 4] [--new-tokens 32] [--load-dtype float32]
         [--prefill-chunk 1024] [--quick] [--output FILE.json]
 

@@ -1,4 +1,5 @@
-"""The one decode-timing protocol of the benchmarks (`hf-attn bench decode`, `hf-attn bench mla-decode`).
+"""The one decode-timing protocol of the benchmarks (`hf-attn bench decode`,
+`python -m benchmarks.mla_decode`).
 
     B: batch rows   P: prompt tokens   V: vocabulary
 

@@ -4,7 +4,7 @@ On Linux the kernel keeps the resident set size (`VmRSS`) and its high-water mar
 /proc/self/status; writing "5" to /proc/self/clear_refs resets the mark to the current RSS, so the peak of a
 block is VmHWM read after it. Where that reset is impossible the process-lifetime `ru_maxrss` is the fallback
 (marked as such). On CUDA the peak is `torch.cuda.max_memory_allocated`, reset before the block.
-Used by `hf-attn bench decode` (in process) and `hf-attn bench stream` (in its fresh child processes).
+Used by `hf-attn bench decode` (in process) and `python -m benchmarks.stream` (in its fresh child processes).
 """
 
 from __future__ import annotations

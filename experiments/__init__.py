@@ -1,3 +1,0 @@
-"""Research experiments on hf-attn's converters, not part of the installed package. Run them from the
-checkout, e.g. `python -m experiments.mla_curve --grid quick`; each uses the shared runner
-(`experiments/runner.py`)."""
