@@ -34,11 +34,11 @@ from benchmarks.gpu_parts import Adapter
 HOOKS = (
     ("closed form", None, "hf_attn.conversion.mla", "convert_to_mla", "bytes"),
     ("closed form", None, "hf_attn.conversion.gqa", "convert_gqa", "bytes"),
-    ("calibration", "closed form", "hf_attn.conversion.mla_plan", "calibrate", "layers"),
+    ("calibration", "closed form", "hf_attn.conversion.mla.plan", "calibrate", "layers"),
     ("calibration and fit", "closed form", "hf_attn.conversion.gqa", "_calibrate_layers", "layers"),
     ("closed-form write", "closed form", "hf_attn.conversion.mla", "write_conversion", "bytes"),
     ("closed-form write", "closed form", "hf_attn.conversion.gqa", "save_streamed", "bytes"),
-    ("factorization", "closed-form write", "hf_attn.conversion.mla_plan", "convert_layer", "layers"),
+    ("factorization", "closed-form write", "hf_attn.conversion.mla.plan", "convert_layer", "layers"),
     ("refinement", None, "hf_attn.conversion.pipeline", "_refine", "layers"),
     ("layer fits", "refinement", "hf_attn.conversion.refine", "fit_layer", "layers"),
     ("refined write", "refinement", "hf_attn.conversion.refine", "save_streamed", "bytes"),
@@ -125,7 +125,7 @@ def plan(settings: dict) -> list[str]:
     import importlib
 
     from hf_attn.conversion import cli, specs
-    from hf_attn.conversion.calibration import default_calibration_files
+    from hf_attn.conversion.checkpoint.calibration import default_calibration_files
 
     dims, full = dims_of(settings)
     for stage, _, module, name, _ in HOOKS:

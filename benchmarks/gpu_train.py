@@ -60,14 +60,14 @@ def random_smollm2(dest: Path, *, seed: int = 0) -> Path:
 
 def fsdp_argv(settings: dict, *, model: str, output: str, state: str, text: str, processes: int) -> list[str]:
     """`accelerate launch` of `hf-attn heal` with the shipped FSDP config (heal_fsdp.yaml)."""
-    from hf_attn.conversion.heal import FSDP_CONFIG
+    from hf_attn.conversion.training.recipe import FSDP_CONFIG
 
     heal_args = ["--model", model, "--output", output, "--state-dir", state, "--train-text", text,
                  "--max-steps", str(settings["steps"]), "--seq-len", str(settings["seq_len"]),
                  "--batch-size", str(settings["batch_size"]), "--eval-tokens", "0", "--schedule", "constant",
                  "--overwrite", "--no-progress"]  # fmt: skip
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(FSDP_CONFIG),
-              "--num_processes", str(processes), "-m", "hf_attn.conversion.heal"]  # fmt: skip
+              "--num_processes", str(processes), "-m", "hf_attn.conversion.training"]  # fmt: skip
     return launch + heal_args
 
 
@@ -81,7 +81,7 @@ def plan_heal(settings: dict) -> list[str]:
     import inspect
 
     from benchmarks import heal as bench_heal
-    from hf_attn.conversion.heal import HealSettings
+    from hf_attn.conversion.training.data import HealSettings
 
     _check(settings)
     smollm2_source()
@@ -95,14 +95,14 @@ def plan_heal(settings: dict) -> list[str]:
 
 
 def plan_fsdp(settings: dict) -> list[str]:
-    from hf_attn.conversion import heal
+    from hf_attn.conversion.training import heal
     from hf_attn.tooling import assets
 
     _check(settings)
     smollm2_source()
     text = str(assets.austen_file("northangerabbey"))
     argv = fsdp_argv(settings, model="M", output="O", state="S", text=text, processes=1)
-    heal.build_parser().parse_args(argv[argv.index("hf_attn.conversion.heal") + 1 :])  # flags still exist
+    heal.build_parser().parse_args(argv[argv.index("hf_attn.conversion.training") + 1 :])  # flags still exist
     if not Path(heal.FSDP_CONFIG).is_file():
         raise OSError(f"{heal.FSDP_CONFIG} is missing")
     return ["accelerate launch " + " ".join(argv[3:9])]
@@ -133,7 +133,9 @@ def _heal_row(mode: str, seconds: float, tokens: int, flops: float, peak: float 
 
 def heal_teacher_seconds(model: Path, teacher: Path, out: Path, settings: dict) -> float:
     """Median seconds per step (the first two left out) of `hf-attn heal --teacher TEACHER` on `model`."""
-    from hf_attn.conversion.heal import HealSettings, heal, read_log
+    from hf_attn.conversion.training.data import HealSettings
+    from hf_attn.conversion.training.heal import heal
+    from hf_attn.conversion.training.recipe import read_log
     from hf_attn.tooling import assets
 
     s, text = settings, str(assets.austen_file("northangerabbey"))
@@ -166,7 +168,7 @@ def run_heal(settings: dict, emit) -> None:
 
 
 def run_fsdp(settings: dict, emit) -> None:
-    from hf_attn.conversion.heal import LOG_FILE
+    from hf_attn.conversion.training.recipe import LOG_FILE
     from hf_attn.tooling import assets
 
     if not torch.cuda.is_available():

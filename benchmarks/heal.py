@@ -1,5 +1,5 @@
-"""Benchmarks of healing (`conversion.heal`): training throughput against a bare PyTorch loop, and the healing
-curve (held-out perplexity after so many minutes of healing).
+"""Benchmarks of healing (`conversion.training.heal`): training throughput against a bare PyTorch loop, and
+the healing curve (held-out perplexity after so many minutes of healing).
 
     python -m benchmarks.heal throughput [--model DIR] [--steps 8] [--rounds 2] [--seq-len 512]
     python -m benchmarks.heal curve --model DIR [--minutes 5 15 30] [--lr 1e-4] [--trainable all]
@@ -36,9 +36,9 @@ from pathlib import Path
 
 import torch
 
-from hf_attn.conversion.heal import HealSettings, heal, read_log
-from hf_attn.conversion.train_data import ChunkOrder, chunk_tokens, load_train_corpus
-from hf_attn.conversion.training.recipe import CLOCKS, TRAINABLE
+from hf_attn.conversion.training.data import ChunkOrder, HealSettings, chunk_tokens, load_train_corpus
+from hf_attn.conversion.training.heal import heal
+from hf_attn.conversion.training.recipe import CLOCKS, TRAINABLE, read_log
 from hf_attn.tooling import assets, loading
 from hf_attn.tooling.cli import ArgumentParser, run_command
 from hf_attn.tooling.corpus import tokenize

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-QUERY_STRIDE = 16  # conversion.rope_selection.QUERY_STRIDE: the attention pair scores' query subsample
+QUERY_STRIDE = 16  # conversion.mla.rope_selection.QUERY_STRIDE: the attention pair scores' query subsample
 
 
 @dataclass(frozen=True)

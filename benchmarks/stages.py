@@ -85,7 +85,7 @@ def source_for(model: str, workdir: Path, layers: int) -> tuple[Path, bool]:
 
 def shape_of(src: Path) -> sw.Shape:
     """The work model's per-layer shape of the checkpoint at `src` (its config and layer 0's tensors)."""
-    from hf_attn.conversion.checkpoint import tensor_index
+    from hf_attn.conversion.checkpoint.io import tensor_index
 
     cfg = json.loads((src / "config.json").read_text())
     index = tensor_index(src)
@@ -113,7 +113,7 @@ def _numel(shape) -> int:
 
 def converted_sizes(dst: Path, layers: int) -> dict:
     """The converted checkpoint's attention parameters and bytes per layer, and its weights' bytes."""
-    from hf_attn.conversion.checkpoint import tensor_index
+    from hf_attn.conversion.checkpoint.io import tensor_index
 
     index = tensor_index(dst)
     attn = [i for n, i in index.items() if ".self_attn." in n]

@@ -83,14 +83,14 @@ def _child(code: str, *args: str) -> dict:
 
 
 def run(*, model: str | None, num_kv_heads: int, shard_mb: int, workdir: Path) -> dict:
-    from hf_attn.conversion.checkpoint import (
+    from hf_attn.conversion.checkpoint.io import (
         copy_side_files,
         iter_tensors,
         read_config,
         tensor_index,
         write_config,
     )
-    from hf_attn.conversion.shards import ShardedWriter
+    from hf_attn.conversion.checkpoint.shards import ShardedWriter
     from hf_attn.tooling.loading import resolve_model
 
     src = resolve_model(model)

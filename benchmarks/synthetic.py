@@ -165,9 +165,9 @@ def write_synthetic(
     `directory`; returns it. config.json comes last: its presence marks a complete checkpoint."""
     from tqdm import tqdm
 
-    from hf_attn.conversion.calibration import default_calibration_files
-    from hf_attn.conversion.checkpoint import write_config
-    from hf_attn.conversion.shards import ShardedWriter
+    from hf_attn.conversion.checkpoint.calibration import default_calibration_files
+    from hf_attn.conversion.checkpoint.io import write_config
+    from hf_attn.conversion.checkpoint.shards import ShardedWriter
 
     if isinstance(shape, str) and shape not in SHAPES:
         raise UserError(f"Unknown shape {shape!r}; choose one of {sorted(SHAPES)}")

@@ -1,10 +1,11 @@
 """The command line of the converters (`hf-attn convert expand | gqa | mla`): a parser built from the specs
 (`conversion.specs`) and one run through the pipeline (`conversion.pipeline.convert`).
 
-Each converter's `main(argv) -> int` is `cli.main(PROG, __doc__, SPEC, argv)`: --model, --output, the
-converter spec's flags, the calibration and refinement flags (not for the exact expansion) and the write
-flags, each with the spec's default. The work goes through the one error path (`hf_attn.tooling.cli`): a bad
-value is one line naming the flag and the fix, exit status 2, checked before any work, nothing written.
+Each converter's command (`gqa_main`, `mla_main`, `expand_main`; `python -m conversion.gqa`, `conversion.mla`
+and `conversion.expand` run them) is `main(PROG, DOC, SPEC, argv)`: --model, --output, the converter spec's
+flags, the calibration and refinement flags (not for the exact expansion) and the write flags, each with the
+spec's default. The work goes through the one error path (`hf_attn.tooling.cli`): a bad value is one line
+naming the flag and the fix, exit status 2, checked before any work, nothing written.
 """
 
 from __future__ import annotations
@@ -13,16 +14,21 @@ import argparse
 import time
 
 from hf_attn.conversion import pipeline
+from hf_attn.conversion.gqa import convert as gqa
+from hf_attn.conversion.gqa import expand
+from hf_attn.conversion.mla import convert as mla
 from hf_attn.conversion.refine import refine_summary
 from hf_attn.conversion.specs import (
     CalibrationSpec,
     ExpandSpec,
+    GQASpec,
+    MLASpec,
     RefineSpec,
     WriteSpec,
     add_spec_arguments,
     spec_from_args,
 )
-from hf_attn.tooling.cli import ArgumentParser, add_settings_arguments, run_command
+from hf_attn.tooling.cli import ArgumentParser, run_command
 
 # the spec classes of a converter's command besides its own, and the prefixes of their parsed values
 STAGES = {"calibration": CalibrationSpec, "refine": RefineSpec, "write": WriteSpec}
@@ -53,16 +59,8 @@ def specs_from_args(spec: type, args: argparse.Namespace) -> dict:
     return out
 
 
-def add_write_arguments(parser: argparse.ArgumentParser) -> None:
-    """--save-dtype (the old `--dtype` still works) and --overwrite of `WriteSpec`, stored as `save_dtype` and
-    `overwrite` (for commands that write one checkpoint, e.g. `hf-attn export`)."""
-    add_settings_arguments(parser, WriteSpec)
-
-
 def describe(converted: pipeline.Converted) -> str:
     """One line on what `pipeline.convert` wrote."""
-    from hf_attn.conversion import expand, gqa, mla
-
     record = converted.closed_form
     line = {"gqa": gqa.describe, "mla": mla.describe, "expand": expand.describe}[record["kind"]](record)
     if converted.refined is not None:
@@ -85,3 +83,18 @@ def main(prog: str, doc: str, spec: type, argv: list[str] | None = None) -> int:
         print(f"{describe(converted)} in {time.perf_counter() - start:.1f} s: {converted.path}")
 
     return run_command(prog, convert_and_report)
+
+
+def gqa_main(argv: list[str] | None = None) -> int:
+    """`hf-attn convert gqa` (`python -m conversion.gqa`)."""
+    return main(gqa.PROG, gqa.__doc__, GQASpec, argv)
+
+
+def mla_main(argv: list[str] | None = None) -> int:
+    """`hf-attn convert mla` (`python -m conversion.mla`)."""
+    return main(mla.PROG, mla.__doc__, MLASpec, argv)
+
+
+def expand_main(argv: list[str] | None = None) -> int:
+    """`hf-attn convert expand` (`python -m conversion.expand`)."""
+    return main(expand.PROG, expand.__doc__, ExpandSpec, argv)

@@ -7,7 +7,7 @@
 
 `hf-attn convert gqa | mla | expand` (`conversion.cli`), the study (`eval/study.py`) and the experiments run
 their conversions through `convert`, with the defaults of the specs (`conversion.specs`). The stages:
-1. the closed form: `gqa.convert_gqa`, `mla.convert_to_mla` or `expand.expand_checkpoint` (expansion is exact:
+1. the closed form: `gqa.convert_gqa`, `mla.convert_to_mla` or `gqa.expand.expand_checkpoint` (exact:
    never refined);
 2. `refine.steps` > 0: the layer-local refinement against the source (`conversion.refine`), on the
    conversion's calibration text and device;
@@ -24,10 +24,16 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from hf_attn.conversion.checkpoint import latest_record
+from hf_attn.conversion.checkpoint.io import latest_record
+from hf_attn.conversion.export.deepseek import export_checkpoint
+from hf_attn.conversion.gqa.convert import convert_gqa
+from hf_attn.conversion.gqa.expand import expand_checkpoint
+from hf_attn.conversion.mla.calibration import Calibration
+from hf_attn.conversion.mla.convert import convert_to_mla
+from hf_attn.conversion.refine import RefineSettings, refine
 from hf_attn.conversion.specs import (
+    EXPORT_TARGETS,
     CalibrationSpec,
     ConverterSpec,
     ExpandSpec,
@@ -40,11 +46,7 @@ from hf_attn.tooling import loading
 from hf_attn.tooling.errors import UserError, one_line
 from hf_attn.tooling.files import check_output, scratch_directory
 
-if TYPE_CHECKING:
-    from hf_attn.conversion.mla_calibration import Calibration
-
 CLOSED_FORM_SOURCE = "the closed form of the record before (not kept)"  # the refinement record's `source`
-EXPORTS = ("deepseek_v3",)
 SPECS = {"gqa": GQASpec, "mla": MLASpec, "expand": ExpandSpec}  # a conversion kind -> its spec
 
 
@@ -69,16 +71,10 @@ def last_record(out: str | Path) -> dict:
 def closed_form_stage(spec: ConverterSpec) -> Callable[..., Path]:
     """The closed-form converter of `spec`: fn(spec, src=, dst=, calibration=, write=) -> Path."""
     if isinstance(spec, GQASpec):
-        from hf_attn.conversion.gqa import convert_gqa
-
         return convert_gqa
     if isinstance(spec, MLASpec):
-        from hf_attn.conversion.mla import convert_to_mla
-
         return convert_to_mla
     if isinstance(spec, ExpandSpec):
-        from hf_attn.conversion.expand import expand_checkpoint
-
         return lambda spec, *, calibration, **kw: expand_checkpoint(spec, **kw)  # no calibration
     raise TypeError(f"not a converter spec: {spec!r}")
 
@@ -100,8 +96,8 @@ def convert(
 
     calibration_pass: an MLA calibration already run on the same text (`mla.calibrate`) to reuse.
     progress: the refinement's progress bars."""
-    if export is not None and export not in EXPORTS:
-        raise UserError(f"unknown export {export!r}; choose one of {', '.join(EXPORTS)}")
+    if export is not None and export not in EXPORT_TARGETS:
+        raise UserError(f"unknown export {export!r}; choose one of {', '.join(EXPORT_TARGETS)}")
     stage = closed_form_stage(spec)
     extra = {"calibration_pass": calibration_pass} if calibration_pass is not None else {}
     output = check_output(loading.resolve_model(src), dst, overwrite=write.overwrite)
@@ -134,8 +130,6 @@ def convert(
             )
             last = refined_dir
         if export is not None:
-            from hf_attn.conversion.export import export_checkpoint
-
             export_checkpoint(src=last, dst=output, to=export, overwrite=write.overwrite)
     return Converted(output, closed_form, refined, export)
 
@@ -151,8 +145,6 @@ def _refine(
     progress: bool,
 ) -> dict:
     """`hf-attn refine` of the closed form at `closed` into `dst`: its record."""
-    from hf_attn.conversion.refine import RefineSettings, refine
-
     settings = RefineSettings(
         model=str(closed),
         output=str(dst),

@@ -26,11 +26,11 @@ through the MLP), `steps` Adam steps of one window each; rms() compares what the
 reads, so the few huge residual-stream dimensions do not dominate. Each step's loss covers every
 `loss_stride`-th position (the MLP runs on those alone), and the matmuls of the steps, the targets and the
 errors run in `step_dtype` (`conversion.refine_fit`); their outputs are added to float32 hidden states, so
-the stream carried on and the errors stay float32. A layer keeps its
-refined weights only if they lower the error over all windows (an exact conversion is left as it is). Then
-x_conv and x_src move on; on the CPU the threads follow the cores other processes leave free
-(`conversion.threads`). The parameter shapes never change, so the output has the converted checkpoint's
-format (a DeepSeek-layout `llama_mla` stays exportable).
+the stream carried on and the errors stay float32. A layer keeps its refined weights only if they lower the
+error over all windows (an exact conversion is left as it is). Then x_conv and x_src move on; on the CPU the
+threads follow the cores other processes leave free (`conversion.checkpoint.threads`). The parameter shapes
+never change, so the output has the converted checkpoint's format (a DeepSeek-layout `llama_mla` stays
+exportable).
 
 Both models are read from their safetensors one decoder layer at a time (`layerwise.LayerwiseModel`), in fp32
 on `--device`: memory is one layer of each model plus 3 N T E floats of hidden states, whatever the depth (a
@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -52,8 +51,8 @@ import torch
 from tqdm.auto import tqdm
 
 from hf_attn.conversion import stages
-from hf_attn.conversion.calibration import DEFAULT_CORPUS, DEFAULT_WINDOW, calibration_ids, corpus_record
-from hf_attn.conversion.checkpoint import (
+from hf_attn.conversion.checkpoint.calibration import calibration_ids, corpus_record
+from hf_attn.conversion.checkpoint.io import (
     add_record,
     conversion_record,
     names_in_file_order,
@@ -61,19 +60,22 @@ from hf_attn.conversion.checkpoint import (
     read_tensor,
     save_streamed,
 )
-from hf_attn.conversion.layerwise import LayerwiseModel, resolve_forward
-from hf_attn.conversion.refine_fit import (
+from hf_attn.conversion.checkpoint.layerwise import LayerwiseModel
+from hf_attn.conversion.checkpoint.shards import SpilledLayers
+from hf_attn.conversion.checkpoint.threads import CoreShare
+from hf_attn.conversion.refine_fit import FitRule, LayerFit, autocast, fit_layer, halves, targets_of
+from hf_attn.conversion.specs import (
+    DEFAULT_CORPUS,
+    DEFAULT_WINDOW,
+    LOSS_STRIDE,
+    REFINE_STEPS,
+    REFINE_TARGETS,
+    REFINE_TOKENS,
+    RELATIVE_LR,
+    STEP_DTYPE,
     STEP_DTYPES,
-    TARGETS,
-    FitRule,
-    LayerFit,
-    autocast,
-    fit_layer,
-    halves,
-    targets_of,
+    resolve_forward,
 )
-from hf_attn.conversion.shards import SpilledLayers
-from hf_attn.conversion.threads import CoreShare
 from hf_attn.tooling import assets, loading
 from hf_attn.tooling.cli import (
     ArgumentParser,
@@ -89,9 +91,6 @@ from hf_attn.tooling.files import check_output, check_text_files, checkpoint_has
 
 PROG = "hf-attn refine"
 CONVERSION_KINDS = ("gqa", "mla")  # records whose `source` a refinement defaults to
-RELATIVE_LR = 0.01
-LOSS_STRIDE = 4  # each step's loss on every 4th position of its window (docs/scale.md)
-STEP_DTYPE = "bfloat16"  # the refinement's matmuls (docs/scale.md: perplexity within 1% of float32's)
 
 
 @dataclass(frozen=True)
@@ -105,7 +104,7 @@ class RefineSettings:
     source: str | None = setting(
         None, help="the checkpoint it was converted from (default: the source its conversion record names)"
     )
-    steps: int = setting(32, help="Adam steps per decoder layer, one calibration window each")
+    steps: int = setting(REFINE_STEPS, help="Adam steps per decoder layer, one calibration window each")
     relative_lr: float = setting(
         RELATIVE_LR, help="each tensor's Adam learning rate as a fraction of the tensor's RMS (scale-free)"
     )
@@ -113,8 +112,8 @@ class RefineSettings:
         None, help="one absolute Adam learning rate for every tensor instead (e.g. 1e-4)"
     )
     target: str = setting(
-        TARGETS[0],
-        choices=TARGETS,
+        REFINE_TARGETS[0],
+        choices=REFINE_TARGETS,
         help="what each layer matches: the source layer's output, or the residual stream after its attention "
         "(cheaper steps that skip the MLP, a little less accurate)",
     )
@@ -128,7 +127,7 @@ class RefineSettings:
         help="dtype of the refinement's matmuls: steps, targets, errors (autocast; the hidden states carried "
         "from layer to layer and the errors stay float32)",
     )
-    calibration_tokens: int = setting(4096, help="calibration tokens (disjoint windows of 1,024)")
+    calibration_tokens: int = setting(REFINE_TOKENS, help="calibration tokens (disjoint windows of 1,024)")
     calibration_corpus: str = setting(
         DEFAULT_CORPUS,
         help="calibration text (never an evaluation text)",
@@ -158,7 +157,7 @@ def refine_layers(
     steps: int,
     lr: float | None = None,
     relative_lr: float | None = None,
-    target: str = TARGETS[0],
+    target: str = REFINE_TARGETS[0],
     loss_stride: int = LOSS_STRIDE,
     step_dtype: str = STEP_DTYPE,
     keep: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
@@ -200,16 +199,6 @@ def refine_layers(
             bar.set_postfix(error=f"{fit.error_before:.3g}->{fit.error_after:.3g}")
             converted.free_layer(i)
     return fits
-
-
-def param_groups(params: list, *, lr: float | None, relative_lr: float | None) -> list[dict]:
-    """Adam parameter groups: one rate `lr`, or `relative_lr` x each tensor's RMS (see `fit_layer`; an
-    all-zero tensor gets the median tensor's rate). Healing's `--relative-lr` uses it too."""
-    if lr is not None:
-        return [{"params": params, "lr": lr}]
-    rms = [float(p.detach().pow(2).mean().sqrt()) for p in params]
-    fallback = statistics.median([r for r in rms if r > 0] or [1.0])
-    return [{"params": [p], "lr": relative_lr * (r or fallback)} for p, r in zip(params, rms, strict=True)]
 
 
 # --------------------------------------------------------------------------------------------- command

@@ -20,15 +20,14 @@ weights are kept only if they lower the error over all windows (an exact convers
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
 
 from hf_attn.conversion import stages
-
-TARGETS = ("layer", "attention")
-STEP_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+from hf_attn.conversion.specs import REFINE_TARGETS, STEP_DTYPES
 
 
 @dataclass(frozen=True)
@@ -45,7 +44,7 @@ class LayerFit:
 @dataclass(frozen=True)
 class FitRule:
     """How a layer is fitted (the module docstring): Adam `steps` at `lr` (one rate) or `relative_lr` x each
-    tensor's RMS (`refine.param_groups`), the `target`, each step's `loss_stride` and `step_dtype`."""
+    tensor's RMS (`param_groups`), the `target`, each step's `loss_stride` and `step_dtype`."""
 
     steps: int
     lr: float | None = None
@@ -57,8 +56,8 @@ class FitRule:
     def __post_init__(self):
         if (self.lr is None) == (self.relative_lr is None):
             raise ValueError(f"give exactly one of lr ({self.lr}) and relative_lr ({self.relative_lr})")
-        if self.target not in TARGETS:
-            raise ValueError(f"target must be one of {TARGETS}, got {self.target!r}")
+        if self.target not in REFINE_TARGETS:
+            raise ValueError(f"target must be one of {REFINE_TARGETS}, got {self.target!r}")
         if (
             isinstance(self.loss_stride, bool)
             or not isinstance(self.loss_stride, int)
@@ -158,6 +157,16 @@ def strided_queries_attention(
     return full, None
 
 
+def param_groups(params: list, *, lr: float | None, relative_lr: float | None) -> list[dict]:
+    """Adam parameter groups: one rate `lr`, or `relative_lr` x each tensor's RMS (see `fit_layer`; an
+    all-zero tensor gets the median tensor's rate). Healing's `--relative-lr` uses it too."""
+    if lr is not None:
+        return [{"params": params, "lr": lr}]
+    rms = [float(p.detach().pow(2).mean().sqrt()) for p in params]
+    fallback = statistics.median([r for r in rms if r > 0] or [1.0])
+    return [{"params": [p], "lr": relative_lr * (r or fallback)} for p, r in zip(params, rms, strict=True)]
+
+
 STRIDED = "hf_attn_strided_queries"  # the refinement's own attention implementation (registered here)
 AttentionInterface.register(STRIDED, strided_queries_attention)
 
@@ -165,8 +174,6 @@ AttentionInterface.register(STRIDED, strided_queries_attention)
 def fit_layer(index: int, layer, inputs: list, targets: list, kwargs: dict, rule: FitRule):
     """Fit `layer.self_attn` to `targets` (the module docstring); returns (LayerFit, the layer's outputs on
     `inputs` with the weights it keeps: the stream the next layer reads)."""
-    from hf_attn.conversion.refine import param_groups  # (refine imports this module)
-
     attn = layer.self_attn
     with stages.stage("refine error"):
         before, outputs_before = _evaluate(layer, inputs, targets, kwargs, rule)

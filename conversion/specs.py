@@ -25,25 +25,78 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from hf_attn.conversion import allocation as alloc
-from hf_attn.conversion import calibration as cal
-from hf_attn.conversion import factorization as fac
-from hf_attn.conversion import layerwise
-from hf_attn.conversion import rope_selection as rs
-from hf_attn.conversion import shared_rope as sr
-from hf_attn.conversion.checkpoint import DEFAULT_MAX_SHARD_BYTES
-from hf_attn.conversion.engine_dims import ENGINE_DIMS
-from hf_attn.conversion.mla_layer import DEFAULT_FACTORIZATION, DEFAULT_ROPE_SELECTION
-from hf_attn.conversion.refine import STEP_DTYPES, TARGETS, RefineSettings
+import torch
+
 from hf_attn.tooling import assets, loading
 from hf_attn.tooling.cli import add_settings_arguments, check_choices, setting
-from hf_attn.tooling.devices import DEFAULT_DEVICE, DEVICE_HELP, DEVICES
+from hf_attn.tooling.devices import DEFAULT_DEVICE, DEVICE_HELP, DEVICES, resolve_device
 from hf_attn.tooling.errors import UserError, check_number, user_input
 from hf_attn.tooling.files import check_text_files
 
-METHODS = ("calibrated", "mean")  # GQA pooling; the first is the default
-GROUPINGS = ("contiguous", "search")  # which KV heads pool together (conversion.grouping)
+# ------------------------------------------------------------------------------- choices and defaults
+# Every choice a conversion offers and every default it takes: the specs below, the converters and the
+# commands read them from here.
+
+# the calibration text and its forward (conversion.checkpoint.calibration, .layerwise)
+DEFAULT_CALIBRATION_TOKENS = 8192
+DEFAULT_WINDOW = 1024
+DEFAULT_CORPUS = "mix"  # generalises best across both evaluation texts (README, "Calibration text")
+FORWARD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+# GQA pooling (conversion.gqa)
+METHODS = ("calibrated", "mean")  # how the heads of a group pool; the first is the default
+GROUPINGS = ("contiguous", "search")  # which KV heads pool together (conversion.gqa.grouping)
+
+# MLA (conversion.mla)
 DEFAULT_KV_BUDGET = 0.5  # `MLASpec` without a rank option (the knee of the measured curve)
+SELECTIONS = ("high", "uniform", "2norm", "attention")  # which RoPE pairs a KV head keeps
+CALIBRATED_SELECTIONS = ("2norm", "attention")
+DEFAULT_ROPE_SELECTION = "attention"
+FACTORIZATIONS = ("weight-svd", "activation", "attention")  # how the joint low-rank latent is fitted
+CALIBRATED_FACTORIZATIONS = ("activation", "attention")
+DEFAULT_FACTORIZATION = "attention"
+LAYOUTS = ("per-head", "deepseek")  # a RoPE key per KV head, or one shared (DeepSeek MLA)
+DEEPSEEK_SELECTIONS = ("attention", "high")  # the pair selections that give one progression for all layers
+ALLOCATIONS = ("uniform", "greedy", "greedy-ranks")  # ranks per layer (conversion.mla.ranks)
+
+# the export (conversion.export): its targets, and the sizes of d_c + qk_rope_head_dim that vLLM's MLA
+# backends take (conversion/export/engine_dims.py)
+EXPORT_TARGETS = ("deepseek_v3",)
+ENGINE_DIMS = ("native", "576", "512", "320")
+
+# the layer-local refinement (conversion.refine)
+REFINE_STEPS = 32  # Adam steps per decoder layer
+REFINE_TOKENS = 4096  # calibration tokens of the refinement
+REFINE_TARGETS = ("layer", "attention")  # what a refined layer matches
+RELATIVE_LR = 0.01
+LOSS_STRIDE = 4  # each step's loss on every 4th position of its window (docs/scale.md)
+STEP_DTYPE = "bfloat16"  # the refinement's matmuls (docs/scale.md: perplexity within 1% of float32's)
+STEP_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+# writing a checkpoint
+DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
+
+
+def resolve_forward(device: str, forward_dtype: str) -> tuple[torch.device, torch.dtype]:
+    """(torch.device, torch.dtype) of the calibration forward (`--device auto`: `devices.resolve_device`);
+    ValueError naming the value and the fix."""
+    if device not in DEVICES:
+        raise ValueError(f"Unknown --device {device!r}; choose one of {', '.join(DEVICES)}.")
+    if forward_dtype not in FORWARD_DTYPES:
+        raise ValueError(
+            f"Unknown --forward-dtype {forward_dtype!r}; choose one of {', '.join(FORWARD_DTYPES)}."
+        )
+    return resolve_device(device), FORWARD_DTYPES[forward_dtype]
+
+
+def default_allocation(
+    *, kv_budget: float | None, given_ranks: bool, layout: str, selection: str, factorization: str
+) -> str:
+    """`greedy` where it applies and the user left the ranks to the budget (per-head layout, `attention`
+    selection and factorization, no --rope-pairs / --kv-lora-rank); `uniform` otherwise. `greedy` is at
+    least as good as `uniform` at every budget measured (docs/research/mla-allocation.md)."""
+    ok = kv_budget is not None and not given_ranks and layout == "per-head"
+    return "greedy" if ok and selection == "attention" and factorization == "attention" else "uniform"
 
 
 def _check_int(flag: str, value, minimum: int) -> None:
@@ -73,14 +126,10 @@ class CalibrationSpec:
         exclusive="calibration text",
         help="an embedded calibration corpus: austen (five novels), python-docs (five sections of the "
         f"Python 3.11 docs) or mix (equal token shares of both); never an evaluation text (default: "
-        f"{cal.DEFAULT_CORPUS})",
+        f"{DEFAULT_CORPUS})",
     )
-    tokens: int = setting(
-        cal.DEFAULT_CALIBRATION_TOKENS, flag="--calibration-tokens", help="calibration tokens"
-    )
-    window: int = setting(
-        cal.DEFAULT_WINDOW, flag="--calibration-window", help="tokens per calibration forward"
-    )
+    tokens: int = setting(DEFAULT_CALIBRATION_TOKENS, flag="--calibration-tokens", help="calibration tokens")
+    window: int = setting(DEFAULT_WINDOW, flag="--calibration-window", help="tokens per calibration forward")
     device: str = setting(
         DEFAULT_DEVICE,
         help=f"device of the calibration forward and the refinement ({DEVICE_HELP})",
@@ -89,7 +138,7 @@ class CalibrationSpec:
     forward_dtype: str = setting(
         "float32",
         help="dtype of the calibration forward (statistics still accumulate in float64)",
-        choices=tuple(layerwise.FORWARD_DTYPES),
+        choices=tuple(FORWARD_DTYPES),
     )
 
     def __post_init__(self):
@@ -105,14 +154,14 @@ class CalibrationSpec:
         if self.text:
             check_text_files(list(self.text), "--calibration-text")
         with user_input():
-            layerwise.resolve_forward(self.device, self.forward_dtype)
+            resolve_forward(self.device, self.forward_dtype)
 
     def files(self) -> list[Path]:
         """The calibration text files: `text`, else the files of the embedded `corpus` (default: the `mix`
         corpus, never an evaluation text; fetched if needed)."""
         if self.text:
             return [Path(f) for f in self.text]
-        return assets.calibration_corpus_files(self.corpus or cal.DEFAULT_CORPUS)
+        return assets.calibration_corpus_files(self.corpus or DEFAULT_CORPUS)
 
 
 @dataclass(frozen=True)
@@ -182,7 +231,8 @@ class MLASpec:
         choices=tuple(d for d in ENGINE_DIMS if d != "native"),
         exclusive="ranks",
         help="--layout deepseek: d_c = size - 64 and 32 shared RoPE pairs, so that `hf-attn export "
-        "--engine-dims SIZE` needs no padding (sizes vLLM's MLA backends take: conversion/engine_dims.py)",
+        "--engine-dims SIZE` needs no padding (sizes vLLM's MLA backends take: "
+        "conversion/export/engine_dims.py)",
     )
     kv_lora_rank: int | None = setting(
         None, exclusive="ranks", help="d_c, width of the cached latent (default: the budget's)"
@@ -195,22 +245,22 @@ class MLASpec:
     )
     rope_pairs: int | None = setting(None, help="r, RoPE pairs kept per KV head (default: the budget's)")
     rope_selection: str = setting(
-        DEFAULT_ROPE_SELECTION, choices=rs.SELECTIONS, help="which RoPE pairs each KV head keeps"
+        DEFAULT_ROPE_SELECTION, choices=SELECTIONS, help="which RoPE pairs each KV head keeps"
     )
     factorization: str = setting(
-        DEFAULT_FACTORIZATION, choices=fac.FACTORIZATIONS, help="how the joint low-rank latent is fitted"
+        DEFAULT_FACTORIZATION, choices=FACTORIZATIONS, help="how the joint low-rank latent is fitted"
     )
     layout: str = setting(
         "per-head",
-        choices=sr.LAYOUTS,
+        choices=LAYOUTS,
         help="per-head: a RoPE key per KV head; deepseek: one shared RoPE key + latent norm (DeepSeek MLA, "
         "exportable to deepseek_v3)",
     )
     allocation: str | None = setting(
         None,
-        choices=alloc.ALLOCATIONS,
+        choices=ALLOCATIONS,
         help="uniform: the same r and d_c in every layer; greedy: RoPE pairs per layer from the calibration; "
-        "greedy-ranks: also the latent rank per layer (conversion.allocation); the same total cache "
+        "greedy-ranks: also the latent rank per layer (conversion.mla.ranks); the same total cache "
         "(default: greedy with --kv-budget and the attention selection / factorization, else uniform)",
     )
 
@@ -227,11 +277,11 @@ class MLASpec:
                 "--engine-dims sets d_c and r of --layout deepseek: drop --kv-lora-rank, --kv-budget "
                 "and --rope-pairs, and give --layout deepseek"
             )
-        if self.layout == "deepseek" and self.rope_selection not in sr.DEEPSEEK_SELECTIONS:
+        if self.layout == "deepseek" and self.rope_selection not in DEEPSEEK_SELECTIONS:
             raise UserError(
                 f"--rope-selection {self.rope_selection} picks pairs per KV head; --layout deepseek keeps "
                 f"the same progression 0, s, 2s, ... in every layer: use --rope-selection "
-                f"{' or '.join(sr.DEEPSEEK_SELECTIONS)}"
+                f"{' or '.join(DEEPSEEK_SELECTIONS)}"
             )
         _check_allocation(self.allocation_method, self)
 
@@ -249,7 +299,7 @@ class MLASpec:
         per-head layout, the `attention` selection and factorization), else uniform."""
         if self.allocation is not None:
             return self.allocation
-        return alloc.default_allocation(
+        return default_allocation(
             kv_budget=None if self.budget is None else self.budget.fraction,
             given_ranks=self.rope_pairs is not None or self.kv_lora_rank is not None,
             layout=self.layout,
@@ -300,28 +350,26 @@ class RefineSpec:
     conversion's calibration text and device. 0 steps: the closed form only."""
 
     steps: int = setting(
-        RefineSettings.steps,
+        REFINE_STEPS,
         flag="--refine-steps",
         help="then refine every layer against the source with N Adam steps (hf-attn refine); 0: the "
         "closed form only",
     )
-    tokens: int = setting(
-        RefineSettings.calibration_tokens, flag="--refine-tokens", help="calibration tokens of the refinement"
-    )
+    tokens: int = setting(REFINE_TOKENS, flag="--refine-tokens", help="calibration tokens of the refinement")
     target: str = setting(
-        RefineSettings.target,
+        REFINE_TARGETS[0],
         flag="--refine-target",
-        choices=TARGETS,
+        choices=REFINE_TARGETS,
         help="what each refined layer matches: the source layer's output or the residual stream after its "
         "attention (hf-attn refine --target)",
     )
     loss_stride: int = setting(
-        RefineSettings.loss_stride,
+        LOSS_STRIDE,
         flag="--refine-loss-stride",
         help="each refinement step's loss on every k-th position (hf-attn refine --loss-stride)",
     )
     step_dtype: str = setting(
-        RefineSettings.step_dtype,
+        STEP_DTYPE,
         flag="--refine-step-dtype",
         choices=tuple(STEP_DTYPES),
         help="dtype of the refinement steps' matmuls (hf-attn refine --step-dtype)",
@@ -376,3 +424,9 @@ def spec_from_args(spec: type, args: argparse.Namespace, *, prefix: str):
     names = [f.name for f in dataclasses.fields(spec)]
     values = {n: getattr(args, f"{prefix}.{n}") for n in names if hasattr(args, f"{prefix}.{n}")}
     return spec(**values)
+
+
+def add_write_arguments(parser: argparse.ArgumentParser) -> None:
+    """--save-dtype (the old `--dtype` still works) and --overwrite of `WriteSpec`, stored as `save_dtype` and
+    `overwrite` (for commands that write one checkpoint, e.g. `hf-attn export`)."""
+    add_settings_arguments(parser, WriteSpec)

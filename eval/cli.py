@@ -15,16 +15,16 @@ import sys
 
 from hf_attn.tooling.cli import run_command
 
-# subcommand -> (module with main(argv) -> int, one-line description)
+# subcommand -> ("module" with main(argv) -> int, or "module:function" naming it; one-line description)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "convert gqa": ("hf_attn.conversion.gqa", "MHA/GQA -> GQA/MQA by mean or calibrated pooling"),
+    "convert gqa": ("hf_attn.conversion.cli:gqa_main", "MHA/GQA -> GQA/MQA by mean or calibrated pooling"),
     "convert mla": (
-        "hf_attn.conversion.mla",
+        "hf_attn.conversion.cli:mla_main",
         "MHA/GQA -> MLA (llama_mla): partial RoPE + a joint low-rank latent",
     ),
-    "convert expand": ("hf_attn.conversion.expand", "GQA/MQA -> MHA (or more KV heads), exactly"),
-    "export": ("hf_attn.conversion.export", "llama_mla (DeepSeek layout) -> deepseek_v3, exactly"),
-    "heal": ("hf_attn.conversion.heal", "short uptraining of a converted checkpoint (accelerate)"),
+    "convert expand": ("hf_attn.conversion.cli:expand_main", "GQA/MQA -> MHA (or more KV heads), exactly"),
+    "export": ("hf_attn.conversion.export.deepseek", "llama_mla (DeepSeek layout) -> deepseek_v3, exactly"),
+    "heal": ("hf_attn.conversion.training.heal", "short uptraining of a converted checkpoint (accelerate)"),
     "refine": ("hf_attn.conversion.refine", "layer-local refit of a conversion to its source (calibration)"),
     "perplexity": ("hf_attn.eval.perplexity", "corpus perplexity with sliding windows (accelerate)"),
     "harness": ("hf_attn.eval.harness", "lm-eval-harness on any checkpoint (local or hub tasks)"),
@@ -60,6 +60,12 @@ def _usage() -> str:
     lines += [f"  {name:<{width}}  {text}" for name, (_, text) in COMMANDS.items()]
     lines += ["", "the project's own benchmarks: python -m benchmarks.<name> from a checkout (benchmarks/)"]
     return "\n".join(lines)
+
+
+def command_main(name: str):
+    """The `main(argv) -> int` of the subcommand `name` (its module imported now)."""
+    module, _, function = COMMANDS[name][0].partition(":")
+    return getattr(importlib.import_module(module), function or "main")
 
 
 def resolve(argv: list[str]) -> tuple[str, list[str]] | None:
@@ -121,9 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     name, rest = found
-    module = importlib.import_module(COMMANDS[name][0])
+    command = command_main(name)
     # every subcommand: one error path (Ctrl-C: 130, SIGTERM: 143, both after their cleanup)
-    return run_command(f"{PROG} {name}", lambda: module.main(rest))
+    return run_command(f"{PROG} {name}", lambda: command(rest))
 
 
 if __name__ == "__main__":

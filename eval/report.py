@@ -9,7 +9,7 @@ import json
 import textwrap
 from pathlib import Path
 
-from hf_attn.conversion.calibration import DEFAULT_CORPUS as CALIBRATION_CORPUS
+from hf_attn.conversion.specs import DEFAULT_CORPUS as CALIBRATION_CORPUS
 from hf_attn.tooling.assets import CORPUS_TEXTS
 from hf_attn.tooling.errors import UserError
 from hf_attn.tooling.files import WRITTEN_BY, write_json, write_text_atomic

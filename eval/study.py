@@ -31,6 +31,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+from hf_attn.conversion.specs import MLASpec
 from hf_attn.eval.rows import RowStore
 from hf_attn.eval.rows import row_key as _key
 from hf_attn.eval.study_config import (
@@ -145,9 +146,9 @@ def _shared_calibration(spec, source: Path, calibration, shared: dict):
     """The MLA calibration pass of a per-head MLA spec on `calibration`'s text (kept in `shared` for the next
     variant); None for any other spec (the DeepSeek layout needs statistics of its own: calibrates itself)."""
     from hf_attn.conversion import mla
-    from hf_attn.conversion.checkpoint import AttentionGeometry, read_config
+    from hf_attn.conversion.checkpoint.io import AttentionGeometry, read_config
 
-    if not isinstance(spec, mla.MLASpec) or spec.layout != "per-head":
+    if not isinstance(spec, MLASpec) or spec.layout != "per-head":
         return None
     files = calibration.files()
     key = ("mla", str(source), calibration.tokens, calibration.window, json.dumps(files, default=str))
@@ -165,8 +166,8 @@ def _shared_calibration(spec, source: Path, calibration, shared: dict):
 
 
 def heal(src: Path, dst: Path, settings: Settings, device: str = DEFAULT_DEVICE) -> dict:
-    from hf_attn.conversion.heal import HealSettings
-    from hf_attn.conversion.heal import heal as heal_checkpoint
+    from hf_attn.conversion.training.data import HealSettings
+    from hf_attn.conversion.training.heal import heal as heal_checkpoint
 
     recipe = HealSettings(
         model=str(src),
@@ -374,7 +375,7 @@ class Study:
                     rows.append(self._failed(v, err, healed=True))
         progress.done = first_step + 2 + 2 * v.heal  # the steps a failure skipped
         if not self.keep_checkpoints:
-            from hf_attn.conversion.heal import default_state_dir
+            from hf_attn.conversion.training.recipe import default_state_dir
 
             for path, _, _ in built.values():
                 for tree in (path, default_state_dir(path)):  # the healing log lives beside its checkpoint

@@ -22,8 +22,10 @@ from conftest import tree_hashes
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from benchmarks import perplexity as bench_perplexity
-from hf_attn.conversion import expand, export, gqa, heal, mla, refine
+from hf_attn.conversion import cli as convert_cli
+from hf_attn.conversion import export, gqa, refine
 from hf_attn.conversion.specs import GQASpec
+from hf_attn.conversion.training import heal
 from hf_attn.eval import cli as hf_attn_cli
 from hf_attn.eval import harness, perplexity, study
 from hf_attn.eval.bench import decode as bench_decode
@@ -89,7 +91,7 @@ def ws(tmp_path_factory):
 
 
 # (command main, argv with {ws} for the workspace, what the one line must contain)
-G, E, M = gqa.main, expand.main, mla.main
+G, E, M = convert_cli.gqa_main, convert_cli.expand_main, convert_cli.mla_main
 T, C, O = "{ws}/tiny", "{ws}/converted", "{ws}/out"
 GQA = ["--model", T, "--output", O, "--num-kv-heads", "1"]
 MLA = ["--model", T, "--output", O]
@@ -328,15 +330,22 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(ws_text, main, argv, ex
 
 def test_overwrite_replaces_a_project_output_atomically_and_leaves_nothing(ws, tmp_path, capsys):
     out = tmp_path / "out"
-    assert expand.main(["--model", str(ws / "tiny"), "--output", str(out)]) == 0
+    assert convert_cli.expand_main(["--model", str(ws / "tiny"), "--output", str(out)]) == 0
     assert (
-        expand.main(["--model", str(ws / "tiny"), "--output", str(out), "--overwrite", "--num-kv-heads", "3"])
+        convert_cli.expand_main(
+            ["--model", str(ws / "tiny"), "--output", str(out), "--overwrite", "--num-kv-heads", "3"]
+        )
         == 0
     )
-    assert expand.main(["--model", str(ws / "tiny"), "--output", str(out), "--overwrite"]) == 0
+    assert convert_cli.expand_main(["--model", str(ws / "tiny"), "--output", str(out), "--overwrite"]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no .out.*.tmp, no .out.*.old
     (tmp_path / "empty").mkdir()  # an empty directory holds nothing to lose
-    assert expand.main(["--model", str(ws / "tiny"), "--output", str(tmp_path / "empty"), "--overwrite"]) == 0
+    assert (
+        convert_cli.expand_main(
+            ["--model", str(ws / "tiny"), "--output", str(tmp_path / "empty"), "--overwrite"]
+        )
+        == 0
+    )
 
 
 def test_a_json_record_is_replaced_only_if_hf_attn_wrote_it(ws_text, tmp_path, capsys):
@@ -468,7 +477,7 @@ def test_any_command_sweeps_what_a_killed_one_left_wherever_it_wrote(ws, tmp_pat
     host = socket.gethostname()
     assert len(left) == 3 and all(host in n for n in left if n != "mine.txt"), left
     # another command, another output name, another directory: a bad input is enough to start the sweep
-    assert _status(expand.main, ["--model", str(ws / "tiny"), "--output", str(ws / "tiny")]) == 2
+    assert _status(convert_cli.expand_main, ["--model", str(ws / "tiny"), "--output", str(ws / "tiny")]) == 2
     assert [p.name for p in (tmp_path / "scratch").iterdir()] == []
     assert [p.name for p in (tmp_path / "outputs").iterdir()] == ["mine.txt"]
 

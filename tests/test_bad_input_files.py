@@ -20,12 +20,14 @@ import pytest
 from conftest import tree_hashes
 from test_bad_input import HEAL, PPL, PROGS, make_checkpoint
 
-from hf_attn.conversion import gqa, heal, refine
+from hf_attn.conversion import cli as convert_cli
+from hf_attn.conversion import gqa, refine
 from hf_attn.conversion.specs import GQASpec
+from hf_attn.conversion.training import heal
 from hf_attn.eval import perplexity, study
 from hf_attn.tooling import assets, files
 
-G = gqa.main
+G = convert_cli.gqa_main
 T, C = "{ws}/tiny", "{ws}/converted"
 MEAN = ["--num-kv-heads", "1", "--method", "mean", "--refine-steps", "0"]  # the quickest conversion
 STUDY_HEADER = study.DEFAULT_CONFIG.read_text().split("[[variants]]", 1)[0]
@@ -259,7 +261,7 @@ def _overwrite():
 
 
 def test_a_full_disk_names_the_output(ws, tmp_path, capsys, monkeypatch):
-    from hf_attn.conversion.shards import ShardedWriter
+    from hf_attn.conversion.checkpoint.shards import ShardedWriter
 
     def full(self, name, tensor):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))  # what a write to a full disk raises

@@ -12,10 +12,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_bad_input import make_checkpoint
 
-from hf_attn.conversion import expand, gqa, mla
-from hf_attn.conversion.checkpoint import AttentionGeometry
-from hf_attn.conversion.heal import HealSettings
+from hf_attn.conversion import gqa, mla
+from hf_attn.conversion.checkpoint.io import AttentionGeometry
+from hf_attn.conversion.gqa import expand
 from hf_attn.conversion.refine import RefineSettings, check_settings
+from hf_attn.conversion.specs import CalibrationSpec, MLASpec
+from hf_attn.conversion.training.data import HealSettings
 from hf_attn.eval import perplexity, study
 from hf_attn.tooling.errors import UserError, check_number, user_input
 
@@ -84,8 +86,8 @@ def test_expand_heads(heads):
 def test_mla_options(kv_budget, kv_lora_rank, rope_pairs, tokens, factorization):
     kwargs = dict(kv_lora_rank=kv_lora_rank, kv_budget=kv_budget, rope_pairs=rope_pairs)
     try:
-        spec = mla.MLASpec(**kwargs, rope_selection="high", factorization=factorization)
-        shape = mla.check_spec(spec, mla.CalibrationSpec(tokens=tokens), GEOMETRY)
+        spec = MLASpec(**kwargs, rope_selection="high", factorization=factorization)
+        shape = mla.check_spec(spec, CalibrationSpec(tokens=tokens), GEOMETRY)
     except UserError:
         return
     # passed: every value is in range (checked here independently) and the plan is valid

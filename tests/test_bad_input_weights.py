@@ -20,7 +20,9 @@ from test_bad_input import TINY, make_checkpoint
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from benchmarks import perplexity as bench_perplexity
-from hf_attn.conversion import expand, export, gqa, heal, mla
+from hf_attn.conversion import cli as convert_cli
+from hf_attn.conversion import export
+from hf_attn.conversion.training import heal
 from hf_attn.eval import harness, perplexity
 from hf_attn.eval.bench import decode as bench_decode
 from hf_attn.tooling import assets
@@ -98,7 +100,9 @@ def ws(tmp_path_factory):
     _variant(root, "invfreq", edit=_add_inv_freq)
     _stale_index(root)
     mla_argv = ["--model", str(root / "tiny"), "--output", str(root / "mla"), "--layout", "deepseek"]
-    assert mla.main([*mla_argv, "--calibration-tokens", "256", "--factorization", "weight-svd"]) == 0
+    assert (
+        convert_cli.mla_main([*mla_argv, "--calibration-tokens", "256", "--factorization", "weight-svd"]) == 0
+    )
     _variant(root, "mla-nan", base="mla", edit=_set("model.layers.0.mlp.up_proj.weight", float("nan")))
     shutil.rmtree(root / "mla")
     (root / "text.txt").write_text(assets.train_text_files()[0].read_text(encoding="utf-8")[:20000])
@@ -125,7 +129,7 @@ BD = ["--prompt-tokens", "16", "--batch-sizes", "1", "--new-tokens", "2"]
 ODD = "num_attention_heads=6 is not a multiple of num_key_value_heads=4"
 SEED = "--seed must be an integer in [0, 4294967295]"
 P, H, B, D = perplexity.main, heal.main, bench_perplexity.main, bench_decode.main
-E, G, M, X = expand.main, gqa.main, mla.main, export.main
+E, G, M, X = convert_cli.expand_main, convert_cli.gqa_main, convert_cli.mla_main, export.main
 NAN = "model.layers.1.mlp.down_proj.weight holds NaN"
 INF = "model.embed_tokens.weight holds -inf"
 ROWS = [
@@ -218,7 +222,9 @@ def test_a_stale_shard_index_is_ignored_as_transformers_ignores_it(ws, tmp_path,
     """model.safetensors beside an index of other shards: transformers loads model.safetensors, and so do
     the converters, so the exact expansion reproduces transformers' logits of the source bit for bit."""
     out = tmp_path / "mha"
-    assert expand.main(["--model", str(ws / "stale"), "--output", str(out)]) == 0, capsys.readouterr().err
+    assert convert_cli.expand_main(["--model", str(ws / "stale"), "--output", str(out)]) == 0, (
+        capsys.readouterr().err
+    )
     assert not (out / "model.safetensors.index.json").exists()
     ids = torch.randint(0, TINY["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(0))
     source, expanded = _logits(ws / "stale", ids), _logits(out, ids)
@@ -234,7 +240,7 @@ def test_a_config_naming_its_weights_file_is_read_as_transformers_reads_it(ws, t
     shutil.copy(ws / "nan" / WEIGHTS, src / WEIGHTS)  # present, but not the file the config names
     _edit_config(src, transformers_weights="chosen.safetensors")
     out = tmp_path / "mha"
-    assert expand.main(["--model", str(src), "--output", str(out)]) == 0, capsys.readouterr().err
+    assert convert_cli.expand_main(["--model", str(src), "--output", str(out)]) == 0, capsys.readouterr().err
     assert "transformers_weights" not in json.loads((out / "config.json").read_text())
     ids = torch.randint(0, TINY["vocab_size"], (1, 16), generator=torch.Generator().manual_seed(1))
     assert torch.equal(_logits(src, ids), _logits(out, ids))
@@ -245,7 +251,7 @@ def test_old_rotary_buffers_are_accepted_and_dropped_like_transformers_does(ws, 
     argv = ["--model", str(src), *PPL]
     assert perplexity.main(argv) == 0, capsys.readouterr().err
     out = tmp_path / "mha"
-    assert expand.main(["--model", str(src), "--output", str(out)]) == 0, capsys.readouterr().err
+    assert convert_cli.expand_main(["--model", str(src), "--output", str(out)]) == 0, capsys.readouterr().err
     assert not any("inv_freq" in k for k in load_file(out / WEIGHTS))
     ids = torch.randint(0, TINY["vocab_size"], (1, 16), generator=torch.Generator().manual_seed(2))
     assert torch.equal(_logits(src, ids), _logits(out, ids))

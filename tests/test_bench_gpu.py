@@ -163,8 +163,8 @@ def test_package_layout_resolves_into_the_checkout(tmp_path):
     assert (src / "hf_attn" / "eval" / "cli.py").resolve() == root / "eval" / "cli.py"
     assert (src / "benchmarks" / "gpu_parts.py").resolve() == root / "benchmarks" / "gpu_parts.py"
     assert (
-        src / "hf_attn" / "conversion" / "heal_fsdp.yaml"
-    ).resolve() == root / "conversion" / "heal_fsdp.yaml"
+        src / "hf_attn" / "conversion" / "training" / "heal_fsdp.yaml"
+    ).resolve() == root / "conversion" / "training" / "heal_fsdp.yaml"
 
 
 def test_emitted_rows_follow_the_schema(tmp_path):

@@ -71,7 +71,7 @@ def tensor_hashes(directory: Path) -> dict[str, str]:
 def convert_all(root: Path, tokenizer_dir: Path) -> dict[str, dict[str, str]]:
     """Every converter's output on the tiny source: case -> tensor name -> sha256."""
     from hf_attn.conversion import export, gqa, mla, refine
-    from hf_attn.conversion.expand import expand_checkpoint
+    from hf_attn.conversion.gqa.expand import expand_checkpoint
     from hf_attn.conversion.specs import CalibrationSpec, ExpandSpec, GQASpec, MLASpec
 
     threads = torch.get_num_threads()

@@ -14,8 +14,11 @@ import torch
 from conftest import exit_status
 from test_refine import tiny_llama
 
-from hf_attn.conversion import cli, expand, gqa, mla, pipeline
-from hf_attn.conversion.checkpoint import read_tensor, tensor_index
+from hf_attn.conversion import cli, pipeline
+from hf_attn.conversion.checkpoint.io import read_tensor, tensor_index
+from hf_attn.conversion.gqa import convert as gqa
+from hf_attn.conversion.gqa import expand
+from hf_attn.conversion.mla import convert as mla
 from hf_attn.conversion.specs import (
     METHODS,
     CalibrationSpec,
@@ -142,7 +145,7 @@ def test_command_is_the_library_pipeline_with_default_specs(tmp_path, smollm2_pa
     command, library = tmp_path / "command", tmp_path / "library"
     sizes = ["--calibration-tokens", "128", "--refine-tokens", "128"]
     argv = ["--model", str(src), "--output", str(command), "--num-kv-heads", "1", *sizes]
-    assert exit_status(gqa.main, argv) == 0
+    assert exit_status(cli.gqa_main, argv) == 0
     converted = pipeline.convert(
         GQASpec(num_kv_heads=1),
         src=src,

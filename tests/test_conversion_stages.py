@@ -1,12 +1,14 @@
-"""`conversion.stages` (seconds per stage, nested stages counted once) and `conversion.threads` (torch's CPU
-threads from the other processes' load), against a hand-driven clock and hand-computed thread counts."""
+"""`conversion.stages` (seconds per stage, nested stages counted once) and `conversion.checkpoint.threads`
+(torch's CPU threads from the other processes' load), against a hand-driven clock and hand-computed thread
+counts."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hf_attn.conversion import stages, threads
+from hf_attn.conversion import stages
+from hf_attn.conversion.checkpoint import threads
 
 
 class Clock:

@@ -7,11 +7,16 @@ import pytest
 from conftest import exit_status
 
 from benchmarks.experiments import cross_domain
-from hf_attn.conversion import calibration as cal
-from hf_attn.conversion import gqa, mla
-from hf_attn.conversion.heal import HealSettings, load_data
+from hf_attn.conversion import cli as convert_cli
+from hf_attn.conversion.checkpoint import calibration as cal
 from hf_attn.conversion.specs import CalibrationSpec, add_spec_arguments, spec_from_args
-from hf_attn.conversion.train_data import check_disjoint, check_not_embedded_eval, load_train_corpus
+from hf_attn.conversion.training.data import (
+    HealSettings,
+    check_disjoint,
+    check_not_embedded_eval,
+    load_data,
+    load_train_corpus,
+)
 from hf_attn.tooling import assets, python_docs
 from hf_attn.tooling.corpus import Corpus
 
@@ -85,13 +90,15 @@ def test_strip_rest_on_a_hand_checked_example():
 
 
 def test_calibration_corpus_option_parses_resolves_and_refuses_unknown_names(capsys):
-    for main in (gqa.main, mla.main):
+    for main in (convert_cli.gqa_main, convert_cli.mla_main):
         argv = ["--output", "/nonexistent/out", "--calibration-corpus", "shakespeare"]
-        assert exit_status(main, argv + (["--num-kv-heads", "1"] if main is gqa.main else [])) == 2
+        assert (
+            exit_status(main, argv + (["--num-kv-heads", "1"] if main is convert_cli.gqa_main else [])) == 2
+        )
         err = capsys.readouterr().err
         assert "invalid choice: 'shakespeare'" in err and "python-docs" in err
     both = ["--output", "o", "--num-kv-heads", "1", "--calibration-corpus", "mix", "--calibration-text", "a"]
-    assert exit_status(gqa.main, both) == 2
+    assert exit_status(convert_cli.gqa_main, both) == 2
     assert "not allowed with" in capsys.readouterr().err
     with pytest.raises(ValueError, match="Unknown calibration corpus 'x'"):
         assets.calibration_corpus_files("x")
@@ -135,7 +142,7 @@ def test_heal_refuses_training_text_that_contains_an_evaluation_text(tmp_path, d
 def test_heal_train_corpus_names_the_embedded_texts(tmp_path, docs_dir, smollm2_path, capsys):
     """`--train-corpus mix` (the default) trains on the five novels and the five documentation sections (the
     files listed here independently), never on an evaluation text; it excludes --train-text."""
-    from hf_attn.conversion import heal as heal_mod
+    from hf_attn.conversion.training import heal as heal_mod
 
     novels = [assets.austen_file(n) for n in ("emma", "mansfieldpark", "northangerabbey", "prideprejudice",
                                                 "sensesensibility")]  # fmt: skip

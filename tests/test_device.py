@@ -16,8 +16,11 @@ from conftest import exit_status, tree_hashes
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from benchmarks import mla_decode, scale
-from hf_attn.conversion import gqa, heal, layerwise, mla, refine
-from hf_attn.conversion.specs import CalibrationSpec
+from hf_attn.conversion import cli as convert_cli
+from hf_attn.conversion import refine
+from hf_attn.conversion.checkpoint import layerwise
+from hf_attn.conversion.specs import CalibrationSpec, resolve_forward
+from hf_attn.conversion.training import heal
 from hf_attn.conversion.training import state as train_state
 from hf_attn.eval import harness, perplexity, study
 from hf_attn.tooling import assets, devices
@@ -37,8 +40,8 @@ TINY = dict(
 )
 # every command with a --device flag: its main and its name on stderr
 COMMANDS = {
-    "convert gqa": gqa.main,
-    "convert mla": mla.main,
+    "convert gqa": convert_cli.gqa_main,
+    "convert mla": convert_cli.mla_main,
     "refine": refine.main,
     "heal": heal.main,
     "perplexity": perplexity.main,
@@ -83,7 +86,7 @@ def test_auto_is_the_cpu_without_cuda_and_cpu_is_forced(no_cuda):
     assert devices.DEFAULT_DEVICE == "auto" and devices.DEVICES == ("auto", "cpu", "cuda")
     assert devices.resolve_device() == torch.device("cpu")
     assert devices.resolve_device("auto") == devices.resolve_device("cpu") == torch.device("cpu")
-    assert layerwise.resolve_forward("auto", "float32") == (torch.device("cpu"), torch.float32)
+    assert resolve_forward("auto", "float32") == (torch.device("cpu"), torch.float32)
     assert layerwise.forward_record("auto", "float32") == {"device": "cpu", "forward_dtype": "float32"}
 
 
@@ -91,7 +94,7 @@ def test_auto_is_cuda_where_torch_sees_it(mocked_cuda):
     assert devices.resolve_device("auto") == torch.device("cuda")
     assert devices.resolve_device("cuda:0") == torch.device("cuda:0")
     assert devices.resolve_device("cpu") == torch.device("cpu")  # still forced
-    assert layerwise.resolve_forward("auto", "bfloat16") == (torch.device("cuda"), torch.bfloat16)
+    assert resolve_forward("auto", "bfloat16") == (torch.device("cuda"), torch.bfloat16)
     assert layerwise.forward_record("auto", "float32")["device"] == "cuda"
     assert CalibrationSpec().device == "auto"  # validated without error: the choice, not CUDA work
     assert devices.describe_device(torch.device("cuda")) == "cuda (Mocked GPU 80GB)"
@@ -198,7 +201,7 @@ def test_runs_say_and_record_the_device_they_used(ws, tmp_path, no_cuda, capsys)
     calibration = ["--calibration-text", text, "--calibration-tokens", "256", "--calibration-window", "128"]
     converted = tmp_path / "mqa"
     argv = ["--model", t, "--output", str(converted), "--num-kv-heads", "1", *calibration]
-    assert gqa.main([*argv, "--refine-steps", "1", "--refine-tokens", "256"]) == 0
+    assert convert_cli.gqa_main([*argv, "--refine-steps", "1", "--refine-tokens", "256"]) == 0
     assert _said(capsys.readouterr().err, "hf-attn convert gqa") == ["hf-attn convert gqa: device cpu"]
     history = json.loads((converted / "config.json").read_text())["hf_attn"]["history"]
     assert [step["settings"]["device"] for step in history] == ["cpu", "cpu"]  # closed form, refinement

@@ -19,6 +19,7 @@ import pytest
 import torch
 from conftest import exit_status
 
+from hf_attn.conversion import cli as convert_cli
 from hf_attn.conversion import export, mla
 from hf_attn.conversion.specs import CalibrationSpec, MLASpec
 from hf_attn.eval.engine import check
@@ -240,7 +241,7 @@ def test_convert_to_engine_dims_the_source_cannot_carry(wide_heads, tmp_path, ca
         "576",
     ]  # full rank 256 < 512
     capsys.readouterr()
-    assert exit_status(mla.main, argv) == 2
+    assert exit_status(convert_cli.mla_main, argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "export with --engine-dims 576" in err, err
     assert not (tmp_path / "out").exists()

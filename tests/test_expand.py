@@ -1,4 +1,4 @@
-"""GQA -> MHA expansion (conversion.expand): exact logits on the real SmolLM2, repeated rows against a
+"""GQA -> MHA expansion (conversion.gqa.expand): exact logits on the real SmolLM2, repeated rows against a
 computation written here, and the errors users see."""
 
 import json
@@ -10,7 +10,8 @@ from conftest import exit_status
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from hf_attn.conversion import expand
+from hf_attn.conversion import cli as convert_cli
+from hf_attn.conversion.gqa import expand
 from hf_attn.conversion.specs import ExpandSpec, WriteSpec
 from hf_attn.tooling.files import checkpoint_hash, sha256_file
 
@@ -107,8 +108,8 @@ def test_errors(tmp_path, capsys):
         expand.expand_checkpoint(ExpandSpec(num_kv_heads=3), src=src, dst=out)
     expand.expand_checkpoint(ExpandSpec(), src=src, dst=out)
     capsys.readouterr()
-    assert exit_status(expand.main, ["--model", str(src), "--output", str(out)]) == 2
+    assert exit_status(convert_cli.expand_main, ["--model", str(src), "--output", str(out)]) == 2
     err = capsys.readouterr().err.strip()
     assert "already exists" in err and "--overwrite" in err and "\n" not in err
-    expand.main(["--model", str(src), "--output", str(out), "--overwrite", "--num-kv-heads", "4"])
+    convert_cli.expand_main(["--model", str(src), "--output", str(out), "--overwrite", "--num-kv-heads", "4"])
     assert json.loads((out / "config.json").read_text())["num_key_value_heads"] == 4

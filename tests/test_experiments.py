@@ -9,7 +9,7 @@ import pytest
 
 from benchmarks.experiments.runner import Point, run_grid
 from hf_attn.conversion import mla
-from hf_attn.conversion.checkpoint import AttentionGeometry
+from hf_attn.conversion.checkpoint.io import AttentionGeometry
 from hf_attn.tooling.tables import markdown_table
 
 SMOL = AttentionGeometry(num_layers=30, hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64)

@@ -15,8 +15,9 @@ from conftest import exit_status
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig, Qwen2Config
 
+from hf_attn.conversion import cli as convert_cli
 from hf_attn.conversion import gqa
-from hf_attn.conversion.expand import expand_checkpoint
+from hf_attn.conversion.gqa.expand import expand_checkpoint
 from hf_attn.conversion.specs import METHODS, CalibrationSpec, ExpandSpec, GQASpec, WriteSpec
 from hf_attn.tooling.errors import UserError
 from hf_attn.tooling.files import checkpoint_hash, sha256_file
@@ -139,8 +140,8 @@ def test_sharded_source_and_output(tmp_path):
 
 def test_attention_statistics_match_a_direct_computation(tmp_path):
     """AttentionStatistics against loops over eager attention probabilities (output_attentions=True)."""
-    from hf_attn.conversion.calibration import capture_attention_inputs
-    from hf_attn.conversion.checkpoint import AttentionGeometry
+    from hf_attn.conversion.checkpoint.calibration import capture_attention_inputs
+    from hf_attn.conversion.checkpoint.io import AttentionGeometry
 
     src = make_tiny(tmp_path / "src")
     model = AutoModelForCausalLM.from_pretrained(src, attn_implementation="eager").eval()
@@ -311,7 +312,7 @@ def test_smollm2_calibrated_beats_mean_on_held_out_text(tmp_path, smollm2_path, 
 
 def _one_line_cli_error(capsys, argv) -> str:
     capsys.readouterr()  # drop what earlier steps printed
-    assert exit_status(gqa.main, argv) == 2
+    assert exit_status(convert_cli.gqa_main, argv) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "Traceback" not in err
     return err
@@ -396,8 +397,8 @@ def test_existing_output_needs_overwrite_and_failures_leave_nothing(tmp_path, mo
 
 def test_sharded_writer_round_trip(tmp_path):
     """Mixed dtypes, odd byte sizes, a scalar and an empty tensor survive sharding; aligned data offsets."""
-    from hf_attn.conversion.checkpoint import iter_tensors, tensor_index
-    from hf_attn.conversion.shards import ShardedWriter
+    from hf_attn.conversion.checkpoint.io import iter_tensors, tensor_index
+    from hf_attn.conversion.checkpoint.shards import ShardedWriter
 
     g = torch.Generator().manual_seed(0)
     tensors = {
@@ -428,7 +429,7 @@ def test_sharded_writer_round_trip(tmp_path):
 
 
 def test_records_side_files_and_model_resolution(tmp_path, smollm2_path):
-    from hf_attn.conversion.checkpoint import add_record, check_supported, copy_side_files
+    from hf_attn.conversion.checkpoint.io import add_record, check_supported, copy_side_files
     from hf_attn.tooling import assets
     from hf_attn.tooling.loading import resolve_model
 

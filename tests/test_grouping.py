@@ -1,6 +1,7 @@
-"""Query-head grouping of GQA pooling (conversion/grouping.py, `--grouping search`): an exact MHA expansion
-whose heads were scrambled (the same function) pools back to the original model only with the right grouping,
-and the search finds it, for both methods; the partition search on costs whose best grouping is known."""
+"""Query-head grouping of GQA pooling (conversion/gqa/grouping.py, `--grouping search`): an exact MHA
+expansion whose heads were scrambled (the same function) pools back to the original model only with the
+right grouping, and the search finds it, for both methods; the partition search on costs whose best
+grouping is known."""
 
 import dataclasses
 import json
@@ -12,15 +13,16 @@ from safetensors.torch import load_file, save_file
 from test_gqa import make_tiny
 from transformers import AutoModelForCausalLM
 
-from hf_attn.conversion import gqa, grouping
-from hf_attn.conversion.expand import expand_checkpoint
+from hf_attn.conversion import gqa
+from hf_attn.conversion.gqa import grouping
+from hf_attn.conversion.gqa.expand import expand_checkpoint
 from hf_attn.conversion.specs import METHODS, CalibrationSpec, ExpandSpec, GQASpec
 
 
 def scramble_heads(src: Path, dst: Path, perms: list[list[int]]) -> Path:
     """Copy the MHA checkpoint `src` to `dst` with layer l's heads reordered: new head j = old head
     perms[l][j] (q/k/v rows and o columns of head blocks together; biases too): the same function. Written
-    with explicit per-head slices, independently of conversion/grouping.py."""
+    with explicit per-head slices, independently of conversion/gqa/grouping.py."""
     dst.mkdir()
     for f in src.iterdir():
         if f.suffix != ".safetensors":

@@ -1,5 +1,6 @@
-"""Healing (`conversion.heal`): learning, data parallel equivalence, resume after SIGKILL, frozen parameters,
-bad input. A tiny random Llama with a 512-token BPE tokenizer trained here keeps every run to seconds."""
+"""Healing (`conversion.training.heal`): learning, data parallel equivalence, resume after SIGKILL, frozen
+parameters, bad input. A tiny random Llama with a 512-token BPE tokenizer trained here keeps every run to
+seconds."""
 
 from __future__ import annotations
 
@@ -18,9 +19,16 @@ import torch
 from conftest import exit_status
 from safetensors.torch import load_file
 
-from hf_attn.conversion import heal as heal_mod
-from hf_attn.conversion.heal import HealRecipe, HealSettings, find_checkpoints, heal, read_log
-from hf_attn.conversion.train_data import ChunkOrder, check_disjoint, load_eval_corpus, load_train_corpus
+from hf_attn.conversion.training import heal as heal_mod
+from hf_attn.conversion.training.data import (
+    ChunkOrder,
+    HealSettings,
+    check_disjoint,
+    load_eval_corpus,
+    load_train_corpus,
+)
+from hf_attn.conversion.training.heal import heal
+from hf_attn.conversion.training.recipe import HealRecipe, find_checkpoints, read_log
 from hf_attn.tooling import assets
 from hf_attn.tooling.files import checkpoint_hash, sha256_file
 
@@ -265,7 +273,7 @@ def test_two_processes_follow_the_one_process_trajectory(tiny, tmp_path):
     ]
     cmd += ["--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port())]
     extra = ["--batch-size", "2", "--max-steps", "4", "--checkpoint-every", "2", "--keep-checkpoints"]
-    cmd += ["-m", "conversion.heal", *_cli(tiny, tmp_path / "two", *extra)]
+    cmd += ["-m", "conversion.training", *_cli(tiny, tmp_path / "two", *extra)]
     res = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stderr[-3000:]
     log = read_log(tmp_path / "two.heal" / "log.jsonl")
@@ -291,7 +299,7 @@ def test_resume_after_sigkill_continues_the_uninterrupted_trajectory(tiny, tmp_p
     cmd = [
         PYTHON,
         "-m",
-        "conversion.heal",
+        "conversion.training",
         *_cli(tiny, out, "--max-steps", str(steps), "--checkpoint-every", "3"),
     ]
     proc = subprocess.Popen(
@@ -383,7 +391,7 @@ def test_bad_inputs_give_one_line_errors(tiny, tmp_path, capsys):
 
 
 def test_cli_error_is_one_line_without_traceback(tiny, tmp_path):
-    cmd = [PYTHON, "-m", "conversion.heal", *_cli(tiny, tmp_path / "o", "--trainable", "mlp")]
+    cmd = [PYTHON, "-m", "conversion.training", *_cli(tiny, tmp_path / "o", "--trainable", "mlp")]
     res = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
     assert res.returncode != 0
     assert "Traceback" not in res.stderr and res.stderr.strip().splitlines()[-1].startswith(

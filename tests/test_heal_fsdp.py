@@ -1,4 +1,5 @@
-"""Healing under FSDP2 (`accelerate launch --config_file conversion/heal_fsdp.yaml`), 2 gloo processes on CPU.
+"""Healing under FSDP2 (`accelerate launch --config_file conversion/training/heal_fsdp.yaml`), 2 gloo
+processes on CPU.
 
 Reference: the same global batch healed by one plain process (no sharding, no launcher), which the sharded run
 must reproduce to float tolerance, weights, losses, held-out perplexity and config alike. The sharded run is
@@ -17,8 +18,8 @@ from safetensors.torch import load_file
 from test_heal import PYTHON, REPO, SMALL, _env, _free_port, _losses, _run, tiny  # noqa: F401
 from test_heal import tiny_mla as tiny_mla_fixture
 
-from hf_attn.conversion import heal as heal_mod
-from hf_attn.conversion.heal import find_checkpoints, read_log
+from hf_attn.conversion.training import heal as heal_mod
+from hf_attn.conversion.training.recipe import find_checkpoints, read_log
 
 # float32: the sharded and the plain run differ only in reduction order, which AdamW's normalisation
 # m / sqrt(v) amplifies where a gradient nearly cancels (seen: up to 1.9e-5, typical updates 5e-3 at lr 3e-3).
@@ -30,7 +31,8 @@ TOLERANCE = 1e-4
 def _launch(case, output, *extra):
     model_dir, train, held_out = case
     cmd = [PYTHON, "-m", "accelerate.commands.launch", "--config_file", str(heal_mod.FSDP_CONFIG)]
-    cmd += ["--num_processes", "2", "--main_process_port", str(_free_port()), "-m", "hf_attn.conversion.heal"]
+    cmd += ["--num_processes", "2", "--main_process_port", str(_free_port())]
+    cmd += ["-m", "hf_attn.conversion.training"]
     cmd += ["--model", str(model_dir), "--output", str(output), "--train-text", str(train)]
     cmd += ["--eval-text", str(held_out), "--seq-len", "32", "--batch-size", "2", "--lr", "3e-3"]
     cmd += ["--eval-context", "64", "--eval-tokens", "640", "--schedule", "constant", "--no-progress", *extra]

@@ -16,8 +16,8 @@ from test_heal import _losses, _run
 from test_heal import tiny as tiny_fixture
 from test_heal import tiny_mla as tiny_mla_fixture
 
-from hf_attn.conversion import heal as heal_mod
-from hf_attn.conversion.heal import HealRecipe, read_log
+from hf_attn.conversion.training import heal as heal_mod
+from hf_attn.conversion.training.recipe import HealRecipe, read_log
 from hf_attn.conversion.training.teacher import distill_loss, training_loss
 from hf_attn.tooling.files import checkpoint_hash, sha256_file
 

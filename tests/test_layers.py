@@ -140,13 +140,15 @@ def test_every_subcommand_and_module_alias_resolves():
 
     from hf_attn.eval import cli
 
-    for module, _ in cli.COMMANDS.values():
-        assert callable(importlib.import_module(module).main), module
+    for name in cli.COMMANDS:
+        assert callable(cli.command_main(name)), name
     aliases = [
         "conversion.gqa",
         "conversion.mla",
-        "conversion.expand",
-        "conversion.heal",
+        "conversion.gqa.expand",
+        "conversion.training.heal",
+        "conversion.training",
+        "conversion.export",
         "eval.perplexity",
         "eval.study",
         "benchmarks.attention",

@@ -1,4 +1,5 @@
-"""Layer-by-layer calibration (conversion.layerwise) against the whole-model hooked pass it replaces.
+"""Layer-by-layer calibration (conversion.checkpoint.layerwise) against the whole-model hooked pass it
+replaces.
 
 The reference is `calibration.for_each_attention_input` on the source loaded whole by transformers in float32
 (what the calibrated converters did before): the attention inputs, RoPE tables and GQA statistics of the
@@ -14,10 +15,12 @@ import torch
 from conftest import exit_status
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-from hf_attn.conversion import gqa, layerwise, mla
-from hf_attn.conversion.calibration import capture_attention_inputs, for_each_attention_input
-from hf_attn.conversion.checkpoint import AttentionGeometry
-from hf_attn.conversion.layerwise import LayerwiseModel
+from hf_attn.conversion import cli as convert_cli
+from hf_attn.conversion import gqa
+from hf_attn.conversion.checkpoint import layerwise
+from hf_attn.conversion.checkpoint.calibration import capture_attention_inputs, for_each_attention_input
+from hf_attn.conversion.checkpoint.io import AttentionGeometry
+from hf_attn.conversion.checkpoint.layerwise import LayerwiseModel
 
 TINY = dict(
     vocab_size=96,
@@ -191,11 +194,11 @@ def test_converters_record_the_forward_settings(tmp_path, smollm2_path):
     ]
     out = tmp_path / "mqa"
     argv = [*common, "--num-kv-heads", "1", "--method", "calibrated", "--forward-dtype", "bfloat16"]
-    assert exit_status(gqa.main, [*argv, "--output", str(out)]) == 0
+    assert exit_status(convert_cli.gqa_main, [*argv, "--output", str(out)]) == 0
     record = json.loads((out / "config.json").read_text())["hf_attn"]["history"][-1]
     assert record["settings"]["device"] == "cpu" and record["settings"]["forward_dtype"] == "bfloat16"
     out = tmp_path / "mla"
-    assert exit_status(mla.main, [*common, "--kv-budget", "0.5", "--output", str(out)]) == 0
+    assert exit_status(convert_cli.mla_main, [*common, "--kv-budget", "0.5", "--output", str(out)]) == 0
     record = json.loads((out / "config.json").read_text())["hf_attn"]["history"][-1]
     assert record["settings"]["device"] == "cpu" and record["settings"]["forward_dtype"] == "float32"
     assert record["calibration"]["forward_dtype"] == "float32"
@@ -204,14 +207,22 @@ def test_converters_record_the_forward_settings(tmp_path, smollm2_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_without_a_gpu_is_one_line_and_writes_nothing(tmp_path, capsys):
     src = make_source(tmp_path / "src", "llama-llama3-rope")
-    for main, extra in ((gqa.main, ["--num-kv-heads", "1", "--method", "calibrated"]), (mla.main, [])):
+    for main, extra in (
+        (convert_cli.gqa_main, ["--num-kv-heads", "1", "--method", "calibrated"]),
+        (convert_cli.mla_main, []),
+    ):
         capsys.readouterr()
         argv = ["--model", str(src), "--output", str(tmp_path / "out"), "--device", "cuda", *extra]
         assert exit_status(main, argv) == 2
         err = capsys.readouterr().err.strip()
         assert "\n" not in err and "--device cuda" in err and "--device cpu" in err
         assert not (tmp_path / "out").exists()
-    assert exit_status(gqa.main, ["--output", "x", "--num-kv-heads", "1", "--forward-dtype", "float16"]) == 2
+    assert (
+        exit_status(
+            convert_cli.gqa_main, ["--output", "x", "--num-kv-heads", "1", "--forward-dtype", "float16"]
+        )
+        == 2
+    )
 
 
 @pytest.mark.slow

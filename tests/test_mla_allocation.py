@@ -1,5 +1,5 @@
 """Per-layer ranks (`layer_kv_lora_ranks`, `layer_rope_pairs`) in llama_mla and the converter's greedy
-allocation (conversion.allocation).
+allocation (conversion.mla.ranks).
 
 References are independent of the code under test: a ragged full-rank model is built here from the source
 weights per the checkpoint contract and compared with the unmodified source whose rotary function rotates only
@@ -27,9 +27,9 @@ from test_llama_mla_model import (
 )
 from test_mla_conversion import tiny_root  # noqa: F401 (fixture)
 
-from hf_attn.conversion import allocation as alloc
 from hf_attn.conversion import mla
-from hf_attn.conversion.specs import CalibrationSpec, MLASpec
+from hf_attn.conversion.mla import ranks as alloc
+from hf_attn.conversion.specs import CalibrationSpec, MLASpec, default_allocation
 from hf_attn.eval.kv_cache import kv_bytes_per_token, kv_cache_bytes, measured_kv_bytes_per_token
 from hf_attn.models.llama_mla import LlamaMLAConfig, LlamaMLAForCausalLM
 
@@ -242,11 +242,11 @@ def test_greedy_conversion_honours_the_budget_and_loads(tiny_root, tmp_path, all
 
 def test_default_allocation_is_greedy_only_where_it_applies():
     base = dict(kv_budget=0.5, given_ranks=False, layout="per-head", selection="attention")
-    assert alloc.default_allocation(**base, factorization="attention") == "greedy"
-    assert alloc.default_allocation(**{**base, "given_ranks": True}, factorization="attention") == "uniform"
-    assert alloc.default_allocation(**{**base, "kv_budget": None}, factorization="attention") == "uniform"
-    assert alloc.default_allocation(**{**base, "layout": "deepseek"}, factorization="attention") == "uniform"
-    assert alloc.default_allocation(**base, factorization="activation") == "uniform"
+    assert default_allocation(**base, factorization="attention") == "greedy"
+    assert default_allocation(**{**base, "given_ranks": True}, factorization="attention") == "uniform"
+    assert default_allocation(**{**base, "kv_budget": None}, factorization="attention") == "uniform"
+    assert default_allocation(**{**base, "layout": "deepseek"}, factorization="attention") == "uniform"
+    assert default_allocation(**base, factorization="activation") == "uniform"
 
 
 def test_greedy_refuses_deepseek_layout_and_other_options(tiny_root):  # noqa: F811
@@ -260,7 +260,7 @@ def test_greedy_refuses_deepseek_layout_and_other_options(tiny_root):  # noqa: F
 
 
 def test_export_refuses_ragged_ranks():
-    from hf_attn.conversion.export import plan_export
+    from hf_attn.conversion.export.plan import plan_export
 
     cfg = LlamaMLAConfig(
         **TINY, rope_layout="shared", latent_norm=True, layer_kv_lora_ranks=[12, 5], layer_rope_pairs=[2, 1]

@@ -18,12 +18,14 @@ from conftest import TINY_SHAPE, exit_status
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 from transformers.models.llama.modeling_llama import rotate_half
 
-from hf_attn.conversion import factorization as fac
-from hf_attn.conversion import mla, mla_plan
-from hf_attn.conversion import rope_selection as rs
-from hf_attn.conversion.calibration import calibration_ids
-from hf_attn.conversion.checkpoint import AttentionGeometry
-from hf_attn.conversion.specs import CalibrationSpec, ExpandSpec, MLASpec, WriteSpec
+from hf_attn.conversion import cli as convert_cli
+from hf_attn.conversion import mla
+from hf_attn.conversion.checkpoint.calibration import calibration_ids
+from hf_attn.conversion.checkpoint.io import AttentionGeometry
+from hf_attn.conversion.mla import factorization as fac
+from hf_attn.conversion.mla import plan as mla_plan
+from hf_attn.conversion.mla import rope_selection as rs
+from hf_attn.conversion.specs import DEFAULT_KV_BUDGET, CalibrationSpec, ExpandSpec, MLASpec, WriteSpec
 from hf_attn.tooling.files import checkpoint_hash, sha256_file
 
 TOL = 1e-4  # max |diff| relative to max |logit|, fp32
@@ -166,7 +168,7 @@ def test_every_pair_full_rank_reproduces_smollm2_gqa(smollm2_path, smollm2_refer
 
 
 def test_every_pair_full_rank_reproduces_smollm2_mha(smollm2_path, smollm2_reference, tmp_path):
-    from hf_attn.conversion.expand import expand_checkpoint
+    from hf_attn.conversion.gqa.expand import expand_checkpoint
 
     ids, ref = smollm2_reference
     mha = expand_checkpoint(ExpandSpec(num_kv_heads=9), src=smollm2_path, dst=tmp_path / "mha")
@@ -469,10 +471,13 @@ def test_output_safety(tiny_root, tmp_path):
 
 def test_cli_one_line_errors(tiny_root, tmp_path, capsys):
     argv = ["--model", str(tiny_root / "llama"), "--output", str(tmp_path / "o"), "--rope-pairs", "9"]
-    assert exit_status(mla.main, argv) == 2
+    assert exit_status(convert_cli.mla_main, argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "rope-pairs" in err and "Traceback" not in err
-    assert mla.main([*argv[:3], str(tmp_path / "ok"), "--rope-pairs", "4", "--refine-steps", "0"]) == 0
+    assert (
+        convert_cli.mla_main([*argv[:3], str(tmp_path / "ok"), "--rope-pairs", "4", "--refine-steps", "0"])
+        == 0
+    )
     assert (tmp_path / "ok" / "model.safetensors").exists()
 
 
@@ -485,11 +490,14 @@ def test_cli_default_is_half_the_cache(tiny_root, tmp_path):
         "--refine-steps",
         "0",
     ]
-    assert mla.main(["--model", str(tiny_root / "llama"), "--output", str(tmp_path / "o"), *calib]) == 0
+    assert (
+        convert_cli.mla_main(["--model", str(tiny_root / "llama"), "--output", str(tmp_path / "o"), *calib])
+        == 0
+    )
     cfg = json.loads((tmp_path / "o" / "config.json").read_text())
     numbers = cfg["kv_lora_rank"] + cfg["num_key_value_heads"] * 2 * cfg["rope_pairs"]
     assert numbers == 2 * 2 * 8 // 2  # half of the source's 2 Hkv d
-    assert cfg["hf_attn"]["history"][-1]["settings"]["kv_budget"] == mla.DEFAULT_KV_BUDGET == 0.5
+    assert cfg["hf_attn"]["history"][-1]["settings"]["kv_budget"] == DEFAULT_KV_BUDGET == 0.5
 
 
 # ------------------------------------------------------------------------------ attention-aware selection
@@ -530,7 +538,7 @@ def _brute_force_pair_stats(q, k, cos, sin, group, stride=1, window=None):
 
 @pytest.mark.parametrize("window", [None, 3])
 def test_attention_pair_stats_match_brute_force(window):
-    from hf_attn.conversion.rope_selection import AttentionPairStats
+    from hf_attn.conversion.mla.rope_selection import AttentionPairStats
 
     g = torch.Generator().manual_seed(5)
     T, C, hq, hkv, d = 9, 10, 4, 2, 6

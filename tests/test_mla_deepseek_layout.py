@@ -14,8 +14,10 @@ import pytest
 import torch
 from conftest import exit_status
 
+from hf_attn.conversion import cli as convert_cli
 from hf_attn.conversion import mla
-from hf_attn.conversion import shared_rope as sr
+from hf_attn.conversion.mla import shared_rope as sr
+from hf_attn.conversion.mla.layer import SpilledLayerStatistics
 from hf_attn.conversion.specs import CalibrationSpec, MLASpec
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -338,27 +340,36 @@ def test_cli_layout_flag_and_refusals(smollm2_path, tmp_path, capsys):
     ]
     for extra, word in bad:
         out = tmp_path / "bad"
-        assert exit_status(mla.main, [*base, "--output", str(out), *extra]) == 2
+        assert exit_status(convert_cli.mla_main, [*base, "--output", str(out), *extra]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and word in err, err
         assert not out.exists()
-    assert exit_status(mla.main, [*base, "--output", str(tmp_path / "x"), "--layout", "interleaved"]) == 2
     assert (
-        mla.main([*base, "--output", str(tmp_path / "ok"), "--layout", "deepseek", "--kv-budget", "0.5"]) == 0
+        exit_status(convert_cli.mla_main, [*base, "--output", str(tmp_path / "x"), "--layout", "interleaved"])
+        == 2
+    )
+    assert (
+        convert_cli.mla_main(
+            [*base, "--output", str(tmp_path / "ok"), "--layout", "deepseek", "--kv-budget", "0.5"]
+        )
+        == 0
     )
     config = json.loads((tmp_path / "ok" / "config.json").read_text())
     assert (
         config["rope_layout"] == "shared"
         and config["hf_attn"]["history"][-1]["settings"]["layout"] == "deepseek"
     )
-    assert mla.main([*base, "--output", str(tmp_path / "ph"), "--kv-budget", "0.5"]) == 0  # default: per-head
+    assert (
+        convert_cli.mla_main([*base, "--output", str(tmp_path / "ph"), "--kv-budget", "0.5"]) == 0
+    )  # default: per-head
     assert (
         json.loads((tmp_path / "ph" / "config.json").read_text()).get("rope_layout", "per_head") == "per_head"
     )
 
 
 def test_heal_runs_on_the_deepseek_layout(smollm2_path, tmp_path):
-    from hf_attn.conversion.heal import HealSettings, heal
+    from hf_attn.conversion.training.data import HealSettings
+    from hf_attn.conversion.training.heal import heal
 
     src = _tiny(tmp_path / "src", smollm2_path, num_kv_heads=2, constant_rms=False)
     dst = _convert(src, tmp_path / "ds", kv_budget=0.5)
@@ -387,7 +398,7 @@ def test_heal_runs_on_the_deepseek_layout(smollm2_path, tmp_path):
     # ... and the healed checkpoint still exports exactly: vanilla DeepseekV3ForCausalLM gives its logits.
     from transformers import AutoModelForCausalLM
 
-    from hf_attn.conversion.export import export_checkpoint
+    from hf_attn.conversion.export.deepseek import export_checkpoint
 
     exported = export_checkpoint(src=tmp_path / "healed", dst=tmp_path / "exported")
     ids = torch.arange(3, 27)[None]
@@ -423,8 +434,8 @@ def test_calibration_spills_every_layer_and_reads_back_the_whole_model_sums(smol
     statistics accumulated here from a whole-model pass."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_attn.conversion import calibration as cal
-    from hf_attn.conversion.checkpoint import open_source
+    from hf_attn.conversion.checkpoint import calibration as cal
+    from hf_attn.conversion.checkpoint.io import open_source
 
     src = _tiny(tmp_path / "src", smollm2_path, num_kv_heads=2, constant_rms=False)
     geometry = open_source(src).geometry
@@ -432,7 +443,7 @@ def test_calibration_spills_every_layer_and_reads_back_the_whole_model_sums(smol
     got = mla.calibrate(
         src_dir=src, geometry=geometry, files=files, tokens=256, window=64, shared_keys=True, sample_stride=2
     )
-    assert all(isinstance(s, mla.SpilledLayerStatistics) for s in got.statistics.values())
+    assert all(isinstance(s, SpilledLayerStatistics) for s in got.statistics.values())
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     ids = cal.calibration_ids(AutoTokenizer.from_pretrained(src), files, 256)
     inputs = cal.capture_attention_inputs(model, ids, layers=range(2), window=64, progress=False)
@@ -455,7 +466,7 @@ def test_a_pickled_calibration_reads_its_statistics_after_the_first_is_gone(smol
     with `scratch_dir` the spilled statistics stay readable once the calibrating object is gone."""
     import gc
 
-    from hf_attn.conversion.checkpoint import open_source
+    from hf_attn.conversion.checkpoint.io import open_source
 
     src = _tiny(tmp_path / "src", smollm2_path, num_kv_heads=2, constant_rms=False)
     kw = dict(

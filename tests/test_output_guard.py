@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from test_gqa import file_hashes, make_tiny
 
-from hf_attn.conversion import expand, gqa
+from hf_attn.conversion import gqa
+from hf_attn.conversion.gqa import expand
 from hf_attn.conversion.specs import ExpandSpec, GQASpec, WriteSpec
 from hf_attn.tooling.cli import sigterm_exits_cleanly
 from hf_attn.tooling.files import atomic_directory, check_output, scratch_directory

@@ -15,9 +15,10 @@ from conftest import TINY_SHAPE, exit_status
 from test_export import SRC_TINY, deepseek_layout_model, randomize_
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from hf_attn.conversion import export, gqa, pipeline, refine
-from hf_attn.conversion.checkpoint import read_tensor, tensor_index
-from hf_attn.conversion.layerwise import LayerwiseModel
+from hf_attn.conversion import cli as convert_cli
+from hf_attn.conversion import export, pipeline, refine
+from hf_attn.conversion.checkpoint.io import read_tensor, tensor_index
+from hf_attn.conversion.checkpoint.layerwise import LayerwiseModel
 
 
 def tiny_llama(seed: int, **overrides) -> LlamaForCausalLM:
@@ -102,7 +103,7 @@ def converted_pair(tmp_path, smollm2_path):
     tokenizer.save_pretrained(src)
     conv = tmp_path / "mqa"
     argv = ["--model", str(src), "--output", str(conv), "--num-kv-heads", "1", "--method", "mean"]
-    assert exit_status(gqa.main, [*argv, "--refine-steps", "0"]) == 0
+    assert exit_status(convert_cli.gqa_main, [*argv, "--refine-steps", "0"]) == 0
     return src, conv
 
 
@@ -167,9 +168,9 @@ def test_convert_with_refine_steps_is_convert_then_refine(converted_pair, tmp_pa
     one = tmp_path / "one" / "command"
     one.parent.mkdir()
     base = ["--model", str(src), "--output", str(one), "--num-kv-heads", "1", "--method", "mean", *options]
-    assert exit_status(gqa.main, [*base, "--refine-steps", "-1"]) == 2
+    assert exit_status(convert_cli.gqa_main, [*base, "--refine-steps", "-1"]) == 2
     assert "--refine-steps" in capsys.readouterr().err and not one.exists()
-    assert exit_status(gqa.main, [*base, "--refine-steps", "4", "--refine-tokens", "64"]) == 0
+    assert exit_status(convert_cli.gqa_main, [*base, "--refine-steps", "4", "--refine-tokens", "64"]) == 0
     assert [p.name for p in one.parent.iterdir()] == ["command"], "scratch left beside the output"
     history = json.loads((one / "config.json").read_text())["hf_attn"]["history"]
     assert [r["kind"] for r in history] == ["gqa", "refine"]

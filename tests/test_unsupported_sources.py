@@ -1,7 +1,7 @@
 """Refusals before any work: every converter command (expand, gqa, mla per-head and DeepSeek layout, export)
-refuses an architecture whose math the conversion does not cover with one line naming the feature, exit
-status 2, and no output directory. The sources are config.json files only (built with transformers' own
-config classes): the support check (`conversion.checkpoint.check_supported`) runs before any tensor is read.
+refuses an architecture whose math the conversion does not cover with one line naming the feature, exit status
+2, and no output directory. The sources are config.json files only (built with transformers' own config
+classes): the support check (`conversion.checkpoint.io.check_supported`) runs before any tensor is read.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from transformers import (
     StableLmConfig,
 )
 
-from hf_attn.conversion import expand, export, gqa, mla
+from hf_attn.conversion import cli as convert_cli
+from hf_attn.conversion import export
 
 SHAPE = dict(
     vocab_size=64,
@@ -45,11 +46,14 @@ SOURCES = {
 }
 
 COMMANDS = {
-    "expand": (expand.main, []),
-    "gqa_mean": (gqa.main, ["--num-kv-heads", "1", "--method", "mean"]),
-    "gqa_calibrated": (gqa.main, ["--num-kv-heads", "1", "--method", "calibrated"]),
-    "mla_per_head": (mla.main, ["--kv-lora-rank", "8"]),
-    "mla_deepseek": (mla.main, ["--kv-lora-rank", "8", "--rope-pairs", "1", "--layout", "deepseek"]),
+    "expand": (convert_cli.expand_main, []),
+    "gqa_mean": (convert_cli.gqa_main, ["--num-kv-heads", "1", "--method", "mean"]),
+    "gqa_calibrated": (convert_cli.gqa_main, ["--num-kv-heads", "1", "--method", "calibrated"]),
+    "mla_per_head": (convert_cli.mla_main, ["--kv-lora-rank", "8"]),
+    "mla_deepseek": (
+        convert_cli.mla_main,
+        ["--kv-lora-rank", "8", "--rope-pairs", "1", "--layout", "deepseek"],
+    ),
     "export": (export.main, ["--to", "deepseek_v3"]),
 }
 

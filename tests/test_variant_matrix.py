@@ -25,9 +25,11 @@ import torch
 from conftest import TINY_SHAPE
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-from hf_attn.conversion import expand, export, gqa, mla
-from hf_attn.conversion.heal import HealSettings, heal
+from hf_attn.conversion import export, gqa, mla
+from hf_attn.conversion.gqa import expand
 from hf_attn.conversion.specs import CalibrationSpec, ExpandSpec, GQASpec, MLASpec
+from hf_attn.conversion.training.data import HealSettings
+from hf_attn.conversion.training.heal import heal
 from hf_attn.eval import perplexity
 
 TOL = 1e-4  # max |diff| relative to max |logit|, fp32
@@ -298,7 +300,7 @@ def test_mla_refuses_a_calibration_window_of_one_query(tmp_path, text_file):
     """--rope-selection attention reads every QUERY_STRIDE-th query of a window: a window that short gives one
     query attending to one key, zero score variance and a 0/0 query fit (NaN or ~1e12 query weights, which
     then poison healing); refused before any work."""
-    from hf_attn.conversion import rope_selection
+    from hf_attn.conversion.mla import rope_selection
 
     src = tmp_path / "src"
     AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=64, **BASE)).save_pretrained(src)

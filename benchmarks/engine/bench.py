@@ -114,7 +114,7 @@ def _module(name: str) -> list[str]:
 
 def _export_dims_flag(dims: int) -> list[str]:
     """The export's option for `kv_lora_rank + qk_rope_head_dim = dims` (its spelling in this version)."""
-    from hf_attn.conversion import export
+    from hf_attn.conversion.export import deepseek as export
 
     text = Path(export.__file__).read_text()
     return ["--engine-dims", str(dims)] if "--engine-dims" in text else ["--flashmla-dims"]
@@ -168,7 +168,7 @@ def write_mha_source(directory: Path, *, shape: dict, seed: int = 0, tokenizer_t
     """A Llama checkpoint of `shape` (benchmarks/synthetic.py's dims) with seeded random bf16 weights and a
     word-level tokenizer trained on the first `tokenizer_texts` calibration texts; reused when complete."""
     from benchmarks import synthetic
-    from hf_attn.conversion.calibration import default_calibration_files
+    from hf_attn.conversion.checkpoint.calibration import default_calibration_files
 
     if (directory / "config.json").exists():
         return directory

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from hf_attn.conversion import calibration as cal
+from hf_attn.conversion.checkpoint import calibration as cal
 from hf_attn.tooling import assets
 
 CHUNK, CHUNKS = 256, 64

@@ -140,8 +140,8 @@ def check_export(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hf_attn.conversion.engine_dims import ENGINE_DIMS
-    from hf_attn.conversion.export import export_checkpoint
+    from hf_attn.conversion.export.deepseek import export_checkpoint
+    from hf_attn.conversion.specs import ENGINE_DIMS
     from hf_attn.tooling import assets
 
     parser = argparse.ArgumentParser(

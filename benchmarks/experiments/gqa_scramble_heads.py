@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from hf_attn.conversion.checkpoint import AttentionGeometry
-from hf_attn.conversion.grouping import permute_layer
+from hf_attn.conversion.checkpoint.io import AttentionGeometry
+from hf_attn.conversion.gqa.grouping import permute_layer
 
 src, dst = Path(sys.argv[1]), Path(sys.argv[2])
 dst.mkdir()

@@ -1,4 +1,4 @@
-"""Uniform vs greedy per-layer allocation of the MLA KV budget (conversion.allocation), on one calibration.
+"""Uniform vs greedy per-layer allocation of the MLA KV budget (conversion.mla.ranks), on one calibration.
 
     python -m benchmarks.experiments.mla_allocation [--model SRC] [--budgets 0.5,0.3]
         [--variants uniform,greedy]
@@ -18,8 +18,8 @@ from pathlib import Path
 
 from benchmarks.experiments.runner import Point, Scoring, cached_calibration, calibration_files, run_grid
 from hf_attn.conversion import mla
-from hf_attn.conversion.checkpoint import open_source
-from hf_attn.conversion.specs import MLASpec
+from hf_attn.conversion.checkpoint.io import open_source
+from hf_attn.conversion.specs import DEFAULT_CALIBRATION_TOKENS, MLASpec
 from hf_attn.tooling.tables import markdown_table
 
 PROG = "python -m benchmarks.experiments.mla_allocation"
@@ -54,7 +54,7 @@ def run(
     rope_pairs: int | None = None,
     max_tokens: int = 8192,
     context_length: int = 1024,
-    calibration_tokens: int = mla.DEFAULT_CALIBRATION_TOKENS,
+    calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS,
     calibration_cache: Path | None = None,
 ) -> dict:
     scoring = Scoring.load(model, max_tokens=max_tokens, context_length=context_length)
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rope-pairs", type=int, default=None, help="override the budget's default r")
     parser.add_argument("--max-tokens", type=int, default=8192)
     parser.add_argument("--context-length", type=int, default=1024)
-    parser.add_argument("--calibration-tokens", type=int, default=mla.DEFAULT_CALIBRATION_TOKENS)
+    parser.add_argument("--calibration-tokens", type=int, default=DEFAULT_CALIBRATION_TOKENS)
     parser.add_argument("--calibration-cache", type=Path, default=None, help="torch.save'd calibration")
     parser.add_argument("--output-dir", type=Path, default=Path("results/mla_allocation"))
     args = parser.parse_args(argv)

@@ -37,10 +37,14 @@ from benchmarks.experiments.runner import (
     run_grid,
 )
 from hf_attn.conversion import mla
-from hf_attn.conversion.checkpoint import AttentionGeometry, read_config
-from hf_attn.conversion.factorization import FACTORIZATIONS
-from hf_attn.conversion.rope_selection import SELECTIONS
-from hf_attn.conversion.specs import MLASpec
+from hf_attn.conversion.checkpoint.io import AttentionGeometry, read_config
+from hf_attn.conversion.specs import (
+    DEFAULT_FACTORIZATION,
+    DEFAULT_ROPE_SELECTION,
+    FACTORIZATIONS,
+    SELECTIONS,
+    MLASpec,
+)
 from hf_attn.tooling.cli import run_command
 from hf_attn.tooling.tables import markdown_table
 
@@ -64,7 +68,7 @@ def point(
         "section": section,
         "rope_pairs": rope_pairs,
         "selection": selection,
-        "factorization": factorization or mla.DEFAULT_FACTORIZATION,
+        "factorization": factorization or DEFAULT_FACTORIZATION,
         "kv_lora_rank": kv_lora_rank,
         "kv_budget": kv_budget,
     }
@@ -94,7 +98,7 @@ def grid(name: str, geometry: AttentionGeometry) -> list[dict]:
         for share in ROPE_SHARES:
             r = mla.default_rope_pairs(geometry, budget, share)
             points.append(
-                point("budget", rope_pairs=r, selection=mla.DEFAULT_ROPE_SELECTION, kv_budget=budget)
+                point("budget", rope_pairs=r, selection=DEFAULT_ROPE_SELECTION, kv_budget=budget)
             )
     for budget in COMPARE_BUDGETS:  # every option at the default allocation
         for s in SELECTIONS:
@@ -258,8 +262,8 @@ def _sweep_table(rows: list[dict], geometry: AttentionGeometry) -> list[str]:
         r
         for r in rows
         if r["section"] == "budget"
-        and r["selection"] == mla.DEFAULT_ROPE_SELECTION
-        and r["factorization"] == mla.DEFAULT_FACTORIZATION
+        and r["selection"] == DEFAULT_ROPE_SELECTION
+        and r["factorization"] == DEFAULT_FACTORIZATION
     ]
     if not sweep:
         return []
@@ -276,7 +280,7 @@ def _sweep_table(rows: list[dict], geometry: AttentionGeometry) -> list[str]:
         numbers = here[0]["cache_numbers"]
         table.append([f"{budget:g} ({numbers / (2 * geometry.kv_dim):.1%})", numbers, "; ".join(cells)])
     title = (
-        f"**Allocation sweep** ({mla.DEFAULT_ROPE_SELECTION} selection, {mla.DEFAULT_FACTORIZATION} "
+        f"**Allocation sweep** ({DEFAULT_ROPE_SELECTION} selection, {DEFAULT_FACTORIZATION} "
         "factorization): perplexity for r RoPE pairs per KV head, the latent taking the rest of the "
         "budget (RoPE share of the cached numbers in brackets; * = the default r for that budget)"
     )

@@ -24,7 +24,8 @@ from pathlib import Path
 
 from benchmarks.experiments.runner import Point, Scoring, cached_calibration, calibration_files, run_grid
 from hf_attn.conversion import mla
-from hf_attn.conversion.checkpoint import AttentionGeometry, read_config
+from hf_attn.conversion.checkpoint.io import AttentionGeometry, read_config
+from hf_attn.conversion.mla import shared_rope as sr
 from hf_attn.conversion.specs import MLASpec
 from hf_attn.tooling.tables import cell, markdown_table
 
@@ -61,7 +62,7 @@ def run(
                         files=calibration_files(),
                         tokens=calibration_tokens,
                         shared_keys=True,
-                        sample_stride=mla.sr.SAMPLE_STRIDE,
+                        sample_stride=sr.SAMPLE_STRIDE,
                         scratch_dir=scratch,  # kept: the pickled calibration reads them later
                     ),
                 )
@@ -112,8 +113,8 @@ def run(
 
 
 def _heal(path: Path, output: Path, heal: dict) -> Path:
-    from hf_attn.conversion.heal import HealSettings
-    from hf_attn.conversion.heal import heal as run_heal
+    from hf_attn.conversion.training.data import HealSettings
+    from hf_attn.conversion.training.heal import heal as run_heal
 
     settings = HealSettings(
         model=str(path),

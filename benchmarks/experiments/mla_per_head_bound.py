@@ -13,11 +13,12 @@ import sys
 
 import torch
 
-from hf_attn.conversion import allocation as alloc
 from hf_attn.conversion import mla
-from hf_attn.conversion.checkpoint import open_source
+from hf_attn.conversion.checkpoint.io import open_source
+from hf_attn.conversion.mla import ranks as alloc
+from hf_attn.conversion.specs import DEFAULT_CALIBRATION_TOKENS
 
-tokens = int(sys.argv[1]) if len(sys.argv) > 1 else mla.DEFAULT_CALIBRATION_TOKENS
+tokens = int(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_CALIBRATION_TOKENS
 source = open_source(None)
 L, H = source.geometry.num_layers, source.geometry.num_kv_heads
 calibration = mla.calibrate(

@@ -8,12 +8,7 @@ from pathlib import Path
 
 import torch
 
-from hf_attn.conversion.checkpoint import (
-    add_record,
-    copy_side_files,
-    read_config,
-    write_config,
-)
+from hf_attn.conversion.checkpoint.io import add_record, copy_side_files, read_config, write_config
 from hf_attn.conversion.training.data import HealData, HealSettings
 from hf_attn.conversion.training.lora import merged
 from hf_attn.conversion.training.recipe import HealRecipe, JsonLog, stored_dtype

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from hf_attn.conversion.checkpoint import tensor_index
+from hf_attn.conversion.checkpoint.io import tensor_index
 from hf_attn.tooling.errors import UserError
 
 ADAPTER_FILE = "adapter_model.safetensors"

@@ -17,9 +17,7 @@ import numpy as np
 import torch
 
 import hf_attn  # noqa: F401  (registers the hf-attn attention implementations and the llama_mla model type)
-from hf_attn.conversion.checkpoint import (
-    read_config,
-)
+from hf_attn.conversion.checkpoint.io import read_config
 from hf_attn.tooling import loading
 
 TRAINABLE = ("all", "attention")
@@ -40,7 +38,7 @@ ATTENTION_MARKER = ".self_attn."
 STATE_FILE = "trainer_state.pt"
 LOG_FILE = "log.jsonl"
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
-FSDP_CONFIG = Path(__file__).parents[1] / "heal_fsdp.yaml"  # accelerate launch --config_file FSDP_CONFIG ...
+FSDP_CONFIG = Path(__file__).parent / "heal_fsdp.yaml"  # accelerate launch --config_file FSDP_CONFIG ...
 
 
 # --------------------------------------------------------------------------------------------- recipe
@@ -103,7 +101,7 @@ class HealRecipe:
         ]
 
 
-def _positive(name: str, value, *, allow_none: bool = False, allow_zero: bool = False) -> None:
+def check_positive(name: str, value, *, allow_none: bool = False, allow_zero: bool = False) -> None:
     if value is None and allow_none:
         return
     ok = (

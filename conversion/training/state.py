@@ -10,15 +10,10 @@ from pathlib import Path
 
 import torch
 
-from hf_attn.conversion.checkpoint import (
-    copy_side_files,
-)
-from hf_attn.conversion.refine import param_groups
-from hf_attn.conversion.train_data import (
-    make_loader,
-)
+from hf_attn.conversion.checkpoint.io import copy_side_files
+from hf_attn.conversion.refine_fit import param_groups
 from hf_attn.conversion.training import lora
-from hf_attn.conversion.training.data import HealData, HealSettings
+from hf_attn.conversion.training.data import HealData, HealSettings, make_loader
 from hf_attn.conversion.training.recipe import (
     FSDP_CONFIG,
     LOG_FILE,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from hf_attn.conversion.checkpoint import read_config
+from hf_attn.conversion.checkpoint.io import read_config
 from hf_attn.conversion.training.recipe import HealRecipe, stored_dtype
 from hf_attn.tooling import loading
 from hf_attn.tooling.errors import UserError

@@ -31,8 +31,8 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from hf_attn.conversion.checkpoint import latest_record
-from hf_attn.conversion.engine_dims import accepting_backends, platform_sizes
+from hf_attn.conversion.checkpoint.io import latest_record
+from hf_attn.conversion.export.engine_dims import accepting_backends, platform_sizes
 from hf_attn.eval.engine import environment as env
 from hf_attn.eval.engine import reference as ref
 from hf_attn.tooling.cli import ArgumentParser, run_command

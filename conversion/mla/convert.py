@@ -6,97 +6,32 @@
         [--calibration-tokens N] [--refine-steps 32] [--save-dtype float32|bfloat16] [--overwrite]
 
 Per layer: (1) partial RoPE: each KV head keeps RoPE on r of its d/2 frequency pairs
-(`conversion.rope_selection`), its q/k rows permuted to [rope (2r) | nope (d - 2r)]; (2) joint low rank: the
-stacked [k_nope; v] of all KV heads becomes up (down x) with the cached latent of width d_c = kv_lora_rank
-(`conversion.factorization`); (3) q_proj keeps the source rows, o_proj and everything outside attention are
-copied. The cache then holds d_c + Hkv 2r numbers per token and layer (`LlamaMLAConfig.cache_numbers`).
-`--kv-budget F` picks d_c and r for at most F of the source's cache (default 0.5 when no rank option is
-given); `--rope-pairs d/2` alone is exact. Calibration runs only when an option needs it. The construction is
-in docs/mla.md, the measured curve in docs/research/. `--layout deepseek` (`conversion.shared_rope`) writes
-DeepSeek-V2/V3's layout instead: one RoPE key per layer shared by all heads on the pairs 0, s, ..., (r - 1) s
-of every layer, and an RMSNorm on the cached latent (cache d_c + 2r); `hf-attn export` then writes it as an
-exact deepseek_v3 checkpoint. The command then refines every layer against the source (32 steps by default,
-the recipe that measures best; `--refine-steps 0`: the closed form only).
-"""
+(`conversion.mla.rope_selection`), its q/k rows permuted to [rope (2r) | nope (d - 2r)]; (2) joint low
+rank: the stacked [k_nope; v] of all KV heads becomes up (down x) with the cached latent of width d_c =
+kv_lora_rank (`conversion.mla.factorization`); (3) q_proj keeps the source rows, o_proj and everything
+outside attention are copied. The cache then holds d_c + Hkv 2r numbers per token and layer
+(`LlamaMLAConfig.cache_numbers`). `--kv-budget F` picks d_c and r for at most F of the source's cache
+(default 0.5 when no rank option is given); `--rope-pairs d/2` alone is exact. Calibration runs only when
+an option needs it. The construction is in docs/mla.md, the measured curve in docs/research/. `--layout
+deepseek` (`conversion.mla.shared_rope`) writes DeepSeek-V2/V3's layout instead: one RoPE key per layer
+shared by all heads on the pairs 0, s, ..., (r - 1) s of every layer, and an RMSNorm on the cached latent
+(cache d_c + 2r); `hf-attn export` then writes it as an exact deepseek_v3 checkpoint. The command then
+refines every layer against the source (32 steps by default, the recipe that measures best; `--refine-steps
+0`: the closed form only)."""
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-from hf_attn.conversion import allocation as alloc
-from hf_attn.conversion import calibration as cal
-from hf_attn.conversion import factorization as fac
-from hf_attn.conversion import rope_selection as rs
-from hf_attn.conversion import shared_rope as sr
 from hf_attn.conversion import stages
-from hf_attn.conversion.checkpoint import DEFAULT_MAX_SHARD_BYTES, add_record, open_source, save_streamed
-from hf_attn.conversion.mla_calibration import DEFAULT_CALIBRATION_TOKENS, Calibration, calibrate
-from hf_attn.conversion.mla_layer import (
-    DEFAULT_FACTORIZATION,
-    DEFAULT_ROPE_SELECTION,
-    DEFAULT_ROPE_SHARE,
-    MAX_ROPE_FRACTION,
-    LayerStatistics,
-    MLAShape,
-    SpilledLayerStatistics,
-    convert_layer,
-    default_rope_pairs,
-    head_row_order,
-    layer_rows,
-    mla_shapes,
-    plan_shape,
-)
-from hf_attn.conversion.mla_plan import (
-    MLAConversion,
-    check_spec,
-    copy_model_code,
-    mla_config,
-    plan_conversion,
-)
-from hf_attn.conversion.specs import DEFAULT_KV_BUDGET, CalibrationSpec, KVBudget, MLASpec, WriteSpec
+from hf_attn.conversion.checkpoint.io import add_record, open_source, save_streamed
+from hf_attn.conversion.mla.calibration import Calibration
+from hf_attn.conversion.mla.plan import MLAConversion, copy_model_code, plan_conversion
+from hf_attn.conversion.specs import DEFAULT_MAX_SHARD_BYTES, CalibrationSpec, MLASpec, WriteSpec
 from hf_attn.tooling.files import check_output
-
-__all__ = [  # the public names of the MLA conversion, wherever they live
-    "DEFAULT_CALIBRATION_TOKENS",
-    "DEFAULT_FACTORIZATION",
-    "DEFAULT_KV_BUDGET",
-    "DEFAULT_ROPE_SELECTION",
-    "DEFAULT_ROPE_SHARE",
-    "MAX_ROPE_FRACTION",
-    "Calibration",
-    "CalibrationSpec",
-    "KVBudget",
-    "LayerStatistics",
-    "MLAConversion",
-    "MLAShape",
-    "MLASpec",
-    "SpilledLayerStatistics",
-    "alloc",
-    "cal",
-    "calibrate",
-    "check_spec",
-    "convert_layer",
-    "convert_to_mla",
-    "copy_model_code",
-    "default_rope_pairs",
-    "describe",
-    "fac",
-    "head_row_order",
-    "layer_rows",
-    "main",
-    "mla_config",
-    "mla_shapes",
-    "plan_conversion",
-    "plan_shape",
-    "rs",
-    "sr",
-    "WriteSpec",
-    "write_conversion",
-]
 
 PROG = "hf-attn convert mla"
 
@@ -181,13 +116,3 @@ def describe(r: dict) -> str:
 
 def _describe_allocation(a: dict) -> str:
     return f", per layer ({a['method']}) r={a['layer_rope_pairs']} d_c={a['layer_kv_lora_ranks']}"
-
-
-def main(argv: list[str] | None = None) -> int:
-    from hf_attn.conversion import cli
-
-    return cli.main(PROG, __doc__, MLASpec, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hf_attn.conversion.specs import DEFAULT_MAX_SHARD_BYTES
 from hf_attn.tooling.weights import INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE  # the names readers share
 
 if TYPE_CHECKING:
     from hf_attn.tooling.weights import TensorInfo
 
-DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 
 _DTYPE_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
@@ -215,7 +215,6 @@ class SpilledLayers(MutableMapping):
 
 
 __all__ = [
-    "DEFAULT_MAX_SHARD_BYTES",
     "INDEX_FILE",
     "SAFETENSORS_DTYPES",
     "SINGLE_FILE",

@@ -1,4 +1,6 @@
-"""Per-layer ranks for MLA conversion: spend one `--kv-budget` where the calibration says it matters.
+"""The ranks of an MLA conversion: r (RoPE pairs per KV head) and d_c (kv_lora_rank) from a rank or a
+`--kv-budget` (`MLAShape`, `plan_shape`, `default_rope_pairs`), and per layer where the calibration says
+the budget matters (`--allocation`).
 
 `--allocation uniform` gives every layer the same r (RoPE pairs per KV head) and d_c (kv_lora_rank).
 The greedy allocations keep the uniform plan's total (sum over layers of d_c,i + Hkv 2 r_i <= the budget's
@@ -26,15 +28,157 @@ Pure functions on tensors (`greedy_allocate`, `allocate_pairs`, `allocate_ranks`
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 
 import torch
+from tqdm.auto import tqdm
 
-ALLOCATIONS = ("uniform", "greedy", "greedy-ranks")
+from hf_attn.conversion.checkpoint.io import AttentionGeometry
+from hf_attn.conversion.mla import factorization as fac
+from hf_attn.conversion.mla import rope_selection as rs
+from hf_attn.conversion.mla import shared_rope as sr
+from hf_attn.conversion.specs import DEFAULT_ROPE_SELECTION, KVBudget
+from hf_attn.models.llama_mla.configuration_llama_mla import LlamaMLAConfig
+from hf_attn.tooling.errors import UserError
+
 # greedy allocations: the RoPE keys' share of a --kv-budget when r is not given (uniform: 0.5, capped)
 GREEDY_ROPE_SHARE = 0.4
 NORMALIZATIONS = ("relative", "raw")
 DEFAULT_NORMALIZATION = "relative"
+DEFAULT_ROPE_SHARE = 0.5  # of a --kv-budget's numbers per token go to the RoPE keys (see default_rope_pairs)
+# ... but with these selections at most this fraction of a head's d/2 frequency pairs (see default_rope_pairs)
+MAX_ROPE_FRACTION = {"attention": 0.375}
+
+
+# --------------------------------------------------------------------------------------------- shapes
+
+
+@dataclass(frozen=True)
+class MLAShape:
+    """Ranks of an MLA conversion; everything else derives from the source geometry."""
+
+    geometry: AttentionGeometry
+    rope_pairs: int  # r
+    kv_lora_rank: int  # d_c
+    shared_rope: bool = False  # the DeepSeek layout: one RoPE key (2r) per layer instead of Hkv
+
+    @property
+    def nope_dim(self) -> int:
+        """d - 2r: the non-RoPE key dims of one head."""
+        return self.geometry.head_dim - 2 * self.rope_pairs
+
+    @property
+    def num_key_rows(self) -> int:
+        """Rows of the stacked k_nope block: Hkv (d - 2r)."""
+        return self.geometry.num_kv_heads * self.nope_dim
+
+    @property
+    def full_rank(self) -> int:
+        """Width of the stacked [k_nope; v]: Hkv (d - 2r) + Hkv d, the largest useful kv_lora_rank."""
+        g = self.geometry
+        return LlamaMLAConfig.full_kv_lora_rank(g.num_kv_heads, g.head_dim, self.rope_pairs)
+
+    @property
+    def is_full_rank(self) -> bool:
+        return self.kv_lora_rank == self.full_rank
+
+    @property
+    def rope_keys(self) -> int:
+        """RoPE keys cached per token and layer: Hkv (per-head layout) or 1 (shared, DeepSeek layout)."""
+        return 1 if self.shared_rope else self.geometry.num_kv_heads
+
+    @property
+    def cache_numbers(self) -> int:
+        """Numbers cached per token and layer: d_c + Hkv 2r (DeepSeek layout: d_c + 2r)."""
+        return LlamaMLAConfig.cache_numbers(self.kv_lora_rank, self.rope_keys, self.rope_pairs)
+
+    @property
+    def source_cache_numbers(self) -> int:
+        """The source's: 2 Hkv d."""
+        return 2 * self.geometry.kv_dim
+
+    @property
+    def kv_fraction(self) -> float:
+        return self.cache_numbers / self.source_cache_numbers
+
+
+def default_rope_pairs(
+    geometry: AttentionGeometry,
+    kv_budget: float | None,
+    share: float | None = None,
+    *,
+    selection: str = DEFAULT_ROPE_SELECTION,
+) -> int:
+    """r when --rope-pairs is not given: every pair without a budget; with one, the RoPE keys take `share`
+    of the budget's numbers, rounded to whole pairs per KV head, at least one, and leaving at least 1/8 of
+    the budget to the latent.
+
+    The default (`share=None`) is DEFAULT_ROPE_SHARE, capped for the `attention` selection at
+    MAX_ROPE_FRACTION of the d/2 pairs; docs/mla.md says why (docs/results/mla-allocation.md measures it)."""
+    half = geometry.head_dim // 2
+    if kv_budget is None:
+        return half
+    numbers = budget_numbers(kv_budget, geometry)
+    if numbers >= 2 * geometry.kv_dim:  # the whole source cache: the exact conversion fits
+        return half
+    cap = half if share is not None else math.ceil(MAX_ROPE_FRACTION.get(selection, 1.0) * half)
+    share = DEFAULT_ROPE_SHARE if share is None else share
+    per_pair = 2 * geometry.num_kv_heads
+    r = min(round(share * numbers / per_pair), int(numbers * 7 / 8) // per_pair, cap)
+    return max(1, min(half, r))
+
+
+def budget_numbers(kv_budget: float, geometry: AttentionGeometry) -> int:
+    """Numbers per token and layer a KV budget allows (`specs.KVBudget`, validated there)."""
+    return KVBudget(kv_budget).numbers(geometry.kv_dim)
+
+
+def plan_shape(
+    geometry: AttentionGeometry,
+    *,
+    kv_lora_rank: int | None = None,
+    kv_budget: float | None = None,
+    rope_pairs: int | None = None,
+    rope_selection: str = DEFAULT_ROPE_SELECTION,
+    layout: str = "per-head",
+) -> MLAShape:
+    """Validate / derive (r, d_c). Neither rank nor budget: full rank (exact with r = d/2)."""
+    if kv_lora_rank is not None and kv_budget is not None:
+        raise UserError("Give either --kv-lora-rank or --kv-budget, not both.")
+    shared = layout == "deepseek"
+    if rope_pairs is None and shared:
+        rope_pairs = sr.default_rope_pairs(geometry.head_dim // 2, geometry.kv_dim, kv_budget)
+    if rope_pairs is None:
+        rope_pairs = default_rope_pairs(geometry, kv_budget, selection=rope_selection)
+    r = rope_pairs
+    rs.check_rope_pairs(r, geometry.head_dim)
+    full = MLAShape(geometry, r, 1).full_rank
+    hkv = 1 if shared else geometry.num_kv_heads  # RoPE keys cached per token
+    if kv_budget is not None:
+        numbers = budget_numbers(kv_budget, geometry)  # (validates the fraction)
+        rank = min(numbers - hkv * 2 * r, full)
+        if rank < 1:
+            fits = (numbers - 1) // (2 * hkv)  # RoPE pairs that leave the latent one number
+            least = (hkv * 2 * r + 1) / (2 * geometry.kv_dim)  # the smallest budget with these r pairs
+            fix = f"raise --kv-budget to at least {least:.4g}"
+            if fits >= 0:
+                fix = f"lower --rope-pairs (at most {fits}) or {fix}"
+            raise UserError(
+                f"--kv-budget {kv_budget} allows {numbers} numbers per token and layer (source: "
+                f"{2 * geometry.kv_dim}), but {r} RoPE pairs on {hkv} KV heads already take {hkv * 2 * r} "
+                f"and the latent needs at least 1; {fix}"
+            )
+        return MLAShape(geometry, r, rank, shared)
+    rank = full if kv_lora_rank is None else kv_lora_rank
+    if not isinstance(rank, int) or not 1 <= rank <= full:
+        raise UserError(
+            f"--kv-lora-rank must be in [1, {full}] = Hkv*(d-2r) + Hkv*d = "
+            f"{geometry.num_kv_heads}*{geometry.head_dim - 2 * r} + "
+            f"{geometry.num_kv_heads}*{geometry.head_dim} for --rope-pairs {r}, "
+            f"got {rank!r}; a larger latent cannot help."
+        )
+    return MLAShape(geometry, r, rank, shared)
 
 
 @dataclass(frozen=True)
@@ -113,33 +257,20 @@ def allocate_ranks(
 # --------------------------------------------------------------------------------------------- planner
 
 
-def default_allocation(
-    *, kv_budget: float | None, given_ranks: bool, layout: str, selection: str, factorization: str
-) -> str:
-    """`greedy` where it applies and the user left the ranks to the budget (per-head layout, `attention`
-    selection and factorization, no --rope-pairs / --kv-lora-rank); `uniform` otherwise. `greedy` is at
-    least as good as `uniform` at every budget measured (docs/research/mla-allocation.md)."""
-    ok = kv_budget is not None and not given_ranks and layout == "per-head"
-    return "greedy" if ok and selection == "attention" and factorization == "attention" else "uniform"
-
-
-def default_rope_pairs(geometry, kv_budget: float, uniform_rule) -> int:
+def greedy_rope_pairs(geometry: AttentionGeometry, kv_budget: float) -> int:
     """r (the mean over layers) for `greedy` when --rope-pairs is not given: GREEDY_ROPE_SHARE of the
-    budget's numbers, capped like the uniform rule (`uniform_rule` = mla.default_rope_pairs). Placing the
-    pairs where they count makes fewer of them suffice (docs/research/mla-allocation.md measures it)."""
-    shared = uniform_rule(geometry, kv_budget, GREEDY_ROPE_SHARE)
-    return min(shared, uniform_rule(geometry, kv_budget))
+    budget's numbers, capped like the uniform rule (`default_rope_pairs`). Placing the pairs where they
+    count makes fewer of them suffice (docs/research/mla-allocation.md measures it)."""
+    shared = default_rope_pairs(geometry, kv_budget, GREEDY_ROPE_SHARE)
+    return min(shared, default_rope_pairs(geometry, kv_budget))
 
 
 def layer_spectrum(*, weights: dict, pairs: list[list[int]], geometry, query_fit) -> tuple:
     """(stack inputs of `fac.attention_spectrum`) for one layer at its kept `pairs`, prepared exactly as
     `mla.convert_layer` prepares the `attention` factorization (query refit of the dropped pairs, rows
     permuted to [rope | nope])."""
-    from hf_attn.conversion import rope_selection as rs
-    from hf_attn.conversion.mla import layer_rows
-
     geo = geometry
-    rows = layer_rows(pairs, geo)
+    rows = rs.layer_rows(pairs, geo)
     w_q, b_q = weights["q_proj.weight"], weights.get("q_proj.bias")
     if query_fit is not None:
         half = geo.head_dim // 2
@@ -180,11 +311,6 @@ def plan_allocation(
     `mla.convert_layer`); pair_scores / query_fit / moments: the calibration's `attention` pair scores,
     query refit and input moments per layer. Returns the allocation and its record (per-layer lists, the
     normalisation and each layer's relative metric error at its rank)."""
-    from tqdm.auto import tqdm
-
-    from hf_attn.conversion import factorization as fac
-    from hf_attn.conversion import rope_selection as rs
-
     L, d = geometry.num_layers, geometry.head_dim
     scores = [pair_scores[i] for i in range(L)]
     if allocate_rope and 0 < rope_pairs < d // 2:

@@ -11,7 +11,7 @@ reason and the conversion option that avoids it (exit status 2, nothing written)
 Notation per layer: E hidden, Hq / Hkv query / KV heads, G = Hq / Hkv, d head_dim, r kept RoPE pairs P of the
 one shared RoPE key, dn = d - 2r, d_c latent width; exported: D = kv_lora_rank (d_c, or the size named by
 --engine-dims minus 64), W RoPE slots (R = 2W = qk_rope_head_dim; 32 slots with --engine-dims 576|512|320:
-conversion/engine_dims.py has which size each vLLM MLA backend accepts).
+conversion/export/engine_dims.py has which size each vLLM MLA backend accepts).
 
 The source must be the DeepSeek layout of llama_mla: `rope_layout="shared"` (or per_head with Hkv == 1, the
 same model) and `latent_norm=True`. Per layer, with source rows in llama_mla's order (q and k_rope heads are
@@ -53,8 +53,7 @@ from pathlib import Path
 
 import torch
 
-from hf_attn.conversion import cli
-from hf_attn.conversion.checkpoint import (
+from hf_attn.conversion.checkpoint.io import (
     add_record,
     check_supported,
     checked_index,
@@ -66,16 +65,16 @@ from hf_attn.conversion.checkpoint import (
     read_tensor,
     write_config,
 )
-from hf_attn.conversion.engine_dims import ENGINE_DIMS, VLLM_VERSION_READ, accepting_backends
-from hf_attn.conversion.export_plan import (  # noqa: F401  (re-exported: the plan is part of this module's API)
+from hf_attn.conversion.checkpoint.shards import ShardedWriter
+from hf_attn.conversion.export.engine_dims import VLLM_VERSION_READ, accepting_backends
+from hf_attn.conversion.export.plan import (
     LATENT_NORM_EPS_TARGETS,
-    TRANSFORMERS_KV_NORM_EPS,
     ExportPlan,
-    _refuse,
     deepseek_config,
     plan_export,
+    refuse,
 )
-from hf_attn.conversion.shards import DEFAULT_MAX_SHARD_BYTES, ShardedWriter
+from hf_attn.conversion.specs import DEFAULT_MAX_SHARD_BYTES, ENGINE_DIMS, EXPORT_TARGETS, add_write_arguments
 from hf_attn.models.llama_mla import LlamaMLAConfig
 from hf_attn.tooling.cli import ArgumentParser, add_deprecated_alias, run_command
 from hf_attn.tooling.errors import UserError, user_input
@@ -83,7 +82,6 @@ from hf_attn.tooling.files import atomic_directory, check_output, checkpoint_has
 from hf_attn.tooling.loading import parse_dtype, resolve_model
 
 PROG = "hf-attn export"
-TARGETS = ("deepseek_v3",)
 GENERATION_CONFIG = "generation_config.json"
 _ATTN_BIASES = ("q_proj", "k_rope_proj", "k_up_proj", "v_up_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -275,7 +273,7 @@ def export_tensors(
     for name in biases:
         bias = read(name)
         if bias.abs().max().item() != 0:
-            raise _refuse(
+            raise refuse(
                 f"{name} is nonzero, and vLLM's and SGLang's DeepSeek attention and MLP have no biases",
                 "export a source without q/k/v/o biases (or with all-zero ones)",
             )
@@ -347,8 +345,8 @@ def export_checkpoint(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> Path:
     """Write `dst`: the llama_mla checkpoint `src` as an exact deepseek_v3 checkpoint (see the module doc)."""
-    if to not in TARGETS:
-        raise UserError(f"--to must be one of {TARGETS}, got {to!r}.")
+    if to not in EXPORT_TARGETS:
+        raise UserError(f"--to must be one of {EXPORT_TARGETS}, got {to!r}.")
     src_dir = resolve_model(src)
     raw = read_config(src_dir)
     if raw.get("model_type") != "llama_mla":
@@ -413,7 +411,7 @@ def export_checkpoint(
 
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])  # one-line usage errors
-    parser.add_argument("--to", choices=TARGETS, required=True, help="target format")
+    parser.add_argument("--to", choices=EXPORT_TARGETS, required=True, help="target format")
     parser.add_argument("--model", required=True, help="llama_mla checkpoint dir (DeepSeek layout)")
     parser.add_argument("--output", required=True, help="output checkpoint dir")
     parser.add_argument(
@@ -436,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
         "rms_norm_eps); identical when rms_norm_eps is 1e-6",
     )
     parser.add_argument("--max-position-embeddings", type=int, default=None, help="lower the context limit")
-    cli.add_write_arguments(parser)
+    add_write_arguments(parser)
     args = parser.parse_args(argv)
 
     def export_and_report() -> None:

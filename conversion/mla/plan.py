@@ -14,12 +14,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from hf_attn.conversion import allocation as alloc
-from hf_attn.conversion import factorization as fac
-from hf_attn.conversion import rope_selection as rs
-from hf_attn.conversion import shared_rope as sr
 from hf_attn.conversion import stages
-from hf_attn.conversion.checkpoint import (
+from hf_attn.conversion.checkpoint.io import (
     AttentionGeometry,
     Source,
     TensorInfo,
@@ -31,16 +27,21 @@ from hf_attn.conversion.checkpoint import (
     parse_attn_key,
     read_tensor,
 )
-from hf_attn.conversion.engine_dims import conversion_ranks
-from hf_attn.conversion.mla_calibration import DEFAULT_CALIBRATION_TOKENS, Calibration, calibrate
-from hf_attn.conversion.mla_layer import (
-    MLAShape,
-    _Moments,
-    convert_layer,
-    default_rope_pairs,
-    plan_shape,
+from hf_attn.conversion.export.engine_dims import conversion_ranks
+from hf_attn.conversion.mla import ranks as alloc
+from hf_attn.conversion.mla import rope_selection as rs
+from hf_attn.conversion.mla import shared_rope as sr
+from hf_attn.conversion.mla.calibration import Calibration, calibrate
+from hf_attn.conversion.mla.layer import LayerMoments, convert_layer
+from hf_attn.conversion.mla.ranks import MLAShape, plan_shape
+from hf_attn.conversion.specs import (
+    CALIBRATED_FACTORIZATIONS,
+    CALIBRATED_SELECTIONS,
+    DEFAULT_CALIBRATION_TOKENS,
+    CalibrationSpec,
+    MLASpec,
 )
-from hf_attn.conversion.specs import CalibrationSpec, MLASpec
+from hf_attn.models.llama_mla import LlamaMLAConfig, LlamaMLAForCausalLM
 from hf_attn.tooling.errors import UserError, user_input
 from hf_attn.tooling.files import checkpoint_hash
 
@@ -87,8 +88,6 @@ def mla_config(
     fields, validated by LlamaMLAConfig; `auto_map` and `architectures` point at the llama_mla classes."""
     from transformers import AutoConfig
 
-    from hf_attn.models.llama_mla import LlamaMLAConfig, LlamaMLAForCausalLM
-
     source = AutoConfig.from_pretrained(src_dir)
     fields = {
         k: v
@@ -97,7 +96,7 @@ def mla_config(
     }
     if shape.shared_rope:
         fields.update(rope_layout="shared", latent_norm=latent_norm)
-    if layer_ranks is not None:  # (layer_rope_pairs, layer_kv_lora_ranks): ragged (conversion.allocation)
+    if layer_ranks is not None:  # (layer_rope_pairs, layer_kv_lora_ranks): ragged (conversion.mla.ranks)
         fields.update(layer_rope_pairs=layer_ranks[0], layer_kv_lora_ranks=layer_ranks[1])
     config = LlamaMLAConfig(
         **fields,
@@ -118,8 +117,6 @@ def mla_config(
 def copy_model_code(directory: Path) -> list[str]:
     """Copy the llama_mla configuration/modeling files (and their relative imports) for trust_remote_code."""
     from transformers.dynamic_module_utils import get_relative_import_files
-
-    from hf_attn.models.llama_mla import LlamaMLAConfig, LlamaMLAForCausalLM
 
     copied = []
     for cls in (LlamaMLAConfig, LlamaMLAForCausalLM):
@@ -153,7 +150,7 @@ class MLAConversion:
     shared_keys: dict[int, sr.SharedKey] | None = None  # DeepSeek layout: layer -> fitted shared key
     norm_eps: float | None = None  # DeepSeek layout: the latent norm's eps (the source's rms_norm_eps)
     norm_refine_steps: int = 0  # DeepSeek layout: L-BFGS steps on the encoder through the norm (sr._refine)
-    layer_shapes: list[MLAShape] | None = None  # per-layer ranks (conversion.allocation); None: `shape`
+    layer_shapes: list[MLAShape] | None = None  # per-layer ranks (conversion.mla.ranks); None: `shape`
     allocation: dict | None = None  # the allocation's record (per-layer lists); None: uniform
 
     def layer_shape(self, layer: int) -> MLAShape:
@@ -282,8 +279,8 @@ def plan_conversion(
     `calibration_pass`, an `mla_calibration.calibrate` result), choose the pairs and the per-layer ranks.
 
     Layout "deepseek": one RoPE key per layer shared by all heads on the pairs 0, s, ..., (r-1) s of every
-    layer, and a latent RMSNorm (conversion.shared_rope). Allocation: `spec.allocation_method`
-    (conversion.allocation)."""
+    layer, and a latent RMSNorm (conversion.mla.shared_rope). Allocation: `spec.allocation_method`
+    (conversion.mla.ranks)."""
     source = source if isinstance(source, Source) else open_source(source)
     geometry = source.geometry
     if geometry.head_dim % 2:
@@ -348,7 +345,7 @@ def _plan_shape(spec: MLASpec, geometry: AttentionGeometry) -> MLAShape:
             )
         greedy = spec.allocation_method != "uniform" and spec.layout == "per-head"
         if greedy and rope_pairs is None and budget is not None:
-            rope_pairs = alloc.default_rope_pairs(geometry, budget, default_rope_pairs)
+            rope_pairs = alloc.greedy_rope_pairs(geometry, budget)
         return plan_shape(
             geometry,
             kv_lora_rank=kv_lora_rank,
@@ -379,8 +376,8 @@ def _calibration_pass(
     source, shape, spec, selection, factorization, calibration, given
 ) -> Calibration | None:
     """The calibration the options need (`given`, else a new pass over `calibration`'s text), or None."""
-    need_moments = factorization in fac.CALIBRATED_FACTORIZATIONS
-    need_scores = selection in rs.CALIBRATED_SELECTIONS
+    need_moments = factorization in CALIBRATED_FACTORIZATIONS
+    need_scores = selection in CALIBRATED_SELECTIONS
     deepseek = (
         spec.layout == "deepseek"
     )  # needs the shared-key statistics and input samples: always calibrates
@@ -412,7 +409,7 @@ def _calibration_pass(
 def _allocate(
     plan: MLAConversion, normalization: str, *, allocate_rope: bool = True, allocate_latent: bool = True
 ) -> MLAConversion:
-    """`plan` with per-layer ranks (conversion.allocation) under the same total cache."""
+    """`plan` with per-layer ranks (conversion.mla.ranks) under the same total cache."""
     geo, s = plan.shape.geometry, plan.shape
     cal_ = plan.calibration
 
@@ -425,7 +422,7 @@ def _allocate(
         read_layer=read_layer,
         pair_scores=cal_.pair_scores["attention"],
         query_fit=cal_.query_fit,
-        moments=_Moments(cal_.statistics),  # read layer by layer
+        moments=LayerMoments(cal_.statistics),  # read layer by layer
         rope_pairs=s.rope_pairs,
         kv_lora_rank=s.kv_lora_rank,
         normalization=normalization,

@@ -20,29 +20,23 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from hf_attn.conversion.checkpoint.layerwise import AttentionInputFn, LayerwiseModel, StopForward
+from hf_attn.conversion.specs import DEFAULT_CALIBRATION_TOKENS, DEFAULT_CORPUS, DEFAULT_WINDOW
+from hf_attn.tooling import assets
 from hf_attn.tooling.errors import UserError
 from hf_attn.tooling.files import sha256_file
 
-DEFAULT_CALIBRATION_TOKENS = 8192
-DEFAULT_WINDOW = 1024
 _CHARS_PER_TOKEN_GUESS = 8  # tokenize this many characters per wanted token first (then all, if too few)
-
-AttentionInputFn = Callable[[int, torch.Tensor, "tuple[torch.Tensor, torch.Tensor] | None"], None]
-
-
-DEFAULT_CORPUS = "mix"  # generalises best across both evaluation texts (README, "Calibration text")
 
 
 def default_calibration_files() -> list[Path]:
     """The default calibration text: DEFAULT_CORPUS, never an evaluation text."""
-    from hf_attn.tooling import assets
-
     files = assets.calibration_corpus_files(DEFAULT_CORPUS)
     evaluation = {p.resolve() for p in assets.embedded_eval_files()}
     assert not evaluation & {p.resolve() for p in files}, "calibration text overlaps evaluation text"
@@ -106,10 +100,6 @@ def _decoder_layers(model) -> list:
     return list(layers)
 
 
-class _StopForward(Exception):
-    """Raised by a hook once the last wanted layer has been seen, to skip the rest of the forward."""
-
-
 def for_each_attention_input(
     model,
     input_ids: torch.Tensor,
@@ -128,8 +118,6 @@ def for_each_attention_input(
     `model`: a loaded causal LM (hooks on its layers, the whole model in memory), or a
     `layerwise.LayerwiseModel` (one decoder layer in memory at a time; what the converters use).
     """
-    from hf_attn.conversion.layerwise import LayerwiseModel
-
     if isinstance(model, LayerwiseModel):
         return model.for_each_attention_input(input_ids, fn, window=window, layers=layers, progress=progress)
     blocks = _decoder_layers(model)
@@ -145,7 +133,7 @@ def for_each_attention_input(
             x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
             fn(idx, x.detach(), kwargs.get("position_embeddings"))
             if idx == last:
-                raise _StopForward
+                raise StopForward
 
         return hook
 
@@ -158,7 +146,7 @@ def for_each_attention_input(
                 chunk = input_ids[start : start + window].unsqueeze(0).to(device)  # (1, T)
                 try:
                     model(input_ids=chunk, use_cache=False)
-                except _StopForward:
+                except StopForward:
                     pass
     finally:
         for h in handles:

@@ -32,8 +32,8 @@ from __future__ import annotations
 import copy
 import itertools
 import os
-from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -41,44 +41,22 @@ from accelerate import init_empty_weights
 from tqdm.auto import tqdm
 
 from hf_attn.conversion import stages
-from hf_attn.conversion.calibration import DEFAULT_WINDOW, AttentionInputFn, _StopForward
-from hf_attn.conversion.checkpoint import layer_attn_keys, read_tensor, tensor_index
-from hf_attn.conversion.threads import CoreShare
-from hf_attn.tooling.cli import setting
-from hf_attn.tooling.devices import DEFAULT_DEVICE, DEVICE_HELP, DEVICES, announce_device, resolve_device
+from hf_attn.conversion.checkpoint.io import layer_attn_keys, read_tensor, tensor_index
+from hf_attn.conversion.checkpoint.threads import CoreShare
+from hf_attn.conversion.specs import DEFAULT_WINDOW, resolve_forward
+from hf_attn.models.llama_mla.modeling_llama_mla import CACHE_ARG  # the transformers version's name
+from hf_attn.tooling.devices import DEFAULT_DEVICE, announce_device, resolve_device
 from hf_attn.tooling.loading import check_token_ids
 
-FORWARD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 EMBEDDING_KEY = "model.embed_tokens.weight"
 EMBEDDING_BLOCK_BYTES = 64 * 1024**2  # the embedding matrix is read in blocks of rows of at most this size
 
-
-@dataclass(frozen=True)
-class ForwardSettings:
-    """Where and in which dtype the calibration forward runs (`--device`, `--forward-dtype`)."""
-
-    device: str = setting(
-        DEFAULT_DEVICE,
-        help=f"device of the layer-by-layer calibration forward ({DEVICE_HELP})",
-        choices=DEVICES,
-    )
-    forward_dtype: str = setting(
-        "float32",
-        help="dtype of the calibration forward (statistics still accumulate in float64)",
-        choices=tuple(FORWARD_DTYPES),
-    )
+# fn(layer, x, position_embeddings): what a calibration pass calls with every wanted layer's attention input
+AttentionInputFn = Callable[[int, torch.Tensor, "tuple[torch.Tensor, torch.Tensor] | None"], None]
 
 
-def resolve_forward(device: str, forward_dtype: str) -> tuple[torch.device, torch.dtype]:
-    """(torch.device, torch.dtype) of the calibration forward (`--device auto`: `devices.resolve_device`);
-    ValueError naming the value and the fix."""
-    if device not in DEVICES:
-        raise ValueError(f"Unknown --device {device!r}; choose one of {', '.join(DEVICES)}.")
-    if forward_dtype not in FORWARD_DTYPES:
-        raise ValueError(
-            f"Unknown --forward-dtype {forward_dtype!r}; choose one of {', '.join(FORWARD_DTYPES)}."
-        )
-    return resolve_device(device), FORWARD_DTYPES[forward_dtype]
+class StopForward(Exception):
+    """Raised by a hook once the last wanted layer has been seen, to skip the rest of the forward."""
 
 
 def forward_record(device: str, forward_dtype: str) -> dict:
@@ -204,8 +182,6 @@ class LayerwiseModel:
         """(mask, position_ids, (cos, sin)) of a window h (1, T, C) for `layer`, as the model builds them."""
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-        from hf_attn.models.llama_mla.modeling_llama_mla import CACHE_ARG  # the transformers version's name
-
         t, sliding = h.shape[1], is_sliding_layer(self.config, layer)
         if (t, sliding) not in cache:
             position_ids = torch.arange(t, device=self.device).unsqueeze(0)  # (1, T)
@@ -287,7 +263,7 @@ class LayerwiseModel:
             x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
             seen.append((x.detach(), kwargs.get("position_embeddings")))
             if stop:  # the last wanted layer: its output is never needed
-                raise _StopForward
+                raise StopForward
 
         handle = forward_attn.register_forward_pre_hook(grab, with_kwargs=True)
         try:
@@ -296,7 +272,7 @@ class LayerwiseModel:
                     with stages.stage("calibration forward"):
                         out = block(h, **self.layer_kwargs(h, i, cache))
                     hidden[w] = out[0] if isinstance(out, tuple) else out  # (1, T, C)
-                except _StopForward:
+                except StopForward:
                     pass
                 if fn is not None:
                     x, pe = seen.pop()

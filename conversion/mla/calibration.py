@@ -9,16 +9,15 @@ from pathlib import Path
 
 import torch
 
-from hf_attn.conversion import calibration as cal
-from hf_attn.conversion import layerwise
-from hf_attn.conversion import rope_selection as rs
-from hf_attn.conversion import shared_rope as sr
-from hf_attn.conversion.checkpoint import AttentionGeometry
-from hf_attn.conversion.mla_layer import LayerStatistics, SpilledLayerStatistics
+from hf_attn.conversion.checkpoint import calibration as cal
+from hf_attn.conversion.checkpoint import layerwise
+from hf_attn.conversion.checkpoint.io import AttentionGeometry
+from hf_attn.conversion.mla import rope_selection as rs
+from hf_attn.conversion.mla import shared_rope as sr
+from hf_attn.conversion.mla.layer import LayerStatistics, SpilledLayerStatistics
+from hf_attn.conversion.specs import DEFAULT_CALIBRATION_TOKENS, DEFAULT_WINDOW
+from hf_attn.tooling.devices import DEFAULT_DEVICE
 from hf_attn.tooling.files import scratch_directory
-
-DEFAULT_CALIBRATION_TOKENS = cal.DEFAULT_CALIBRATION_TOKENS  # one calibration default for every converter
-
 
 # --------------------------------------------------------------------------------------------- calibration
 
@@ -45,10 +44,10 @@ def calibrate(
     attention_pairs: bool = True,
     files: list[Path] | None = None,
     tokens: int = DEFAULT_CALIBRATION_TOKENS,
-    window: int = cal.DEFAULT_WINDOW,
+    window: int = DEFAULT_WINDOW,
     shared_keys: bool = False,
     sample_stride: int = 0,
-    device: str = layerwise.DEFAULT_DEVICE,
+    device: str = DEFAULT_DEVICE,
     forward_dtype: str = "float32",
     scratch_dir: Path | None = None,
 ) -> Calibration:

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import torch
 
-from hf_attn.conversion.calibration import causal_probabilities
+from hf_attn.conversion.checkpoint.calibration import causal_probabilities
+from hf_attn.conversion.checkpoint.io import AttentionGeometry
+from hf_attn.conversion.specs import CALIBRATED_SELECTIONS, SELECTIONS
+from hf_attn.models.llama_mla.modeling_llama_mla import rope_dim_indices
 
-SELECTIONS = ("high", "uniform", "2norm", "attention")
-CALIBRATED_SELECTIONS = ("2norm", "attention")
 QUERY_STRIDE = 32  # `attention` statistics use every 32nd query of each calibration window (all keys)
 
 PairIndices = list[list[list[int]]]  # [num_layers][Hkv][r], each list strictly ascending
@@ -272,3 +273,25 @@ def apply_query_fit(
             t[h, 0, idx] = a * r1 - c * r2
             t[h, 1, idx] = c * r1 + a * r2
     return w.view(hq * d, -1), None if b is None else b.view(hq * d)
+
+
+# ----------------------------------------------------------------------------- the row permutation
+
+
+def head_row_order(pairs: list[int], head_dim: int) -> tuple[list[int], list[int]]:
+    """Head-local rows (contract): rope part [P, P + d/2] (2r rows, the model's `rope_dim_indices`), nope
+    part the other d - 2r rows in ascending order ([C, C + d/2], C the dropped pairs)."""
+    rope = rope_dim_indices([list(pairs)], head_dim)[0].tolist()  # (2r,)
+    kept = set(rope)
+    return rope, [j for j in range(head_dim) if j not in kept]
+
+
+def layer_rows(pairs: list[list[int]], geometry: AttentionGeometry) -> dict[str, list[int]]:
+    """Global row indices of one layer: "q" (Hq d, every query head permuted like its KV head), "k_rope"
+    (Hkv 2r) and "k_nope" (Hkv (d - 2r)) into the source's q_proj / k_proj rows, head-major."""
+    d, group = geometry.head_dim, geometry.group_size
+    orders = [head_row_order(p, d) for p in pairs]
+    q = [h * d + j for h in range(geometry.num_heads) for j in orders[h // group][0] + orders[h // group][1]]
+    k_rope = [g * d + j for g, (rope, _) in enumerate(orders) for j in rope]
+    k_nope = [g * d + j for g, (_, nope) in enumerate(orders) for j in nope]
+    return {"q": q, "k_rope": k_rope, "k_nope": k_nope}

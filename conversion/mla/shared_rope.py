@@ -14,7 +14,7 @@ pair i is Re(conj(q_i) z_i) (both rotated).
    shared z_i = sum_g coef_{g,i} z_{g,i} (a complex combination of the heads' key rows: it commutes with RoPE)
    and per-head complex scales a_{g,i} folded into the query rows of group g
    (q_{h,i} <- conj(a_{g,i}) q_{h,i}, so Re(conj(q') z') = Re(conj(q) a z)). Fitted as calibrated GQA
-   pooling fits a group (`conversion.gqa.fit_keys`): minimise sum_g sum_t w_{g,t,i} |z_{g,t,i} -
+   pooling fits a group (`conversion.gqa.pooling.fit_keys`): minimise sum_g sum_t w_{g,t,i} |z_{g,t,i} -
    a_{g,i} z_{t,i}|^2, w_{g,t,i} the query power that attention sends to token t through the heads reading
    g (`SharedKeyStatistics`). Exact when the heads'
    keys of a pair are complex multiples of each other (Hkv = 1, identical heads). What the shared key misses
@@ -42,10 +42,10 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_attn.conversion.calibration import causal_probabilities
+from hf_attn.conversion.checkpoint.calibration import causal_probabilities
+from hf_attn.conversion.gqa.pooling import fit_keys
+from hf_attn.conversion.specs import KVBudget
 
-LAYOUTS = ("per-head", "deepseek")
-DEEPSEEK_SELECTIONS = ("attention", "high")  # the pair selections that give one progression for all layers
 QUERY_STRIDE = 8  # SharedKeyStatistics weighs keys by the attention of every 8th query of a window (all keys)
 SAMPLE_STRIDE = 2  # the latent-norm refit uses the attention inputs of every 2nd calibration token
 MAX_ROPE_PAIRS_FRACTION = 0.5  # default r: at most this fraction of the d/2 pairs ...
@@ -60,8 +60,6 @@ def default_rope_pairs(half: int, kv_dim: int, kv_budget: float | None) -> int:
     """r of the DeepSeek layout when --rope-pairs is not given: every pair without a budget or with the whole
     source cache; else ROPE_SHARE of the budget's numbers (2r of them), at most MAX_ROPE_PAIRS_FRACTION of
     the pairs, at least 1."""
-    from hf_attn.conversion.specs import KVBudget  # (the specs import this module)
-
     if kv_budget is None:
         return half
     numbers = KVBudget(kv_budget).numbers(kv_dim)
@@ -152,8 +150,6 @@ class SharedKey:
 def fit_shared_key(stats: torch.Tensor | None, pairs: list[int], *, iterations: int = 30) -> SharedKey:
     """stats: SharedKeyStatistics.sums[layer], (Hkv, d/2, Hkv, Hkv) complex (None only without pairs);
     pairs: the kept pair indices."""
-    from hf_attn.conversion.gqa import fit_keys  # (gqa imports the specs, which import this module)
-
     hkv = 0 if stats is None else stats.shape[0]
     assert stats is None or stats.shape[2:] == (hkv, hkv), tuple(stats.shape)
     r = len(pairs)

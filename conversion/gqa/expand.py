@@ -11,14 +11,13 @@ Streams tensor by tensor: memory is one tensor.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from hf_attn.conversion.checkpoint import (
+from hf_attn.conversion.checkpoint.io import (
     AttentionGeometry,
     TensorInfo,
     add_record,
@@ -123,13 +122,3 @@ def describe(record: dict) -> str:
     """One line on an `expand_checkpoint` conversion record (for the command)."""
     heads = record["num_key_value_heads"]
     return f"expanded {heads['from']} -> {heads['to']} KV heads"
-
-
-def main(argv: list[str] | None = None) -> int:
-    from hf_attn.conversion import cli
-
-    return cli.main(PROG, __doc__, ExpandSpec, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

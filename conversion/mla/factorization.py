@@ -27,9 +27,6 @@ from dataclasses import dataclass
 
 import torch
 
-FACTORIZATIONS = ("weight-svd", "activation", "attention")
-CALIBRATED_FACTORIZATIONS = ("activation", "attention")
-
 
 @dataclass(frozen=True)
 class LowRank:

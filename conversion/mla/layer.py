@@ -1,182 +1,21 @@
-"""MLA conversion, one layer: the ranks (`MLAShape`, from a rank or a KV budget), the row permutation of
-partial RoPE and the factorization of one attention layer into `llama_mla` tensors (`convert_layer`)."""
+"""MLA conversion, one layer: the factorization of one attention layer into `llama_mla` tensors
+(`convert_layer`, at the ranks of a `ranks.MLAShape`), and the calibration statistics it reads."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from hf_attn.conversion import factorization as fac
-from hf_attn.conversion import rope_selection as rs
-from hf_attn.conversion import shared_rope as sr
-from hf_attn.conversion.checkpoint import AttentionGeometry
-from hf_attn.models.llama_mla.configuration_llama_mla import LlamaMLAConfig
-from hf_attn.models.llama_mla.modeling_llama_mla import rope_dim_indices
-from hf_attn.tooling.errors import UserError
-
-DEFAULT_ROPE_SELECTION = "attention"
-DEFAULT_FACTORIZATION = "attention"
-DEFAULT_ROPE_SHARE = 0.5  # of a --kv-budget's numbers per token go to the RoPE keys (see default_rope_pairs)
-# ... but with these selections at most this fraction of a head's d/2 frequency pairs (see default_rope_pairs)
-MAX_ROPE_FRACTION = {"attention": 0.375}
-
-
-# --------------------------------------------------------------------------------------------- shapes
-
-
-@dataclass(frozen=True)
-class MLAShape:
-    """Ranks of an MLA conversion; everything else derives from the source geometry."""
-
-    geometry: AttentionGeometry
-    rope_pairs: int  # r
-    kv_lora_rank: int  # d_c
-    shared_rope: bool = False  # the DeepSeek layout: one RoPE key (2r) per layer instead of Hkv
-
-    @property
-    def nope_dim(self) -> int:
-        """d - 2r: the non-RoPE key dims of one head."""
-        return self.geometry.head_dim - 2 * self.rope_pairs
-
-    @property
-    def num_key_rows(self) -> int:
-        """Rows of the stacked k_nope block: Hkv (d - 2r)."""
-        return self.geometry.num_kv_heads * self.nope_dim
-
-    @property
-    def full_rank(self) -> int:
-        """Width of the stacked [k_nope; v]: Hkv (d - 2r) + Hkv d, the largest useful kv_lora_rank."""
-        g = self.geometry
-        return LlamaMLAConfig.full_kv_lora_rank(g.num_kv_heads, g.head_dim, self.rope_pairs)
-
-    @property
-    def is_full_rank(self) -> bool:
-        return self.kv_lora_rank == self.full_rank
-
-    @property
-    def rope_keys(self) -> int:
-        """RoPE keys cached per token and layer: Hkv (per-head layout) or 1 (shared, DeepSeek layout)."""
-        return 1 if self.shared_rope else self.geometry.num_kv_heads
-
-    @property
-    def cache_numbers(self) -> int:
-        """Numbers cached per token and layer: d_c + Hkv 2r (DeepSeek layout: d_c + 2r)."""
-        return LlamaMLAConfig.cache_numbers(self.kv_lora_rank, self.rope_keys, self.rope_pairs)
-
-    @property
-    def source_cache_numbers(self) -> int:
-        """The source's: 2 Hkv d."""
-        return 2 * self.geometry.kv_dim
-
-    @property
-    def kv_fraction(self) -> float:
-        return self.cache_numbers / self.source_cache_numbers
-
-
-def default_rope_pairs(
-    geometry: AttentionGeometry,
-    kv_budget: float | None,
-    share: float | None = None,
-    *,
-    selection: str = DEFAULT_ROPE_SELECTION,
-) -> int:
-    """r when --rope-pairs is not given: every pair without a budget; with one, the RoPE keys take `share`
-    of the budget's numbers, rounded to whole pairs per KV head, at least one, and leaving at least 1/8 of
-    the budget to the latent.
-
-    The default (`share=None`) is DEFAULT_ROPE_SHARE, capped for the `attention` selection at
-    MAX_ROPE_FRACTION of the d/2 pairs; docs/mla.md says why (docs/results/mla-allocation.md measures it)."""
-    half = geometry.head_dim // 2
-    if kv_budget is None:
-        return half
-    numbers = _budget_numbers(kv_budget, geometry)
-    if numbers >= 2 * geometry.kv_dim:  # the whole source cache: the exact conversion fits
-        return half
-    cap = half if share is not None else math.ceil(MAX_ROPE_FRACTION.get(selection, 1.0) * half)
-    share = DEFAULT_ROPE_SHARE if share is None else share
-    per_pair = 2 * geometry.num_kv_heads
-    r = min(round(share * numbers / per_pair), int(numbers * 7 / 8) // per_pair, cap)
-    return max(1, min(half, r))
-
-
-def _budget_numbers(kv_budget: float, geometry: AttentionGeometry) -> int:
-    """Numbers per token and layer a KV budget allows (`specs.KVBudget`, validated there)."""
-    from hf_attn.conversion.specs import KVBudget  # (specs reads this module's defaults)
-
-    return KVBudget(kv_budget).numbers(geometry.kv_dim)
-
-
-def plan_shape(
-    geometry: AttentionGeometry,
-    *,
-    kv_lora_rank: int | None = None,
-    kv_budget: float | None = None,
-    rope_pairs: int | None = None,
-    rope_selection: str = DEFAULT_ROPE_SELECTION,
-    layout: str = "per-head",
-) -> MLAShape:
-    """Validate / derive (r, d_c). Neither rank nor budget: full rank (exact with r = d/2)."""
-    if kv_lora_rank is not None and kv_budget is not None:
-        raise UserError("Give either --kv-lora-rank or --kv-budget, not both.")
-    shared = layout == "deepseek"
-    if rope_pairs is None and shared:
-        rope_pairs = sr.default_rope_pairs(geometry.head_dim // 2, geometry.kv_dim, kv_budget)
-    if rope_pairs is None:
-        rope_pairs = default_rope_pairs(geometry, kv_budget, selection=rope_selection)
-    r = rope_pairs
-    rs.check_rope_pairs(r, geometry.head_dim)
-    full = MLAShape(geometry, r, 1).full_rank
-    hkv = 1 if shared else geometry.num_kv_heads  # RoPE keys cached per token
-    if kv_budget is not None:
-        numbers = _budget_numbers(kv_budget, geometry)  # (validates the fraction)
-        rank = min(numbers - hkv * 2 * r, full)
-        if rank < 1:
-            fits = (numbers - 1) // (2 * hkv)  # RoPE pairs that leave the latent one number
-            least = (hkv * 2 * r + 1) / (2 * geometry.kv_dim)  # the smallest budget with these r pairs
-            fix = f"raise --kv-budget to at least {least:.4g}"
-            if fits >= 0:
-                fix = f"lower --rope-pairs (at most {fits}) or {fix}"
-            raise UserError(
-                f"--kv-budget {kv_budget} allows {numbers} numbers per token and layer (source: "
-                f"{2 * geometry.kv_dim}), but {r} RoPE pairs on {hkv} KV heads already take {hkv * 2 * r} "
-                f"and the latent needs at least 1; {fix}"
-            )
-        return MLAShape(geometry, r, rank, shared)
-    rank = full if kv_lora_rank is None else kv_lora_rank
-    if not isinstance(rank, int) or not 1 <= rank <= full:
-        raise UserError(
-            f"--kv-lora-rank must be in [1, {full}] = Hkv*(d-2r) + Hkv*d = "
-            f"{geometry.num_kv_heads}*{geometry.head_dim - 2 * r} + "
-            f"{geometry.num_kv_heads}*{geometry.head_dim} for --rope-pairs {r}, "
-            f"got {rank!r}; a larger latent cannot help."
-        )
-    return MLAShape(geometry, r, rank, shared)
-
+from hf_attn.conversion.mla import factorization as fac
+from hf_attn.conversion.mla import rope_selection as rs
+from hf_attn.conversion.mla import shared_rope as sr
+from hf_attn.conversion.mla.ranks import MLAShape
+from hf_attn.conversion.specs import FACTORIZATIONS
 
 # --------------------------------------------------------------------------------------------- one layer
-
-
-def head_row_order(pairs: list[int], head_dim: int) -> tuple[list[int], list[int]]:
-    """Head-local rows (contract): rope part [P, P + d/2] (2r rows, the model's `rope_dim_indices`), nope
-    part the other d - 2r rows in ascending order ([C, C + d/2], C the dropped pairs)."""
-    rope = rope_dim_indices([list(pairs)], head_dim)[0].tolist()  # (2r,)
-    kept = set(rope)
-    return rope, [j for j in range(head_dim) if j not in kept]
-
-
-def layer_rows(pairs: list[list[int]], geometry: AttentionGeometry) -> dict[str, list[int]]:
-    """Global row indices of one layer: "q" (Hq d, every query head permuted like its KV head), "k_rope"
-    (Hkv 2r) and "k_nope" (Hkv (d - 2r)) into the source's q_proj / k_proj rows, head-major."""
-    d, group = geometry.head_dim, geometry.group_size
-    orders = [head_row_order(p, d) for p in pairs]
-    q = [h * d + j for h in range(geometry.num_heads) for j in orders[h // group][0] + orders[h // group][1]]
-    k_rope = [g * d + j for g, (rope, _) in enumerate(orders) for j in rope]
-    k_nope = [g * d + j for g, (_, nope) in enumerate(orders) for j in nope]
-    return {"q": q, "k_rope": k_rope, "k_nope": k_nope}
 
 
 @dataclass
@@ -221,7 +60,7 @@ class SpilledLayerStatistics:
     samples = property(lambda self: self._load("samples"))
 
 
-class _Moments(Mapping):
+class LayerMoments(Mapping):
     """layer -> the input moment of `statistics[layer]`, read when asked for (never all at once)."""
 
     def __init__(self, statistics: dict) -> None:
@@ -291,7 +130,7 @@ def convert_layer(
     """
     geo = shape.geometry
     dtype = weights["q_proj.weight"].dtype
-    rows = layer_rows(pairs, geo)
+    rows = rs.layer_rows(pairs, geo)
     qkv_bias, o_bias = weights.get("q_proj.bias") is not None, weights.get("o_proj.bias") is not None
     w_q, b_q = weights["q_proj.weight"], weights.get("q_proj.bias")
     if query_fit is not None:
@@ -357,7 +196,7 @@ def _factorize(
     """The low-rank factorization of one layer's stacked nope keys and values.
 
     Args:
-        factorization: one of `fac.FACTORIZATIONS` (full rank whatever it is when `shape.is_full_rank`).
+        factorization: one of `FACTORIZATIONS` (full rank whatever it is when `shape.is_full_rank`).
         shape: the layer's ranks.
         stack_w: (W, C) `[k_proj nope rows (all KV heads); v_proj]`; stack_b: (W,) or None, the same rows'
             biases.
@@ -394,14 +233,15 @@ def _factorize(
         )
     else:
         raise ValueError(
-            f"Unknown --factorization {factorization!r}; choose one of {', '.join(fac.FACTORIZATIONS)}."
+            f"Unknown --factorization {factorization!r}; choose one of {', '.join(FACTORIZATIONS)}."
         )
 
 
 def _deepseek_layer(out, low, stack_w, stack_b, shape, shared_key, statistics, norm_eps, refine=0) -> None:
-    """The DeepSeek layout's two fits (conversion.shared_rope), in place on `out` (float64): the shared RoPE
-    key (k_rope_proj (2r, C); the query rope rows scaled per group) and the latent norm (latent_norm.weight;
-    the encoder rescaled and the decoders refitted, as "kv_down_proj.weight", "up", "up_bias")."""
+    """The DeepSeek layout's two fits (conversion.mla.shared_rope), in place on `out` (float64): the shared
+    RoPE key (k_rope_proj (2r, C); the query rope rows scaled per group) and the latent norm
+    (latent_norm.weight; the encoder rescaled and the decoders refitted, as "kv_down_proj.weight", "up",
+    "up_bias")."""
     geo, r = shape.geometry, shape.rope_pairs
     hq, hkv, d, rd = geo.num_heads, geo.num_kv_heads, geo.head_dim, 2 * shape.rope_pairs
     q = out["q_proj.weight"].double().view(hq, d, -1)  # (Hq, d, C) rope-first rows per head

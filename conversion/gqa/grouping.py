@@ -10,13 +10,13 @@ chosen heads. So a grouping is a per-layer order of the H heads (`order`, groups
 and the written checkpoint is plain: permuted q_proj rows / o_proj columns, pooled k_proj / v_proj rows.
 
 The search scores a candidate group by the relative residual of its pooled fit on calibration statistics
-(`group_cost`): the key error in the attention-weighted metric of `gqa.fit_keys` plus the value error in the
-output metric of `gqa.fit_values`, each divided by the group's total (for method "mean": the mean pool's
+(`group_cost`): the key error in the attention-weighted metric of `pool.fit_keys` plus the value error in the
+output metric of `pool.fit_values`, each divided by the group's total (for method "mean": the mean pool's
 residual; for "calibrated": the fitted pool's). Then, per layer, `choose_groups` takes the partition into G
 equal groups with the smallest total cost: exhaustively when there are few partitions, else a balanced
 greedy clustering on the costs of head pairs, improved by swaps between groups.
 
-The statistics come from one fp32 pass with a single group over all H heads (`gqa.collect_attention_
+The statistics come from one fp32 pass with a single group over all H heads (`pool.collect_attention_
 statistics` with G = 1: per layer H^2 (d/2) H^2 complex + Hq (H d)^2 float64 numbers); any group's
 statistics are sub-blocks of them (`slice_statistics`).
 """
@@ -31,9 +31,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from hf_attn.conversion import calibration as cal
-from hf_attn.conversion import gqa, layerwise
-from hf_attn.conversion.checkpoint import ATTENTION_PROJECTIONS, AttentionGeometry, TensorInfo, read_tensor
+from hf_attn.conversion.checkpoint import calibration as cal
+from hf_attn.conversion.checkpoint import layerwise
+from hf_attn.conversion.checkpoint.io import ATTENTION_PROJECTIONS, AttentionGeometry, TensorInfo, read_tensor
+from hf_attn.conversion.gqa import pooling as pool
+from hf_attn.tooling.devices import DEFAULT_DEVICE
 
 _MAX_PARTITIONS = 20_000  # exhaustive search up to this many partitions of the H heads into G groups
 
@@ -85,8 +87,8 @@ def permute_layer(
 
 
 def slice_statistics(
-    full: gqa.AttentionStatistics, groups: list[list[int]], geometry: AttentionGeometry
-) -> gqa.AttentionStatistics:
+    full: pool.AttentionStatistics, groups: list[list[int]], geometry: AttentionGeometry
+) -> pool.AttentionStatistics:
     """The statistics of pooling `groups` (after `permute_layer`, as contiguous groups) from one-group ones.
 
     full.keys (1, H, d/2, H, H), full.values (1, Hq, H d, H d)
@@ -103,7 +105,7 @@ def slice_statistics(
         # v: (n r, r d, r d)
         keys.append(k)
         values.append(v)
-    return gqa.AttentionStatistics(keys=torch.stack(keys), values=torch.stack(values), tokens=full.tokens)
+    return pool.AttentionStatistics(keys=torch.stack(keys), values=torch.stack(values), tokens=full.tokens)
 
 
 # ----------------------------------------------------------------------------------------- group cost
@@ -125,7 +127,7 @@ def key_residual(s: torch.Tensor, coef: torch.Tensor, u: torch.Tensor) -> tuple[
 def value_residual(
     y: torch.Tensor, grams: torch.Tensor, reads: list[int], p: torch.Tensor, dec: torch.Tensor
 ) -> tuple[float, float]:
-    """sum_q tr(G_q (E_q - D_q P) Y_q (E_q - D_q P)^T) and its value at P = 0; shapes as `gqa.fit_values`."""
+    """sum_q tr(G_q (E_q - D_q P) Y_q (E_q - D_q P)^T) and its value at P = 0; shapes as `pool.fit_values`."""
     nq, rd, d = y.shape[0], y.shape[1], grams.shape[1]
     select = torch.stack([torch.eye(rd, dtype=y.dtype)[reads[q] * d : (reads[q] + 1) * d] for q in range(nq)])
     err = select - dec @ p  # (Q, d, r d)
@@ -135,7 +137,7 @@ def value_residual(
 
 
 def group_cost(
-    stats: gqa.AttentionStatistics, o_weight: torch.Tensor, geometry: AttentionGeometry, *, method: str
+    stats: pool.AttentionStatistics, o_weight: torch.Tensor, geometry: AttentionGeometry, *, method: str
 ) -> float:
     """Relative key + value residual of pooling one group; stats holds that group only (G = 1 slice).
 
@@ -152,8 +154,8 @@ def group_cost(
         p = torch.cat([torch.eye(d, dtype=torch.float64) / r] * r, dim=1)  # (d, r d)
         dec = torch.eye(d, dtype=torch.float64).expand(n * r, d, d)
     else:
-        coef, u = gqa.fit_keys(s, iterations=10)
-        p, dec = gqa.fit_values(y, grams, reads, iterations=0)
+        coef, u = pool.fit_keys(s, iterations=10)
+        p, dec = pool.fit_values(y, grams, reads, iterations=0)
     kr, kt = key_residual(s, coef, u)
     vr, vt = value_residual(y, grams, reads, p, dec)
     return kr / max(kt, 1e-300) + vr / max(vt, 1e-300)
@@ -240,17 +242,17 @@ def search_and_pool(
     *,
     src_dir: Path,
     index: dict[str, TensorInfo],
-    pooling: gqa.Pooling,
+    pooling: pool.Pooling,
     method: str,
     files: list[Path] | None,
     tokens: int,
     window: int,
-    device: str = layerwise.DEFAULT_DEVICE,
+    device: str = DEFAULT_DEVICE,
     forward_dtype: str = "float32",
     progress: bool = True,
 ) -> tuple[dict[int, dict[str, torch.Tensor | None]], list[list[list[int]]]]:
     """Per layer, the searched grouping and the new attention tensors (keyed like
-    `gqa.calibrated_pool_layer`).
+    `pool.calibrated_pool_layer`).
 
     One layer-by-layer pass over the calibration text (`layerwise.LayerwiseModel`, on `device` in
     `forward_dtype`) collects one-group statistics (memory: (H d)^2-sized moments per layer, for all layers);
@@ -264,9 +266,9 @@ def search_and_pool(
     tokenizer = AutoTokenizer.from_pretrained(src_dir)
     ids = cal.calibration_ids(tokenizer, files, tokens)
     model = layerwise.LayerwiseModel(src_dir, device=device, forward_dtype=forward_dtype)
-    whole = gqa.Pooling(geo, 1)
+    whole = pool.Pooling(geo, 1)
     with torch.inference_mode():
-        stats = gqa.collect_attention_statistics(model, ids, pooling=whole, window=window, progress=progress)
+        stats = pool.collect_attention_statistics(model, ids, pooling=whole, window=window, progress=progress)
     d, n = geo.head_dim, geo.group_size
     out, chosen = {}, []
     threads = torch.get_num_threads()
@@ -296,12 +298,12 @@ def search_and_pool(
                 for proj in ("k_proj", "v_proj"):
                     for kind in ("weight", "bias"):
                         if permuted[f"{proj}.{kind}"] is not None:
-                            permuted[f"{proj}.{kind}"] = gqa.mean_pool_heads(
+                            permuted[f"{proj}.{kind}"] = pool.mean_pool_heads(
                                 permuted[f"{proj}.{kind}"], pooling=pooling
                             )
                 out[layer] = permuted
             else:
-                out[layer] = gqa.calibrated_pool_layer(
+                out[layer] = pool.calibrated_pool_layer(
                     weights=permute_layer(weights, order, geo),
                     stats=slice_statistics(full, groups, geo),
                     pooling=pooling,

@@ -4,12 +4,13 @@ The GQA paper uptrains pooled checkpoints for a small fraction of pre-training c
 fine-tune after conversion too. This module does that step for any `AutoModelForCausalLM` checkpoint (pooled
 GQA/MQA Llama-family, the `llama_mla` model type, remote-code models with `trust_remote_code`).
 
-Recipe: the training text is tokenized once and cut into `seq_len` chunks (`conversion.train_data`), visited
-in a seeded order; AdamW on the chosen parameters (`all`, or `attention` = every `*.self_attn.*` parameter),
-linear warmup then cosine (to 10% of the peak) or constant learning rate, gradient clipping, optional gradient
-accumulation, gradient checkpointing and bf16/fp16 autocast. Data parallel through `accelerate.Accelerator`:
-process p of P takes every P-th batch and gradients are averaged, so `batch_size x P x grad_accum` chunks make
-one optimizer step whatever P is (the same global batch gives the same run on one or many processes).
+Recipe: the training text is tokenized once and cut into `seq_len` chunks (`conversion.training.data`),
+visited in a seeded order; AdamW on the chosen parameters (`all`, or `attention` = every `*.self_attn.*`
+parameter), linear warmup then cosine (to 10% of the peak) or constant learning rate, gradient clipping,
+optional gradient accumulation, gradient checkpointing and bf16/fp16 autocast. Data parallel through
+`accelerate.Accelerator`: process p of P takes every P-th batch and gradients are averaged, so `batch_size x P
+x grad_accum` chunks make one optimizer step whatever P is (the same global batch gives the same run on one or
+many processes).
 
 Evaluation: held-out perplexity with the project's protocol (`hf_attn.tooling.perplexity.evaluate_perplexity`,
 disjoint windows of `eval_context` tokens over the first `eval_tokens` tokens) before, every `eval_every`
@@ -30,7 +31,7 @@ LoRA (`--lora-rank`, `conversion/training/lora.py`): peft adapters on the named 
 Output: the healed model in the input's format (same config and model type, weights in the input's dtype,
 side files such as the tokenizer copied), written atomically, never over or inside its source
 (`hf_attn.tooling.files.check_output`, checked before training); the run is appended to
-`config.json["hf_attn"]["history"]` (`conversion.checkpoint.conversion_record`, kind `heal`).
+`config.json["hf_attn"]["history"]` (`conversion.checkpoint.io.conversion_record`, kind `heal`).
 
 Code (`conversion/training/`): `HealSettings` (every option; the command line is built from it) -> `load_data`
 -> `make_recipe` -> `find_resume_point` / `build_train_state` (`TrainState.save` / `restore`) -> `train_steps`
@@ -45,8 +46,8 @@ Code (`conversion/training/`): `HealSettings` (every option; the command line is
         [--autocast-dtype float32|bfloat16|float16] [--eval-text FILE ...] [--eval-every S]
         [--eval-tokens 8192] [--checkpoint-every N] [--resume] [--seed 0] [--gradient-checkpointing]
         [--overwrite]
-    accelerate launch --multi_gpu --num_processes 2 -m conversion.heal ...   # data parallel (CPU: gloo)
-    accelerate launch --config_file FSDP_CONFIG --num_processes N -m hf_attn.conversion.heal ...   # FSDP2
+    accelerate launch --multi_gpu --num_processes 2 -m conversion.training ...   # data parallel (CPU: gloo)
+    accelerate launch --config_file FSDP_CONFIG --num_processes N -m hf_attn.conversion.training ...   # FSDP2
 
 Sharded training (FSDP, `FSDP_CONFIG` = heal_fsdp.yaml beside this file; docs/heal-fsdp.md): the optimizer
 is prepared together with the model (FSDP2 re-points it at the sharded parameters; FSDP1 gets it built
@@ -70,7 +71,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import hf_attn  # noqa: F401  (registers the hf-attn attention implementations and the llama_mla model type)
-from hf_attn.conversion.checkpoint import conversion_record
+from hf_attn.conversion.checkpoint.io import conversion_record
 from hf_attn.conversion.training.data import HealData, HealSettings, load_data, make_recipe
 from hf_attn.conversion.training.loop import held_out_evaluation, train_steps, write_output
 from hf_attn.conversion.training.lora import resolve_targets
