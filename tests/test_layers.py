@@ -145,8 +145,8 @@ def test_every_subcommand_and_module_alias_resolves():
     aliases = [
         "conversion.gqa",
         "conversion.mla",
-        "conversion.gqa.expand",
-        "conversion.training.heal",
+        "conversion.expand",
+        "conversion.heal",
         "conversion.training",
         "conversion.export",
         "eval.perplexity",
@@ -183,3 +183,122 @@ def test_every_package_folder_is_installed():
     assert found == listed, {"not listed": sorted(found - listed), "listed, missing": sorted(listed - found)}
     assert not any(name.split(".")[0] == "benchmarks" for name in listed), sorted(listed)
     assert (ROOT / "benchmarks" / "__init__.py").is_file()
+
+
+# ------------------------------------------------------------------------------ conversion/: its own imports
+
+# a function-level import of a project module inside conversion/ is allowed only for these (module prefix ->
+# why): an optional dependency that the code path needs and an ordinary install may lack. Every other import
+# is at the top of its module, where a cycle would show.
+LAZY_IMPORTS_ALLOWED = {
+    "hf_attn.kernels": "Triton: present only with the `kernels` extra, used only on CUDA",
+}
+
+
+def _module_name(path: Path) -> str:
+    """The dotted name `path` (under conversion/) installs as."""
+    parts = list(path.relative_to(ROOT / "conversion").with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(["hf_attn.conversion", *parts])
+
+
+def _project_module(name: str) -> str | None:
+    """`name` as an installed project module name (the checkout's `conversion.` alias mapped), else None."""
+    if name.split(".")[0] in ("conversion", "eval"):
+        name = "hf_attn." + name
+    return name if name == "hf_attn" or name.startswith("hf_attn.") else None
+
+
+def test_conversion_has_no_function_level_project_imports():
+    found = []
+    for path in sorted((ROOT / "conversion").rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for func in ast.walk(tree):
+            if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(func):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    names = [node.module]
+                else:
+                    continue
+                for name in filter(None, map(_project_module, names)):
+                    if not any(name == m or name.startswith(m + ".") for m in LAZY_IMPORTS_ALLOWED):
+                        found.append(f"{path.relative_to(ROOT)}:{node.lineno} {func.name}() imports {name}")
+    assert not found, "imports belong at the top of the module:\n" + "\n".join(found)
+
+
+def _conversion_graph() -> dict[str, set[str]]:
+    """module -> the conversion modules its top-level imports run (a package's __init__ included, a
+    submodule's own packages left out: they are initialised before it runs)."""
+    modules = {_module_name(p): p for p in (ROOT / "conversion").rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        deps = set()
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            for sub in ast.walk(node) if isinstance(node, (ast.If, ast.Try)) else [node]:
+                if isinstance(sub, ast.ImportFrom) and sub.module and sub.level == 0:
+                    base = _project_module(sub.module) or ""
+                    deps |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in sub.names}
+                elif isinstance(sub, ast.Import):
+                    deps |= {m for a in sub.names if (m := _project_module(a.name))}
+        closed = set()
+        for dep in deps:  # importing a.b.c runs a.b's __init__ too
+            parts = dep.split(".")
+            closed |= {".".join(parts[:i]) for i in range(3, len(parts) + 1)}
+        graph[name] = {d for d in closed & set(modules) if d != name and not name.startswith(d + ".")}
+    return graph
+
+
+def test_specs_is_a_leaf_and_conversion_has_no_import_cycle():
+    graph = _conversion_graph()
+    assert graph["hf_attn.conversion.specs"] == set(), "specs imports only the layers below conversion"
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for dep in sorted(graph[module]):
+            assert state.get(dep) != 1, "import cycle: " + " -> ".join([*path, module, dep])
+            if dep not in state:
+                visit(dep, [*path, module])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [])
+
+
+@pytest.mark.parametrize("folder", ["hf_attn", "conversion", "eval"])
+def test_no_private_name_is_imported_from_another_module(folder):
+    found = []
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.level or _project_module(node.module or "")):
+                private = [
+                    a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")
+                ]
+                if private:
+                    found.append(
+                        f"{path.relative_to(ROOT)}:{node.lineno} imports {private} from {node.module}"
+                    )
+    assert not found, "make the name public or move it:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("folder", ["hf_attn", "conversion", "eval"])
+def test_modules_and_functions_stay_readable(folder):
+    """No module over 600 lines, no function over 80."""
+    found = []
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        text = path.read_text()
+        if len(text.splitlines()) > 600:
+            found.append(f"{path.relative_to(ROOT)}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text, filename=str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > 80:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}(): {length} lines")
+    assert not found, "\n".join(found)
