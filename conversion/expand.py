@@ -1,5 +1,5 @@
-"""The former name of `hf_attn.conversion.gqa.expand`: importing it warns once and gives that module;
-`python -m conversion.expand` still runs `hf-attn convert expand`."""
+"""An alias of `hf_attn.conversion.gqa.expand`: importing it warns once with that name and gives that
+module; `python -m conversion.expand` runs `hf-attn convert expand`."""
 
 import sys
 import warnings

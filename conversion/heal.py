@@ -1,5 +1,5 @@
-"""The former name of `hf_attn.conversion.training.heal`: importing it warns once and gives that module;
-`python -m conversion.heal` still runs `hf-attn heal`."""
+"""An alias of `hf_attn.conversion.training.heal`: importing it warns once with that name and gives that
+module; `python -m conversion.heal` runs `hf-attn heal`."""
 
 import sys
 import warnings
