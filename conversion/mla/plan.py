@@ -276,7 +276,7 @@ def plan_conversion(
     allocation_normalization: str = alloc.DEFAULT_NORMALIZATION,
 ) -> MLAConversion:
     """Check `spec` against the source, calibrate if its options need it (on `calibration`'s text, or reuse
-    `calibration_pass`, an `mla_calibration.calibrate` result), choose the pairs and the per-layer ranks.
+    `calibration_pass`, a `calibration.calibrate` result), choose the pairs and the per-layer ranks.
 
     Layout "deepseek": one RoPE key per layer shared by all heads on the pairs 0, s, ..., (r-1) s of every
     layer, and a latent RMSNorm (conversion.mla.shared_rope). Allocation: `spec.allocation_method`

@@ -370,7 +370,7 @@ class HealData:
 
 def load_data(settings: HealSettings, source: Path, *, num_processes: int) -> HealData:
     """Tokenize the training text once (cut into `seq_len` chunks) and the held-out text; they must not
-    overlap (`train_data.check_disjoint`)."""
+    overlap (`check_disjoint`)."""
     s = settings
     corpus = s.train_corpus or (None if s.train_text or s.dataset else DEFAULT_TRAIN_CORPUS)
     files = assets.calibration_corpus_files(corpus) if corpus else s.train_text

@@ -14,7 +14,7 @@ many processes).
 
 Evaluation: held-out perplexity with the project's protocol (`hf_attn.tooling.perplexity.evaluate_perplexity`,
 disjoint windows of `eval_context` tokens over the first `eval_tokens` tokens) before, every `eval_every`
-steps, and after. Training and evaluation text must not overlap (`train_data.check_disjoint`).
+steps, and after. Training and evaluation text must not overlap (`data.check_disjoint`).
 
 Interruption: every `checkpoint_every` steps an atomic checkpoint `STATE/checkpoint-NNNNNN/` is written: the
 model in `save_pretrained` format (loadable as is) plus `trainer_state.pt` (optimizer, scheduler, the RNG of
