@@ -1,6 +1,8 @@
 """What a conversion is asked to do, as typed specs: frozen dataclasses validated when built, from which the
 parsers of `hf-attn convert gqa | mla | expand` are built (`add_spec_arguments`), so that the commands and
-the library share every default.
+the library share every default. Every choice a conversion offers and every default it takes is defined
+here (the constants below), and the converters, the refinement, the export and the checkpoint writer read
+them from this module, which imports nothing else from `conversion/`.
 
 - `CalibrationSpec`: the calibration text (files, an embedded corpus; default the `mix` corpus), its tokens
   and window, and where the layer-by-layer calibration forward runs.
