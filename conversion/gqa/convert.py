@@ -1,5 +1,4 @@
-"""MHA/GQA -> GQA/MQA: a checkpoint with its KV heads pooled (`conversion.gqa.pooling`), written tensor by
-tensor.
+"""MHA/GQA -> GQA/MQA: pool H key/value heads into G groups (Ainslie et al. 2023), or a calibrated variant.
 
     hf-attn convert gqa --model SRC --num-kv-heads G --output DST [--method calibrated|mean]
         [--grouping contiguous|search] [--calibration-text FILE ... | --calibration-corpus NAME]
@@ -7,6 +6,7 @@ tensor.
 
 The command's defaults are the recipe that measures best: calibrated pooling, then 32 steps of layer-local
 refinement (`--refine-steps 0`: the closed form only); `--method mean --refine-steps 0` is the GQA paper's.
+The fits are in `conversion.gqa.pooling`; this module writes the pooled checkpoint, tensor by tensor.
 """
 
 from __future__ import annotations

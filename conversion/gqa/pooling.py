@@ -1,11 +1,12 @@
-"""GQA/MQA pooling: H key/value heads into G groups (Ainslie et al. 2023), or a calibrated variant.
+"""GQA/MQA pooling: the fits that pool H key/value heads into G groups (`conversion.gqa.convert` writes the
+pooled checkpoint).
 
 Group g of G takes the source KV heads g*H/G ... (g+1)*H/G - 1 (the order of transformers' `repeat_kv`:
 query head h reads KV head h // (Hq/G) after the conversion, as it read h // (Hq/H) before).
 
 method="mean" (the GQA paper): each group's K and V projection rows (and biases) are the mean of its heads',
 accumulated in float64 and cast back, so pooling identical heads returns them bit for bit. Query and output
-projections are untouched. Streams tensor by tensor: memory is one tensor (see conversion/bench_stream.py).
+projections are untouched. Streams tensor by tensor: memory is one tensor (see eval/bench/stream.py).
 
 method="calibrated" (beyond the paper): the pooled K/V projections are fitted on calibration activations so
 that what attention computes changes least, and the query / output projections are refitted to read them:
