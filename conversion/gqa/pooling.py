@@ -6,7 +6,8 @@ query head h reads KV head h // (Hq/G) after the conversion, as it read h // (Hq
 
 method="mean" (the GQA paper): each group's K and V projection rows (and biases) are the mean of its heads',
 accumulated in float64 and cast back, so pooling identical heads returns them bit for bit. Query and output
-projections are untouched. Streams tensor by tensor: memory is one tensor (see eval/bench/stream.py).
+projections are untouched. Streams tensor by tensor: memory is one tensor (`hf-attn bench stream` measures
+it).
 
 method="calibrated" (beyond the paper): the pooled K/V projections are fitted on calibration activations so
 that what attention computes changes least, and the query / output projections are refitted to read them:
