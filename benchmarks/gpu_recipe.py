@@ -32,20 +32,20 @@ from benchmarks.gpu_parts import Adapter
 
 # (stage, the stage it runs inside, module, function, what it grows with at full depth: "layers" or "bytes")
 HOOKS = (
-    ("closed form", None, "hf_attn.conversion.mla", "convert_to_mla", "bytes"),
-    ("closed form", None, "hf_attn.conversion.gqa", "convert_gqa", "bytes"),
+    ("closed form", None, "hf_attn.conversion.pipeline", "convert_to_mla", "bytes"),
+    ("closed form", None, "hf_attn.conversion.pipeline", "convert_gqa", "bytes"),
     ("calibration", "closed form", "hf_attn.conversion.mla.plan", "calibrate", "layers"),
-    ("calibration and fit", "closed form", "hf_attn.conversion.gqa", "_calibrate_layers", "layers"),
-    ("closed-form write", "closed form", "hf_attn.conversion.mla", "write_conversion", "bytes"),
-    ("closed-form write", "closed form", "hf_attn.conversion.gqa", "save_streamed", "bytes"),
+    ("calibration and fit", "closed form", "hf_attn.conversion.gqa.convert", "_calibrate_layers", "layers"),
+    ("closed-form write", "closed form", "hf_attn.conversion.mla.convert", "write_conversion", "bytes"),
+    ("closed-form write", "closed form", "hf_attn.conversion.gqa.convert", "save_streamed", "bytes"),
     ("factorization", "closed-form write", "hf_attn.conversion.mla.plan", "convert_layer", "layers"),
     ("refinement", None, "hf_attn.conversion.pipeline", "_refine", "layers"),
     ("layer fits", "refinement", "hf_attn.conversion.refine", "fit_layer", "layers"),
     ("refined write", "refinement", "hf_attn.conversion.refine", "save_streamed", "bytes"),
 )
 CONVERTERS = {
-    "mla": ("hf_attn.conversion.mla", []),
-    "gqa": ("hf_attn.conversion.gqa", ["--num-kv-heads", "1"]),
+    "mla": ("hf_attn.conversion.cli:mla_main", []),
+    "gqa": ("hf_attn.conversion.cli:gqa_main", ["--num-kv-heads", "1"]),
 }
 STAGE_LOG = "HF_ATTN_STAGE_LOG"
 CHILD = f"""
@@ -69,7 +69,8 @@ def peaks():
     from hf_attn.eval.bench.memory import status_bytes
     gpu = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
     log.write(json.dumps({{"peak_rss": status_bytes("VmHWM"), "peak_gpu": gpu}}) + "\\n")
-sys.exit(importlib.import_module(sys.argv[2]).main(sys.argv[3:]))
+module, _, command = sys.argv[2].partition(":")
+sys.exit(getattr(importlib.import_module(module), command or "main")(sys.argv[3:]))
 """
 
 

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Mistr
 
 from hf_attn.conversion import cli as convert_cli
 from hf_attn.conversion import gqa
+from hf_attn.conversion.gqa import convert as gqa_convert
 from hf_attn.conversion.gqa.expand import expand_checkpoint
 from hf_attn.conversion.specs import METHODS, CalibrationSpec, ExpandSpec, GQASpec, WriteSpec
 from hf_attn.tooling.errors import UserError
@@ -376,7 +377,7 @@ def test_existing_output_needs_overwrite_and_failures_leave_nothing(tmp_path, mo
             raise RuntimeError("disk full")
         return tensor[: pooling.num_groups * pooling.geometry.head_dim]
 
-    monkeypatch.setattr(gqa, "mean_pool_heads", failing)
+    monkeypatch.setattr(gqa_convert, "mean_pool_heads", failing)  # where the pooled write calls it
     with pytest.raises(RuntimeError, match="disk full"):
         gqa.convert_gqa(
             GQASpec(num_kv_heads=1, method="mean"), src=src, dst=dst, write=WriteSpec(overwrite=True)
