@@ -8,8 +8,7 @@ import re
 import tomllib
 from pathlib import Path
 
-from hf_attn.conversion.refine import RELATIVE_LR
-from hf_attn.conversion.specs import DEFAULT_CORPUS
+from hf_attn.conversion.specs import DEFAULT_CORPUS, EXPORT_TARGETS, RELATIVE_LR
 from hf_attn.tooling import assets
 from hf_attn.tooling.errors import UserError, check_number, one_line, user_input
 
@@ -170,8 +169,8 @@ def check_variants(variants: list[Variant], settings: Settings, source: Path, wh
                 if v.options:
                     raise UserError(f"a source variant takes no options, got {sorted(v.options)}")
                 continue
-            if export not in (None, *pipeline.EXPORTS):
-                raise UserError(f"unknown export {export!r}; choose one of {', '.join(pipeline.EXPORTS)}")
+            if export not in (None, *EXPORT_TARGETS):
+                raise UserError(f"unknown export {export!r}; choose one of {', '.join(EXPORT_TARGETS)}")
             if refine and (settings.refine_steps < 1 or settings.refine_tokens < 1):
                 raise UserError("refine = true needs refine_steps and refine_tokens >= 1 in the profile")
             with user_input():
