@@ -18,6 +18,7 @@ from hf_attn.conversion import cli as convert_cli
 from hf_attn.conversion import mla
 from hf_attn.conversion.mla import shared_rope as sr
 from hf_attn.conversion.mla.layer import SpilledLayerStatistics
+from hf_attn.conversion.mla.ranks import shared_rope_pairs
 from hf_attn.conversion.specs import CalibrationSpec, MLASpec
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -61,10 +62,10 @@ def test_progression_and_stride_choice():
 
 def test_default_rope_pairs_fit_the_budget():
     half, kv_dim = 32, 192  # SmolLM2: d/2 = 32, Hkv d = 192
-    assert sr.default_rope_pairs(half, kv_dim, None) == half
-    assert sr.default_rope_pairs(half, kv_dim, 1.0) == half
+    assert shared_rope_pairs(half, kv_dim, None) == half
+    assert shared_rope_pairs(half, kv_dim, 1.0) == half
     for budget in (0.1, 0.25, 0.3, 0.5, 0.75):
-        r = sr.default_rope_pairs(half, kv_dim, budget)
+        r = shared_rope_pairs(half, kv_dim, budget)
         numbers = int(budget * 2 * kv_dim)
         assert 1 <= r <= half // 2 and 2 * r < numbers
 

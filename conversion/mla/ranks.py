@@ -37,7 +37,6 @@ from tqdm.auto import tqdm
 from hf_attn.conversion.checkpoint.io import AttentionGeometry
 from hf_attn.conversion.mla import factorization as fac
 from hf_attn.conversion.mla import rope_selection as rs
-from hf_attn.conversion.mla import shared_rope as sr
 from hf_attn.conversion.specs import DEFAULT_ROPE_SELECTION, KVBudget
 from hf_attn.models.llama_mla.configuration_llama_mla import LlamaMLAConfig
 from hf_attn.tooling.errors import UserError
@@ -49,6 +48,9 @@ DEFAULT_NORMALIZATION = "relative"
 DEFAULT_ROPE_SHARE = 0.5  # of a --kv-budget's numbers per token go to the RoPE keys (see default_rope_pairs)
 # ... but with these selections at most this fraction of a head's d/2 frequency pairs (see default_rope_pairs)
 MAX_ROPE_FRACTION = {"attention": 0.375}
+# the DeepSeek layout (one shared RoPE key per layer): r at most this fraction of the d/2 pairs ...
+SHARED_MAX_ROPE_FRACTION = 0.5
+SHARED_ROPE_SHARE = 1 / 6  # ... and of a --kv-budget's numbers (one key: 2r numbers, not Hkv 2r)
 
 
 # --------------------------------------------------------------------------------------------- shapes
@@ -129,6 +131,19 @@ def default_rope_pairs(
     return max(1, min(half, r))
 
 
+def shared_rope_pairs(half: int, kv_dim: int, kv_budget: float | None) -> int:
+    """r of the DeepSeek layout when --rope-pairs is not given: every pair without a budget or with the whole
+    source cache; else SHARED_ROPE_SHARE of the budget's numbers (2r of them), at most
+    SHARED_MAX_ROPE_FRACTION of the pairs, at least 1."""
+    if kv_budget is None:
+        return half
+    numbers = KVBudget(kv_budget).numbers(kv_dim)
+    if numbers >= KVBudget.source_numbers(kv_dim):
+        return half
+    shared = round(SHARED_ROPE_SHARE * numbers / 2)
+    return max(1, min(shared, int(SHARED_MAX_ROPE_FRACTION * half), numbers // 4))
+
+
 def budget_numbers(kv_budget: float, geometry: AttentionGeometry) -> int:
     """Numbers per token and layer a KV budget allows (`specs.KVBudget`, validated there)."""
     return KVBudget(kv_budget).numbers(geometry.kv_dim)
@@ -148,7 +163,7 @@ def plan_shape(
         raise UserError("Give either --kv-lora-rank or --kv-budget, not both.")
     shared = layout == "deepseek"
     if rope_pairs is None and shared:
-        rope_pairs = sr.default_rope_pairs(geometry.head_dim // 2, geometry.kv_dim, kv_budget)
+        rope_pairs = shared_rope_pairs(geometry.head_dim // 2, geometry.kv_dim, kv_budget)
     if rope_pairs is None:
         rope_pairs = default_rope_pairs(geometry, kv_budget, selection=rope_selection)
     r = rope_pairs

@@ -44,28 +44,13 @@ import torch
 
 from hf_attn.conversion.checkpoint.calibration import causal_probabilities
 from hf_attn.conversion.gqa.pooling import fit_keys
-from hf_attn.conversion.specs import KVBudget
 
 QUERY_STRIDE = 8  # SharedKeyStatistics weighs keys by the attention of every 8th query of a window (all keys)
 SAMPLE_STRIDE = 2  # the latent-norm refit uses the attention inputs of every 2nd calibration token
-MAX_ROPE_PAIRS_FRACTION = 0.5  # default r: at most this fraction of the d/2 pairs ...
-ROPE_SHARE = 1 / 6  # ... and of a --kv-budget's numbers (one shared key is cheap: 2r numbers, not Hkv 2r)
 NORM_REFINE_STEPS = 15  # L-BFGS iterations on the encoder through the latent norm (see fit_latent_norm)
 _RIDGE = 1e-9
 LBFGS_HISTORY = 10  # steps of L-BFGS history in the encoder refinement ...
 LBFGS_HISTORY_BYTES = 512 * 1024**2  # ... at most this much memory of it
-
-
-def default_rope_pairs(half: int, kv_dim: int, kv_budget: float | None) -> int:
-    """r of the DeepSeek layout when --rope-pairs is not given: every pair without a budget or with the whole
-    source cache; else ROPE_SHARE of the budget's numbers (2r of them), at most MAX_ROPE_PAIRS_FRACTION of
-    the pairs, at least 1."""
-    if kv_budget is None:
-        return half
-    numbers = KVBudget(kv_budget).numbers(kv_dim)
-    if numbers >= KVBudget.source_numbers(kv_dim):
-        return half
-    return max(1, min(round(ROPE_SHARE * numbers / 2), int(MAX_ROPE_PAIRS_FRACTION * half), numbers // 4))
 
 
 # --------------------------------------------------------------------------------------------- pairs
