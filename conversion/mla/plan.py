@@ -149,7 +149,7 @@ class MLAConversion:
     rope_stride: int | None = None  # DeepSeek layout: the kept pairs are 0, s, ..., (r - 1) s
     shared_keys: dict[int, sr.SharedKey] | None = None  # DeepSeek layout: layer -> fitted shared key
     norm_eps: float | None = None  # DeepSeek layout: the latent norm's eps (the source's rms_norm_eps)
-    norm_refine_steps: int = 0  # DeepSeek layout: L-BFGS steps on the encoder through the norm (sr._refine)
+    norm_refine_steps: int = 0  # DeepSeek layout: L-BFGS steps through the norm (sr.fit_latent_norm)
     layer_shapes: list[MLAShape] | None = None  # per-layer ranks (conversion.mla.ranks); None: `shape`
     allocation: dict | None = None  # the allocation's record (per-layer lists); None: uniform
 
