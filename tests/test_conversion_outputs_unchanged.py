@@ -17,21 +17,13 @@ import sys
 from pathlib import Path
 
 import torch
+from conftest import TINY_SHAPE
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 REFERENCE = Path(__file__).resolve().parent / "data" / "conversion_hashes.json"
 SHAPE = dict(  # conftest.TINY_SHAPE with SmolLM2's vocabulary (so that calibration text tokenizes)
-    vocab_size=49152,
-    hidden_size=48,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=6,
-    num_key_value_heads=2,
-    head_dim=8,
-    max_position_embeddings=128,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
+    **TINY_SHAPE, vocab_size=49152, max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=True
 )
 TEXT = (
     "It was a bright cold day in April, and the clocks were striking thirteen. The hallway smelt of boiled "
