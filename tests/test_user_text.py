@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import importlib
 import io
 import re
 from pathlib import Path

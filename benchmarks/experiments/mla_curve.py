@@ -97,9 +97,7 @@ def grid(name: str, geometry: AttentionGeometry) -> list[dict]:
     for budget in BUDGETS:  # allocation sweep with the default selection / factorization
         for share in ROPE_SHARES:
             r = mla.default_rope_pairs(geometry, budget, share)
-            points.append(
-                point("budget", rope_pairs=r, selection=DEFAULT_ROPE_SELECTION, kv_budget=budget)
-            )
+            points.append(point("budget", rope_pairs=r, selection=DEFAULT_ROPE_SELECTION, kv_budget=budget))
     for budget in COMPARE_BUDGETS:  # every option at the default allocation
         for s in SELECTIONS:
             r = mla.default_rope_pairs(geometry, budget, selection=s)
