@@ -71,7 +71,7 @@ REFINE_STEPS = 32  # Adam steps per decoder layer
 REFINE_TOKENS = 4096  # calibration tokens of the refinement
 REFINE_TARGETS = ("layer", "attention")  # what a refined layer matches
 RELATIVE_LR = 0.01
-LOSS_STRIDE = 4  # each step's loss on every 4th position of its window (docs/scale.md)
+LOSS_STRIDE = 2  # each refinement step's loss on every 2nd position of its window (docs/scale.md)
 STEP_DTYPE = "bfloat16"  # the refinement's matmuls (docs/scale.md: perplexity within 1% of float32's)
 STEP_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
