@@ -92,7 +92,9 @@ def conversions(rows: Path, *, summary: bool = False) -> str:
     note = (
         f"{meta['protocol']}; lower is better. Scored with `{'`, `'.join(meta['commands'][:2])}`. Measured "
     )
-    note += "with 8,192 calibration tokens of the mix corpus and 32 refinement steps on 4,096 tokens of it."
+    note += "with 8,192 calibration tokens of the mix corpus and 32 refinement steps on 4,096 tokens of it, each "
+    note += "step's loss on every 2nd position in bfloat16 (2026-11-26); a command with `--refine-loss-stride 1 "
+    note += "--refine-step-dtype float32` was measured with every position in float32 (2026-11-24)."
     return markdown_table(header, table, align="llr" + "r" * (len(header) - 4) + "l") + f"\n\n{note}\n"
 
 
@@ -147,7 +149,7 @@ TABLES = (
         "Which conversion: quality and KV cache of each recipe (SmolLM2-135M-Instruct)",
         "hf-attn convert ...; hf-attn perplexity --model DIR --max-tokens 8192 "
         "[--text FAQ --max-tokens 4096]",
-        "2026-11-24",
+        "2026-11-24 and 2026-11-26",
         conversions,
     ),
     Table(
