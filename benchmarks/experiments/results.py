@@ -94,8 +94,8 @@ def conversions(rows: Path, *, summary: bool = False) -> str:
     )
     note += "with 8,192 calibration tokens of the mix corpus and 32 refinement steps on 4,096 tokens of it, "
     note += "each step's loss on every 2nd position in bfloat16 (2026-11-26); a command with "
-    note += "`--refine-loss-stride 1 --refine-step-dtype float32` was measured with every position in float32 "
-    note += "(2026-11-24)."
+    note += "`--refine-loss-stride 1 --refine-step-dtype float32` was measured with every position in "
+    note += "float32 (2026-11-24)."
     return markdown_table(header, table, align="llr" + "r" * (len(header) - 4) + "l") + f"\n\n{note}\n"
 
 
