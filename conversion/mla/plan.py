@@ -396,13 +396,9 @@ def _calibration_pass(
         moments=need_moments,
         pair_norms=selection == "2norm",
         attention_pairs=selection == "attention",
-        files=calibration.files(),
-        tokens=calibration.tokens,
-        window=calibration.window,
+        calibration=calibration,
         shared_keys=deepseek and shape.rope_pairs > 0,
         sample_stride=sr.SAMPLE_STRIDE if deepseek else 0,
-        device=calibration.device,
-        forward_dtype=calibration.forward_dtype,
     )
 
 
