@@ -28,7 +28,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from hf_attn.conversion.checkpoint.layerwise import AttentionInputFn, LayerwiseModel, StopForward
+from hf_attn.conversion.checkpoint.layerwise import (
+    AttentionInputFn,
+    LayerwiseModel,
+    StopForward,
+    wanted_layers,
+)
 from hf_attn.conversion.specs import DEFAULT_WINDOW, CalibrationSpec
 from hf_attn.tooling import assets, loading
 from hf_attn.tooling.errors import UserError
@@ -145,11 +150,7 @@ def for_each_attention_input(
     if isinstance(model, LayerwiseModel):
         return model.for_each_attention_input(input_ids, fn, window=window, layers=layers, progress=progress)
     blocks = _decoder_layers(model)
-    wanted = sorted(set(range(len(blocks)) if layers is None else layers))
-    if not wanted or wanted[0] < 0 or wanted[-1] >= len(blocks):
-        raise ValueError(f"layers must be in [0, {len(blocks)}), got {wanted}")
-    if input_ids.dim() != 1:
-        raise ValueError(f"input_ids must be 1-D token ids, got shape {tuple(input_ids.shape)}")
+    wanted = wanted_layers(layers, len(blocks), input_ids)
     last = wanted[-1]
 
     def make_hook(idx: int):
