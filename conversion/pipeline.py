@@ -33,6 +33,7 @@ from hf_attn.conversion.mla.calibration import Calibration
 from hf_attn.conversion.mla.convert import convert_to_mla
 from hf_attn.conversion.refine import RefineSettings, refine
 from hf_attn.conversion.specs import (
+    DEFAULT_CORPUS,
     EXPORT_TARGETS,
     CalibrationSpec,
     ConverterSpec,
@@ -154,12 +155,14 @@ def _refine(
         target=spec.target,
         loss_stride=spec.loss_stride,
         step_dtype=spec.step_dtype,
-        calibration_text=[str(f) for f in calibration.files()],
+        calibration_text=list(calibration.text) if calibration.text else None,
+        calibration_corpus=calibration.corpus or DEFAULT_CORPUS,
+        calibration_window=calibration.window,
         device=calibration.device,
         overwrite=write.overwrite,
     )
     try:
-        return refine(settings, progress=progress, source_name=CLOSED_FORM_SOURCE)
+        return refine(settings, progress=progress, source_name=CLOSED_FORM_SOURCE, calibration=calibration)
     except UserError as err:  # name the stage: its flags are --refine-steps / --refine-tokens
         raise UserError(
             f"the refinement (--refine-steps {spec.steps} --refine-tokens {spec.tokens}): {one_line(err)}"

@@ -2,11 +2,12 @@
 
     hf-attn refine --model CONVERTED --output DIR [--source SRC] [--steps 32] [--relative-lr 0.01 | --lr LR]
         [--loss-stride 4] [--step-dtype bfloat16|float32] [--target layer|attention]
-        [--calibration-tokens 4096] [--calibration-corpus austen|python-docs|mix | --calibration-text FILE...]
-        [--overwrite]
+        [--calibration-tokens 4096] [--calibration-window 1024]
+        [--calibration-corpus austen|python-docs|mix | --calibration-text FILE...] [--overwrite]
 
 or in one command with the conversion: `hf-attn convert gqa|mla ... --refine-steps N` (the same refinement,
-`--refine-tokens` calibration tokens of the conversion's calibration text, written atomically to --output).
+`--refine-tokens` calibration tokens of the conversion's calibration text and windows, written atomically to
+--output).
 
 The closed-form converters (`conversion.gqa`, `conversion.mla`) fit every layer to the SOURCE model's
 activations with a local metric, so their errors compound through the layers. This step corrects that the way
@@ -51,7 +52,7 @@ import torch
 from tqdm.auto import tqdm
 
 from hf_attn.conversion import stages
-from hf_attn.conversion.checkpoint.calibration import calibration_ids, corpus_record
+from hf_attn.conversion.checkpoint.calibration import calibration_record, source_ids
 from hf_attn.conversion.checkpoint.io import (
     add_record,
     conversion_record,
@@ -74,7 +75,7 @@ from hf_attn.conversion.specs import (
     RELATIVE_LR,
     STEP_DTYPE,
     STEP_DTYPES,
-    resolve_forward,
+    CalibrationSpec,
 )
 from hf_attn.tooling import assets, loading
 from hf_attn.tooling.cli import (
@@ -86,8 +87,8 @@ from hf_attn.tooling.cli import (
     settings_from_args,
 )
 from hf_attn.tooling.devices import DEFAULT_DEVICE, DEVICE_HELP, DEVICES
-from hf_attn.tooling.errors import UserError, check_number, user_input
-from hf_attn.tooling.files import check_output, check_text_files, checkpoint_hash, scratch_directory
+from hf_attn.tooling.errors import UserError, check_number
+from hf_attn.tooling.files import check_output, checkpoint_hash, scratch_directory
 
 PROG = "hf-attn refine"
 CONVERSION_KINDS = ("gqa", "mla")  # records whose `source` a refinement defaults to
@@ -127,7 +128,8 @@ class RefineSettings:
         help="dtype of the refinement's matmuls: steps, targets, errors (autocast; the hidden states carried "
         "from layer to layer and the errors stay float32)",
     )
-    calibration_tokens: int = setting(REFINE_TOKENS, help="calibration tokens (disjoint windows of 1,024)")
+    calibration_tokens: int = setting(REFINE_TOKENS, help="calibration tokens (disjoint windows)")
+    calibration_window: int = setting(DEFAULT_WINDOW, help="tokens per calibration window (a step each)")
     calibration_corpus: str = setting(
         DEFAULT_CORPUS,
         help="calibration text (never an evaluation text)",
@@ -144,6 +146,18 @@ class RefineSettings:
         DEFAULT_DEVICE, help=f"where the two models' layers run, in fp32 ({DEVICE_HELP})", choices=DEVICES
     )
     overwrite: bool = setting(False, help="replace an existing --output")
+
+    def calibration(self) -> CalibrationSpec:
+        """The calibration text, tokens, window and device of these settings as a CalibrationSpec (which
+        checks them: UserError naming the first bad one)."""
+        text = tuple(self.calibration_text) if self.calibration_text else None
+        return CalibrationSpec(
+            text=text,
+            corpus=None if text else self.calibration_corpus,
+            tokens=self.calibration_tokens,
+            window=self.calibration_window,
+            device=self.device,
+        )
 
 
 # --------------------------------------------------------------------------------------------- the fit
@@ -239,27 +253,33 @@ def resolve_source(model_dir: Path, source: str | None) -> Path:
     return source_dir
 
 
-def check_settings(s: RefineSettings) -> None:
-    """The options checked before any work: UserError naming the first bad one."""
+def check_settings(s: RefineSettings, calibration: CalibrationSpec | None = None) -> CalibrationSpec:
+    """The options checked before any work: UserError naming the first bad one. Returns the calibration:
+    `calibration` if given, else the settings' (`RefineSettings.calibration`)."""
     check_choices(s)
     check_number("--steps", s.steps, minimum=1, inclusive=True, integer=True)
     check_number("--loss-stride", s.loss_stride, minimum=1, inclusive=True, integer=True)
     check_number("--lr", s.lr)
     check_number("--relative-lr", s.relative_lr)
     check_number("--calibration-tokens", s.calibration_tokens, minimum=1, inclusive=True, integer=True)
-    if s.calibration_text:
-        check_text_files(s.calibration_text, "--calibration-text")
-    with user_input():
-        resolve_forward(s.device, "float32")
+    return s.calibration() if calibration is None else calibration
 
 
-def refine(settings: RefineSettings, *, progress: bool = True, source_name: str | None = None) -> dict:
+def refine(
+    settings: RefineSettings,
+    *,
+    progress: bool = True,
+    source_name: str | None = None,
+    calibration: CalibrationSpec | None = None,
+) -> dict:
     """Refine `settings.model` into `settings.output`; returns the record appended to its history, whose
     `source` is `source_name` if given (a model that is not kept, e.g. a closed form in a scratch directory),
-    else the model's path. Every option, both checkpoints (complete weights) and the output are checked
+    else the model's path. `calibration`: the text and window of the refinement, a CalibrationSpec already
+    checked (a conversion's; its `calibration_tokens` still come from the settings); default the settings'
+    calibration options. Every option, both checkpoints (complete weights) and the output are checked
     before any work."""
     s = settings
-    check_settings(s)
+    calibration = check_settings(s, calibration)
     model_dir = loading.resolve_model(s.model)
     output = check_output(model_dir, s.output, overwrite=s.overwrite)
     source_dir = resolve_source(model_dir, s.source)
@@ -275,7 +295,7 @@ def refine(settings: RefineSettings, *, progress: bool = True, source_name: str 
                 f"{name} differs: source {getattr(cs, name)}, converted {getattr(cc, name)}; "
                 "pass the --source this checkpoint was converted from"
             )
-    files, windows = _calibration_windows(s, model_dir)
+    windows = _calibration_windows(calibration, s.calibration_tokens, model_dir)
     torch.manual_seed(0)
     with scratch_directory("hf-attn-refine-") as scratch, stages.recording():  # the record's stage_seconds
         refitted = SpilledLayers(Path(scratch), converted.index)
@@ -303,7 +323,7 @@ def refine(settings: RefineSettings, *, progress: bool = True, source_name: str 
                 "device": converted.device.type,  # where it ran (--device auto resolved)
             },
             reference=str(source_dir),
-            calibration=corpus_record(files, windows.numel()),
+            calibration=calibration_record(calibration, windows.numel()),
             layers=[asdict(f) for f in fits],
             seconds=round(seconds, 1),
         )
@@ -323,16 +343,12 @@ def refine(settings: RefineSettings, *, progress: bool = True, source_name: str 
     return record
 
 
-def _calibration_windows(s: RefineSettings, model_dir: Path) -> tuple[list[Path], torch.Tensor]:
-    """The calibration text files and its `calibration_tokens` ids as (N, T) windows of DEFAULT_WINDOW
-    (one shorter window if there are fewer)."""
-    if s.calibration_text:
-        files = [Path(f) for f in s.calibration_text]
-    else:
-        files = assets.calibration_corpus_files(s.calibration_corpus)
-    ids = calibration_ids(loading.load_tokenizer(model_dir), files, tokens=s.calibration_tokens)
-    n = max(1, len(ids) // DEFAULT_WINDOW)
-    return files, ids[: n * DEFAULT_WINDOW].view(n, -1) if len(ids) >= DEFAULT_WINDOW else ids[None]  # (N, T)
+def _calibration_windows(calibration: CalibrationSpec, tokens: int, model_dir: Path) -> torch.Tensor:
+    """`tokens` ids of the calibration text as (N, T) windows of the calibration's `window` (one shorter
+    window if there are fewer)."""
+    ids, window = source_ids(model_dir, calibration, tokens), calibration.window
+    n = max(1, len(ids) // window)
+    return ids[: n * window].view(n, -1) if len(ids) >= window else ids[None]  # (N, T)
 
 
 def _refined_tensors(index: dict, refitted: SpilledLayers):

@@ -105,6 +105,12 @@ def _check_int(flag: str, value, minimum: int) -> None:
     check_number(flag, value, minimum=minimum, inclusive=True, integer=True)
 
 
+def _check_num_kv_heads(value) -> None:
+    """UserError unless --num-kv-heads is a positive integer."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UserError(f"--num-kv-heads must be a positive integer, got {value!r}")
+
+
 # ------------------------------------------------------------------------------------------- calibration
 
 
@@ -214,12 +220,7 @@ class GQASpec:
 
     def __post_init__(self):
         check_choices(self)
-        if (
-            isinstance(self.num_kv_heads, bool)
-            or not isinstance(self.num_kv_heads, int)
-            or self.num_kv_heads < 1
-        ):
-            raise UserError(f"--num-kv-heads must be a positive integer, got {self.num_kv_heads!r}")
+        _check_num_kv_heads(self.num_kv_heads)
 
 
 @dataclass(frozen=True)
@@ -335,12 +336,8 @@ class ExpandSpec:
     num_kv_heads: int | None = setting(None, help="target KV heads (default: the query heads, MHA)")
 
     def __post_init__(self):
-        if self.num_kv_heads is not None and (
-            isinstance(self.num_kv_heads, bool)
-            or not isinstance(self.num_kv_heads, int)
-            or self.num_kv_heads < 1
-        ):
-            raise UserError(f"--num-kv-heads must be a positive integer, got {self.num_kv_heads!r}")
+        if self.num_kv_heads is not None:
+            _check_num_kv_heads(self.num_kv_heads)
 
 
 # ------------------------------------------------------------------------------------------- stages after

@@ -156,11 +156,7 @@ def _shared_calibration(spec, source: Path, calibration, shared: dict):
         shared[key] = mla.calibrate(
             src_dir=source,
             geometry=AttentionGeometry.from_config(read_config(source)),
-            files=files,
-            tokens=calibration.tokens,
-            window=calibration.window,
-            device=calibration.device,
-            forward_dtype=calibration.forward_dtype,
+            calibration=calibration,
         )
     return shared[key]
 

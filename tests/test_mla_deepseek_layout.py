@@ -442,7 +442,11 @@ def test_calibration_spills_every_layer_and_reads_back_the_whole_model_sums(smol
     geometry = open_source(src).geometry
     files = [src.parent / "calibration.txt"]
     got = mla.calibrate(
-        src_dir=src, geometry=geometry, files=files, tokens=256, window=64, shared_keys=True, sample_stride=2
+        src_dir=src,
+        geometry=geometry,
+        calibration=CalibrationSpec(text=files, tokens=256, window=64),
+        shared_keys=True,
+        sample_stride=2,
     )
     assert all(isinstance(s, SpilledLayerStatistics) for s in got.statistics.values())
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
@@ -470,9 +474,8 @@ def test_a_pickled_calibration_reads_its_statistics_after_the_first_is_gone(smol
     from hf_attn.conversion.checkpoint.io import open_source
 
     src = _tiny(tmp_path / "src", smollm2_path, num_kv_heads=2, constant_rms=False)
-    kw = dict(
-        files=[src.parent / "calibration.txt"], tokens=128, window=64, shared_keys=True, sample_stride=2
-    )
+    calibration = CalibrationSpec(text=[src.parent / "calibration.txt"], tokens=128, window=64)
+    kw = dict(calibration=calibration, shared_keys=True, sample_stride=2)
     first = mla.calibrate(src_dir=src, geometry=open_source(src).geometry, scratch_dir=tmp_path / "st", **kw)
     expected = first.statistics[1].moment
     torch.save(first, tmp_path / "calibration.pt")

@@ -185,6 +185,25 @@ def test_convert_with_refine_steps_is_convert_then_refine(converted_pair, tmp_pa
         assert torch.equal(read_tensor(a[name]), read_tensor(b[name])), name
 
 
+def test_the_calibration_window_reaches_the_refinement(converted_pair, tmp_path):
+    """`--calibration-window` sets the refinement's windows, alone (`hf-attn refine`) or after a conversion
+    (`--refine-*`): 64 tokens in windows of 24 are two windows, 48 tokens, in both."""
+    src, conv = converted_pair
+    options = ["--calibration-corpus", "austen", "--calibration-window", "24"]
+    alone, after = tmp_path / "alone", tmp_path / "after"
+    argv = ["--model", str(conv), "--output", str(alone), "--calibration-tokens", "64", "--steps", "2"]
+    assert exit_status(refine.main, [*argv, *options, "--no-progress"]) == 0
+    base = ["--model", str(src), "--output", str(after), "--num-kv-heads", "1", "--method", "mean", *options]
+    assert exit_status(convert_cli.gqa_main, [*base, "--refine-steps", "2", "--refine-tokens", "64"]) == 0
+    for out in (alone, after):
+        record = json.loads((out / "config.json").read_text())["hf_attn"]["history"][-1]
+        assert record["kind"] == "refine" and record["settings"]["calibration_window"] == 24
+        assert (record["calibration"]["window"], record["calibration"]["tokens"]) == (24, 48)
+    a, b = tensor_index(alone), tensor_index(after)
+    for name in a:
+        assert torch.equal(read_tensor(a[name]), read_tensor(b[name])), name
+
+
 @pytest.mark.parametrize("kind", ["llama", "llama_mla deepseek layout", "qwen2 biases"])
 @pytest.mark.parametrize("stride,visit", [(1, 0), (4, 0), (4, 1), (3, 5)])
 def test_a_strided_step_is_the_layers_own_output_at_its_positions(kind, stride, visit):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from benchmarks.experiments.runner import Point, Scoring, cached_calibration, calibration_files, run_grid
+from benchmarks.experiments.runner import Point, Scoring, cached_calibration, calibration_spec, run_grid
 from hf_attn.conversion import mla
 from hf_attn.conversion.checkpoint.io import open_source
 from hf_attn.conversion.specs import DEFAULT_CALIBRATION_TOKENS, MLASpec
@@ -67,8 +67,7 @@ def run(
             make = lambda scratch: mla.calibrate(  # noqa: E731
                 src_dir=src_dir,
                 geometry=geometry,
-                files=calibration_files(),
-                tokens=calibration_tokens,
+                calibration=calibration_spec(calibration_tokens),
                 scratch_dir=scratch,
             )
             calibration.append(cached_calibration(calibration_cache, make))

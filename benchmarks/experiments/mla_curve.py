@@ -32,7 +32,7 @@ from benchmarks.experiments.runner import (
     Point,
     Scoring,
     cached_calibration,
-    calibration_files,
+    calibration_spec,
     read_record,
     run_grid,
 )
@@ -146,13 +146,10 @@ def run_curve(
 
     def calibrated():
         if not calibration:
-            files = calibration_files()
+            spec = calibration_spec(calibration_tokens)
             calibration.append(
                 cached_calibration(
-                    None,
-                    lambda _: mla.calibrate(
-                        src_dir=src_dir, geometry=geometry, files=files, tokens=calibration_tokens
-                    ),
+                    None, lambda _: mla.calibrate(src_dir=src_dir, geometry=geometry, calibration=spec)
                 )
             )
         return calibration[0]

@@ -22,7 +22,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from benchmarks.experiments.runner import Point, Scoring, cached_calibration, calibration_files, run_grid
+from benchmarks.experiments.runner import Point, Scoring, cached_calibration, calibration_spec, run_grid
 from hf_attn.conversion import mla
 from hf_attn.conversion.checkpoint.io import AttentionGeometry, read_config
 from hf_attn.conversion.mla import shared_rope as sr
@@ -59,8 +59,7 @@ def run(
                         src_dir=src_dir,
                         geometry=geometry,
                         pair_norms=False,
-                        files=calibration_files(),
-                        tokens=calibration_tokens,
+                        calibration=calibration_spec(calibration_tokens),
                         shared_keys=True,
                         sample_stride=sr.SAMPLE_STRIDE,
                         scratch_dir=scratch,  # kept: the pickled calibration reads them later

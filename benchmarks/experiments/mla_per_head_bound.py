@@ -16,13 +16,17 @@ import torch
 from hf_attn.conversion import mla
 from hf_attn.conversion.checkpoint.io import open_source
 from hf_attn.conversion.mla import ranks as alloc
-from hf_attn.conversion.specs import DEFAULT_CALIBRATION_TOKENS
+from hf_attn.conversion.specs import DEFAULT_CALIBRATION_TOKENS, CalibrationSpec
 
 tokens = int(sys.argv[1]) if len(sys.argv) > 1 else DEFAULT_CALIBRATION_TOKENS
 source = open_source(None)
 L, H = source.geometry.num_layers, source.geometry.num_kv_heads
 calibration = mla.calibrate(
-    src_dir=source.dir, geometry=source.geometry, moments=False, pair_norms=False, tokens=tokens
+    src_dir=source.dir,
+    geometry=source.geometry,
+    moments=False,
+    pair_norms=False,
+    calibration=CalibrationSpec(tokens=tokens),
 )
 ranked = [
     torch.sort(calibration.pair_scores["attention"][i].double(), 1, descending=True).values for i in range(L)

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 
+from hf_attn.conversion.specs import CalibrationSpec
 from hf_attn.eval.rows import RowStore, row_key
 from hf_attn.eval.study import CONVERSION_CODE, code_hash
-from hf_attn.tooling import assets, loading
+from hf_attn.tooling import loading
 from hf_attn.tooling.corpus import load_corpus, tokenize
 from hf_attn.tooling.files import scratch_directory, write_json, write_text_atomic
 from hf_attn.tooling.loading import resolve_model
@@ -32,9 +33,9 @@ MEASUREMENT_CODE = ("hf_attn.tooling.loading", "hf_attn.tooling.corpus", "hf_att
 CALIBRATION_CORPUS = "austen"  # the MLA sweeps calibrate on the five novels other than Persuasion
 
 
-def calibration_files(corpus: str = CALIBRATION_CORPUS) -> list[Path]:
-    """The calibration text of the MLA sweeps (curve, layouts, allocation)."""
-    return assets.calibration_corpus_files(corpus)
+def calibration_spec(tokens: int, corpus: str = CALIBRATION_CORPUS) -> CalibrationSpec:
+    """The calibration of the MLA sweeps (curve, layouts, allocation): `tokens` of `corpus`."""
+    return CalibrationSpec(corpus=corpus, tokens=tokens)
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,12 @@
 """Calibration text and attention-layer inputs, shared by the calibrated converters (GQA pooling, MLA).
 
-- `calibration_ids(tokenizer, files=None, tokens=N)`: N token ids taken from the start of each file in equal
-  shares, a file listed k times giving k shares (default: the `mix` corpus, the five Austen novels other than
-  *Persuasion* and five sections of the Python 3.11 documentation other than its FAQ; *Persuasion* and the FAQ
-  are kept for evaluation).
-- `corpus_record(files, tokens)`: what a conversion record says about the calibration text.
+- `calibration_ids(tokenizer, calibration=None, tokens=N)`: N token ids taken from the start of each file of a
+  `CalibrationSpec` (or a list of files) in equal shares, a file listed k times giving k shares (default: the
+  `mix` corpus, the five Austen novels other than *Persuasion* and five sections of the Python 3.11
+  documentation other than its FAQ; *Persuasion* and the FAQ are kept for evaluation). `source_ids` does the
+  same with a checkpoint's tokenizer: how the converters and the refinement read their calibration text.
+- `corpus_record(files, tokens)`, `calibration_record(calibration, tokens)`: what a conversion record says
+  about the calibration text.
 - `for_each_attention_input(model, ids, fn, window=...)`: runs the model over disjoint windows and calls
   `fn(layer, hidden_states, position_embeddings)` with the input of every `self_attn` (the post-norm hidden
   states, (B, T, C), and RoPE's (cos, sin), each (B, T, D)). Nothing is kept: the caller accumulates what it
@@ -26,9 +28,14 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from hf_attn.conversion.checkpoint.layerwise import AttentionInputFn, LayerwiseModel, StopForward
-from hf_attn.conversion.specs import DEFAULT_CALIBRATION_TOKENS, DEFAULT_CORPUS, DEFAULT_WINDOW
-from hf_attn.tooling import assets
+from hf_attn.conversion.checkpoint.layerwise import (
+    AttentionInputFn,
+    LayerwiseModel,
+    StopForward,
+    wanted_layers,
+)
+from hf_attn.conversion.specs import DEFAULT_WINDOW, CalibrationSpec
+from hf_attn.tooling import assets, loading
 from hf_attn.tooling.errors import UserError
 from hf_attn.tooling.files import sha256_file
 
@@ -36,8 +43,8 @@ _CHARS_PER_TOKEN_GUESS = 8  # tokenize this many characters per wanted token fir
 
 
 def default_calibration_files() -> list[Path]:
-    """The default calibration text: DEFAULT_CORPUS, never an evaluation text."""
-    files = assets.calibration_corpus_files(DEFAULT_CORPUS)
+    """The default calibration text (`CalibrationSpec().files()`), never an evaluation text."""
+    files = CalibrationSpec().files()
     evaluation = {p.resolve() for p in assets.embedded_eval_files()}
     assert not evaluation & {p.resolve() for p in files}, "calibration text overlaps evaluation text"
     return files
@@ -56,20 +63,32 @@ def file_shares(files: list[Path], tokens: int) -> dict[Path, int]:
     return shares
 
 
-def calibration_ids(
-    tokenizer, files: Iterable[str | os.PathLike] | None = None, tokens: int = DEFAULT_CALIBRATION_TOKENS
-) -> torch.LongTensor:
-    """`tokens` ids, (tokens,), from the start of each distinct file in the shares of `file_shares` (a file
-    listed k times gives k shares, contiguous; no special tokens added)."""
-    files = default_calibration_files() if files is None else [Path(f) for f in files]
+def as_calibration(calibration: CalibrationSpec | Iterable[str | os.PathLike] | None) -> CalibrationSpec:
+    """`calibration` as a CalibrationSpec: a spec as it is, a list of files as its `text` (checked there, the
+    one check of calibration files), None as the default (the `mix` corpus)."""
+    if isinstance(calibration, CalibrationSpec):
+        return calibration
+    if calibration is None:
+        return CalibrationSpec()
+    files = tuple(str(f) for f in calibration)
     if not files:
         raise UserError("No calibration text files given")
-    if tokens <= 0:
+    return CalibrationSpec(text=files)
+
+
+def calibration_ids(
+    tokenizer,
+    calibration: CalibrationSpec | Iterable[str | os.PathLike] | None = None,
+    tokens: int | None = None,
+) -> torch.LongTensor:
+    """`tokens` ids (default: the spec's `tokens`), (tokens,), from the start of each distinct file of
+    `calibration` (`as_calibration`) in the shares of `file_shares` (a file listed k times gives k shares,
+    contiguous; no special tokens added)."""
+    if tokens is not None and tokens <= 0:
         raise UserError(f"--calibration-tokens must be positive, got {tokens}")
-    missing = sorted({str(f) for f in files if not Path(f).is_file()})
-    if missing:
-        raise UserError(f"Calibration text not found: {', '.join(missing)}; check --calibration-text")
-    shares = file_shares(files, tokens)
+    spec = as_calibration(calibration)
+    tokens = spec.tokens if tokens is None else tokens
+    shares = file_shares(spec.files(), tokens)
     pieces, available = [], 0
     for path, share in shares.items():
         text = Path(path).read_text(encoding="utf-8")
@@ -87,10 +106,20 @@ def calibration_ids(
     return out
 
 
+def source_ids(model_dir: Path, calibration: CalibrationSpec, tokens: int | None = None) -> torch.LongTensor:
+    """`calibration_ids` of `calibration` in the tokenizer of the checkpoint at `model_dir`: (tokens,)."""
+    return calibration_ids(loading.load_tokenizer(model_dir), calibration, tokens)
+
+
 def corpus_record(files: Iterable[str | os.PathLike] | None, tokens: int) -> dict:
     """The calibration corpus as a conversion record states it: file names, sha256 and the token count."""
     files = default_calibration_files() if files is None else [Path(f) for f in files]
     return {"files": [{"name": Path(f).name, "sha256": sha256_file(f)} for f in files], "tokens": tokens}
+
+
+def calibration_record(calibration: CalibrationSpec, tokens: int) -> dict:
+    """`corpus_record` of the spec's files and `tokens`, with its window."""
+    return {**corpus_record(calibration.files(), tokens), "window": calibration.window}
 
 
 def _decoder_layers(model) -> list:
@@ -121,11 +150,7 @@ def for_each_attention_input(
     if isinstance(model, LayerwiseModel):
         return model.for_each_attention_input(input_ids, fn, window=window, layers=layers, progress=progress)
     blocks = _decoder_layers(model)
-    wanted = sorted(set(range(len(blocks)) if layers is None else layers))
-    if not wanted or wanted[0] < 0 or wanted[-1] >= len(blocks):
-        raise ValueError(f"layers must be in [0, {len(blocks)}), got {wanted}")
-    if input_ids.dim() != 1:
-        raise ValueError(f"input_ids must be 1-D token ids, got shape {tuple(input_ids.shape)}")
+    wanted = wanted_layers(layers, len(blocks), input_ids)
     last = wanted[-1]
 
     def make_hook(idx: int):

@@ -55,6 +55,17 @@ EMBEDDING_BLOCK_BYTES = 64 * 1024**2  # the embedding matrix is read in blocks o
 AttentionInputFn = Callable[[int, torch.Tensor, "tuple[torch.Tensor, torch.Tensor] | None"], None]
 
 
+def wanted_layers(layers: Iterable[int] | None, num_layers: int, input_ids: torch.Tensor) -> list[int]:
+    """The sorted layers a calibration pass visits (None: all of `num_layers`); ValueError for a layer out of
+    range or `input_ids` that are not 1-D."""
+    wanted = sorted(set(range(num_layers) if layers is None else layers))
+    if not wanted or wanted[0] < 0 or wanted[-1] >= num_layers:
+        raise ValueError(f"layers must be in [0, {num_layers}), got {wanted}")
+    if input_ids.dim() != 1:
+        raise ValueError(f"input_ids must be 1-D token ids, got shape {tuple(input_ids.shape)}")
+    return wanted
+
+
 class StopForward(Exception):
     """Raised by a hook once the last wanted layer has been seen, to skip the rest of the forward."""
 
@@ -228,11 +239,7 @@ class LayerwiseModel:
         """`calibration.for_each_attention_input`'s contract, one layer at a time: fn(layer, x, (cos, sin))
         for every wanted layer and window, x (1, T, C) and cos, sin (1, T, D) in float32 on the CPU.
         Windows are visited in order within a layer; layers after the last wanted one are never read."""
-        wanted = sorted(set(range(self.num_layers) if layers is None else layers))
-        if not wanted or wanted[0] < 0 or wanted[-1] >= self.num_layers:
-            raise ValueError(f"layers must be in [0, {self.num_layers}), got {wanted}")
-        if input_ids.dim() != 1:
-            raise ValueError(f"input_ids must be 1-D token ids, got shape {tuple(input_ids.shape)}")
+        wanted = wanted_layers(layers, self.num_layers, input_ids)
         if window <= 0:
             raise ValueError(f"--calibration-window must be positive, got {window}")
         last, wanted = wanted[-1], set(wanted)

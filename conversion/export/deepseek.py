@@ -8,14 +8,11 @@ trust_remote_code) and, by its field and tensor names, with vLLM's and SGLang's 
 (docs/deepseek-export.md lists what they read). What DeepSeek cannot represent exactly is refused with the
 reason and the conversion option that avoids it (exit status 2, nothing written): never an approximate export.
 
-Notation per layer: E hidden, Hq / Hkv query / KV heads, G = Hq / Hkv, d head_dim, r kept RoPE pairs P of the
-one shared RoPE key, dn = d - 2r, d_c latent width; exported: D = kv_lora_rank (d_c, or the size named by
---engine-dims minus 64), W RoPE slots (R = 2W = qk_rope_head_dim; 32 slots with --engine-dims 576|512|320:
-conversion/export/engine_dims.py has which size each vLLM MLA backend accepts).
-
 The source must be the DeepSeek layout of llama_mla: `rope_layout="shared"` (or per_head with Hkv == 1, the
-same model) and `latent_norm=True`. Per layer, with source rows in llama_mla's order (q and k_rope heads are
-`[rope (2r) | nope (dn)]`, rope row j and r + j being the rotate-half pair of frequency theta_P[j]):
+same model) and `latent_norm=True`. Notation per layer: E hidden, Hq / Hkv query / KV heads, G = Hq / Hkv,
+d head_dim, r kept RoPE pairs of the one shared RoPE key, dn = d - 2r, d_c latent width; exported:
+D = kv_lora_rank (d_c, or the size named by --engine-dims minus 64), W RoPE slots (R = 2W =
+qk_rope_head_dim). Per layer:
 
     q_proj             (Hq (dn + R), E)  head h: [q nope rows (dn) ; q_pe (R)] * sqrt((dn + R) / d)
     kv_a_proj_with_mqa (D + R, E)        [alpha * kv_down_proj (d_c) ; zeros (D - d_c) ; k_pe (R)]
@@ -24,23 +21,10 @@ same model) and `latent_norm=True`. Per layer, with source rows in llama_mla's o
                                                     v_up rows of g (d)], zero columns past d_c
     o_proj             (E, Hq d)         unchanged (v_head_dim = d); embeddings, norms, MLPs: unchanged
 
-- Softmax scale: DeepSeek uses (qk_nope + qk_rope) ** -0.5 = (dn + R) ** -0.5, llama_mla d ** -0.5; they are
-  equal unless RoPE slots are padded, and the ratio sqrt((dn + R) / d) is folded into the query rows.
-- RoPE: DeepSeek rotates pairs (2k, 2k + 1) of q_pe / k_pe (`rope_interleave=True`; vLLM and SGLang:
-  `is_neox_style=False`) with inverse frequencies theta'^(-2k / R). Source pair p has theta^(-2p / d). With
-  s = gcd of every layer's kept pairs, slot k carries pair k s when theta' = theta^(2 s W / d); slots whose
-  pair is not kept get zero q / k rows (exact, but they cost cache: reported). With --engine-dims (W = 32)
-  the kept pairs are spread m slots apart (slot k: frequency theta_(k s / m), theta' = theta^(2 s W / (m d)))
-  so that theta' stays small. Only rope_type "default".
-- Latent norm: the RMSNorm over D > d_c dims (zeros appended) and the target's eps (transformers'
-  kv_a_layernorm uses 1e-6; vLLM and SGLang use rms_norm_eps) are matched exactly by scaling the latent rows
-  by alpha = sqrt(eps_target D / (eps_source d_c)) and the gain by sqrt(d_c / D): RMSNorm(alpha [c; 0]) with
-  eps_target equals RMSNorm(c) with eps_source, for every c.
-- Tied embeddings stay tied (`tie_word_embeddings`), and lm_head.weight is also written (a copy): vLLM's and
-  SGLang's DeepSeek loaders build an untied lm_head and would leave it unloaded otherwise.
-- Dense MLP on every layer: first_k_dense_replace = num_hidden_layers; the MoE fields hold small valid values
-  that no layer uses (n_routed_experts 1, ...); routed_scaling_factor 1.0 (vLLM rescales fp16 activations
-  by it); num_nextn_predict_layers 0.
+docs/deepseek-export.md (section 3) says why each step is exact: the softmax scale folded into the query rows,
+the kept RoPE pairs placed in interleaved slots of one geometric frequency sequence, the latent norm's padding
+and eps matched by alpha = sqrt(eps_target D / (eps_source d_c)), tied embeddings written untied too, and the
+MoE fields of a dense model.
 """
 
 from __future__ import annotations

@@ -102,20 +102,17 @@ def _calibrate_layers(
     searched = spec.grouping == "search" and pooling.heads_per_group > 1 and pooling.num_groups > 1
     if not searched and not (spec.method == "calibrated" and pooling.heads_per_group > 1):
         return None  # (one group, or one head per group: every grouping is the same; G == H: the identity)
-    files, c = calibration.files(), calibration
-    options = dict(
-        files=files, tokens=c.tokens, window=c.window, device=c.device, forward_dtype=c.forward_dtype
-    )
+    c = calibration
     if searched:
         layers, record["groups"] = grp.search_and_pool(
-            src_dir=source.dir, index=source.index, pooling=pooling, method=spec.method, **options
+            src_dir=source.dir, index=source.index, pooling=pooling, method=spec.method, calibration=c
         )  # groups: per layer, the source KV heads of each group (q_proj rows / o_proj columns permuted)
     else:
         layers = calibrate(
-            src_dir=source.dir, pooling=pooling, store=SpilledLayers(spill(), source.index), **options
+            src_dir=source.dir, pooling=pooling, calibration=c, store=SpilledLayers(spill(), source.index)
         )
     record["settings"].update(layerwise.forward_record(c.device, c.forward_dtype))
-    record["calibration"] = {**cal.corpus_record(files, c.tokens), "window": c.window}
+    record["calibration"] = cal.calibration_record(c, c.tokens)
     return layers
 
 

@@ -35,7 +35,7 @@ from hf_attn.conversion.checkpoint import calibration as cal
 from hf_attn.conversion.checkpoint import layerwise
 from hf_attn.conversion.checkpoint.io import ATTENTION_PROJECTIONS, AttentionGeometry, TensorInfo, read_tensor
 from hf_attn.conversion.gqa import pooling as pool
-from hf_attn.tooling.devices import DEFAULT_DEVICE
+from hf_attn.conversion.specs import CalibrationSpec
 
 _MAX_PARTITIONS = 20_000  # exhaustive search up to this many partitions of the H heads into G groups
 
@@ -244,31 +244,26 @@ def search_and_pool(
     index: dict[str, TensorInfo],
     pooling: pool.Pooling,
     method: str,
-    files: list[Path] | None,
-    tokens: int,
-    window: int,
-    device: str = DEFAULT_DEVICE,
-    forward_dtype: str = "float32",
+    calibration: CalibrationSpec = CalibrationSpec(),
     progress: bool = True,
 ) -> tuple[dict[int, dict[str, torch.Tensor | None]], list[list[list[int]]]]:
     """Per layer, the searched grouping and the new attention tensors (keyed like
     `pool.calibrated_pool_layer`).
 
-    One layer-by-layer pass over the calibration text (`layerwise.LayerwiseModel`, on `device` in
-    `forward_dtype`) collects one-group statistics (memory: (H d)^2-sized moments per layer, for all layers);
-    each layer's grouping is chosen by `choose_groups` on `group_cost`; the layer is permuted
-    and pooled contiguously: method "mean" pools the checkpoint's own tensors (its dtype, bit for bit the mean
-    of the chosen heads), "calibrated" fits on the sliced statistics. Returns (tensors per layer, groups per
-    layer)."""
-    from transformers import AutoTokenizer
-
-    geo = pooling.geometry
-    tokenizer = AutoTokenizer.from_pretrained(src_dir)
-    ids = cal.calibration_ids(tokenizer, files, tokens)
-    model = layerwise.LayerwiseModel(src_dir, device=device, forward_dtype=forward_dtype)
+    One layer-by-layer pass over the text of `calibration` (`layerwise.LayerwiseModel`, on its `device` in its
+    `forward_dtype`, windows of its `window`) collects one-group statistics (memory: (H d)^2-sized moments
+    per layer, for all layers); each layer's grouping is chosen by `choose_groups` on `group_cost`; the
+    layer is permuted and pooled contiguously: method "mean" pools the checkpoint's own tensors (its dtype,
+    bit for bit the mean of the chosen heads), "calibrated" fits on the sliced statistics. Returns (tensors
+    per layer, groups per layer)."""
+    geo, c = pooling.geometry, calibration
+    ids = cal.source_ids(src_dir, c)
+    model = layerwise.LayerwiseModel(src_dir, device=c.device, forward_dtype=c.forward_dtype)
     whole = pool.Pooling(geo, 1)
     with torch.inference_mode():
-        stats = pool.collect_attention_statistics(model, ids, pooling=whole, window=window, progress=progress)
+        stats = pool.collect_attention_statistics(
+            model, ids, pooling=whole, window=c.window, progress=progress
+        )
     d, n = geo.head_dim, geo.group_size
     out, chosen = {}, []
     threads = torch.get_num_threads()

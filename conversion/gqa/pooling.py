@@ -30,8 +30,7 @@ from hf_attn.conversion import stages
 from hf_attn.conversion.checkpoint import calibration as cal
 from hf_attn.conversion.checkpoint import layerwise
 from hf_attn.conversion.checkpoint.io import AttentionGeometry
-from hf_attn.conversion.specs import DEFAULT_WINDOW
-from hf_attn.tooling.devices import DEFAULT_DEVICE
+from hf_attn.conversion.specs import DEFAULT_WINDOW, CalibrationSpec
 from hf_attn.tooling.errors import UserError
 
 _RIDGE = 1e-9  # relative ridge on the covariances that are inverted or square-rooted
@@ -407,26 +406,21 @@ def calibrate(
     *,
     src_dir: Path,
     pooling: Pooling,
-    files: list[Path] | None,
-    tokens: int,
-    window: int,
-    device: str = DEFAULT_DEVICE,
-    forward_dtype: str = "float32",
+    calibration: CalibrationSpec = CalibrationSpec(),
     progress: bool = True,
     store: MutableMapping[int, dict[str, torch.Tensor | None]] | None = None,
 ) -> MutableMapping[int, dict[str, torch.Tensor | None]]:
     """Calibrated pooling of every layer: one layer-by-layer forward pass of the source over the calibration
-    text (`layerwise.LayerwiseModel`: one decoder layer in memory at a time, on `device` in `forward_dtype`)
+    text of `calibration` (`layerwise.LayerwiseModel`: one decoder layer in memory at a time, on its `device`
+    in its `forward_dtype`, windows of its `window`)
     collects each layer's AttentionStatistics; each layer is fitted as soon as the pass has finished it and
     its statistics are dropped (one layer's statistics in memory at a time). Returns `store` (default: a new
     dict, float32 tensors; `SpilledLayers` keeps them on disk) with the new attention tensors of every layer,
     keyed like `calibrated_pool_layer`'s output. Every layer is fitted on the source's own activations (one
     pass; docs/gqa.md says why not sequentially)."""
-    from transformers import AutoTokenizer
-
-    model = layerwise.LayerwiseModel(src_dir, device=device, forward_dtype=forward_dtype)
-    tokenizer = AutoTokenizer.from_pretrained(src_dir)
-    ids = cal.calibration_ids(tokenizer, files, tokens)
+    c = calibration
+    model = layerwise.LayerwiseModel(src_dir, device=c.device, forward_dtype=c.forward_dtype)
+    ids = cal.source_ids(src_dir, c)
     out = {} if store is None else store
 
     def fit(layer: int, stats: AttentionStatistics) -> None:
@@ -440,5 +434,7 @@ def calibrate(
             torch.set_num_threads(threads)
 
     with torch.inference_mode():
-        collect_attention_statistics(model, ids, pooling=pooling, window=window, progress=progress, done=fit)
+        collect_attention_statistics(
+            model, ids, pooling=pooling, window=c.window, progress=progress, done=fit
+        )
     return out

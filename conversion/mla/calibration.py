@@ -15,8 +15,7 @@ from hf_attn.conversion.checkpoint.io import AttentionGeometry
 from hf_attn.conversion.mla import rope_selection as rs
 from hf_attn.conversion.mla import shared_rope as sr
 from hf_attn.conversion.mla.layer import LayerStatistics, SpilledLayerStatistics
-from hf_attn.conversion.specs import DEFAULT_CALIBRATION_TOKENS, DEFAULT_WINDOW
-from hf_attn.tooling.devices import DEFAULT_DEVICE
+from hf_attn.conversion.specs import CalibrationSpec
 from hf_attn.tooling.files import scratch_directory
 
 # --------------------------------------------------------------------------------------------- calibration
@@ -42,26 +41,21 @@ def calibrate(
     moments: bool = True,
     pair_norms: bool = True,
     attention_pairs: bool = True,
-    files: list[Path] | None = None,
-    tokens: int = DEFAULT_CALIBRATION_TOKENS,
-    window: int = DEFAULT_WINDOW,
+    calibration: CalibrationSpec = CalibrationSpec(),
     shared_keys: bool = False,
     sample_stride: int = 0,
-    device: str = DEFAULT_DEVICE,
-    forward_dtype: str = "float32",
     scratch_dir: Path | None = None,
 ) -> Calibration:
-    """One forward pass of the source over `tokens` calibration tokens (windows of `window`), layer by layer
-    (`layerwise.LayerwiseModel`: one decoder layer in memory at a time, on `device` in `forward_dtype`).
+    """One forward pass of the source over the calibration text, tokens and windows of `calibration`, layer
+    by layer (`layerwise.LayerwiseModel`: one decoder layer in memory at a time, on its `device` in its
+    `forward_dtype`).
     The DeepSeek layout also needs `shared_keys` (sr.SharedKeyStatistics) and the inputs of every
     `sample_stride`-th token (0: none) for its latent-norm refit. The statistics are spilled to `scratch_dir`
     (kept, so a pickled Calibration stays readable in a later process) or, if None, to a temporary directory
     removed with the Calibration."""
-    from transformers import AutoTokenizer
-
-    model = layerwise.LayerwiseModel(src_dir, device=device, forward_dtype=forward_dtype)
-    tokenizer = AutoTokenizer.from_pretrained(src_dir)
-    ids = cal.calibration_ids(tokenizer, files, tokens)
+    c = calibration
+    model = layerwise.LayerwiseModel(src_dir, device=c.device, forward_dtype=c.forward_dtype)
+    ids = cal.source_ids(src_dir, c)
     layers = list(model.model.layers)
     stats = {i: LayerStatistics() for i in range(geometry.num_layers)}
     heads = dict(num_heads=geometry.num_heads, num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim)
@@ -100,16 +94,12 @@ def calibrate(
         if seen[idx] == total:
             finish(idx)
 
-    cal.for_each_attention_input(model, ids, accumulate, window=window)
+    cal.for_each_attention_input(model, ids, accumulate, window=c.window)
     del model
     for i in range(geometry.num_layers):  # (none left when every window reports its tokens)
         if isinstance(stats[i], LayerStatistics):
             finish(i)
-    record = {
-        **cal.corpus_record(files, tokens),
-        "window": window,
-        **layerwise.forward_record(device, forward_dtype),
-    }
+    record = {**cal.calibration_record(c, c.tokens), **layerwise.forward_record(c.device, c.forward_dtype)}
     pair_scores, query_fit = _pair_results(norms, scores, geometry.num_layers)
     return Calibration(stats, pair_scores, query_fit, record, scratch=scratch)
 

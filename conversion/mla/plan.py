@@ -27,13 +27,12 @@ from hf_attn.conversion.checkpoint.io import (
     parse_attn_key,
     read_tensor,
 )
-from hf_attn.conversion.export.engine_dims import conversion_ranks
 from hf_attn.conversion.mla import ranks as alloc
 from hf_attn.conversion.mla import rope_selection as rs
 from hf_attn.conversion.mla import shared_rope as sr
 from hf_attn.conversion.mla.calibration import Calibration, calibrate
 from hf_attn.conversion.mla.layer import LayerMoments, convert_layer
-from hf_attn.conversion.mla.ranks import MLAShape, plan_shape
+from hf_attn.conversion.mla.ranks import MLAShape
 from hf_attn.conversion.specs import (
     CALIBRATED_FACTORIZATIONS,
     CALIBRATED_SELECTIONS,
@@ -42,7 +41,7 @@ from hf_attn.conversion.specs import (
     MLASpec,
 )
 from hf_attn.models.llama_mla import LlamaMLAConfig, LlamaMLAForCausalLM
-from hf_attn.tooling.errors import UserError, user_input
+from hf_attn.tooling.errors import UserError
 from hf_attn.tooling.files import checkpoint_hash
 
 _MLA_PROJ = ("q_proj", "k_rope_proj", "kv_down_proj", "latent_norm", "k_up_proj", "v_up_proj", "o_proj")
@@ -324,36 +323,13 @@ def _plan_fits(spec, source, shape, choices, calibration_pass, allocation_normal
 
 
 def check_spec(spec: MLASpec, calibration: CalibrationSpec | None, geometry: AttentionGeometry) -> MLAShape:
-    """The ranks of `spec` on a source of `geometry` (`_plan_shape`), checked with the calibration text's size
-    (None: a calibration pass is given) before any work: UserError naming the first bad option."""
-    shape = _plan_shape(spec, geometry)
+    """The ranks of `spec` on a source of `geometry` (`ranks.spec_shape`), checked with the calibration text's
+    size (None: a calibration pass is given) before any work: UserError naming the first bad option."""
+    shape = alloc.spec_shape(spec, geometry)
     if calibration is not None:
         no_choice = shape.rope_pairs in (0, geometry.head_dim // 2)
         _check_calibration_size(spec, "high" if no_choice else spec.rope_selection, calibration)
     return shape
-
-
-def _plan_shape(spec: MLASpec, geometry: AttentionGeometry) -> MLAShape:
-    """The ranks (r, d_c) of `spec` on the source's geometry: from --engine-dims, the budget (its greedy
-    allocation places fewer RoPE pairs) or the given ranks; UserError where they do not fit."""
-    kv_lora_rank, rope_pairs = spec.kv_lora_rank, spec.rope_pairs
-    budget = None if spec.budget is None else spec.budget.fraction
-    with user_input():
-        if spec.engine_dims is not None:  # d_c and r whose export has exactly a size vLLM's MLA backends take
-            kv_lora_rank, rope_pairs = conversion_ranks(
-                spec.engine_dims, head_dim=geometry.head_dim, num_kv_heads=geometry.num_kv_heads
-            )
-        greedy = spec.allocation_method != "uniform" and spec.layout == "per-head"
-        if greedy and rope_pairs is None and budget is not None:
-            rope_pairs = alloc.greedy_rope_pairs(geometry, budget)
-        return plan_shape(
-            geometry,
-            kv_lora_rank=kv_lora_rank,
-            kv_budget=budget,
-            rope_pairs=rope_pairs,
-            rope_selection=spec.rope_selection,
-            layout=spec.layout,
-        )
 
 
 def _check_calibration_size(spec: MLASpec, selection: str, calibration: CalibrationSpec) -> None:
@@ -396,13 +372,9 @@ def _calibration_pass(
         moments=need_moments,
         pair_norms=selection == "2norm",
         attention_pairs=selection == "attention",
-        files=calibration.files(),
-        tokens=calibration.tokens,
-        window=calibration.window,
+        calibration=calibration,
         shared_keys=deepseek and shape.rope_pairs > 0,
         sample_stride=sr.SAMPLE_STRIDE if deepseek else 0,
-        device=calibration.device,
-        forward_dtype=calibration.forward_dtype,
     )
 
 

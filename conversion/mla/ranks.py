@@ -1,6 +1,6 @@
 """The ranks of an MLA conversion: r (RoPE pairs per KV head) and d_c (kv_lora_rank) from a rank or a
-`--kv-budget` (`MLAShape`, `plan_shape`, `default_rope_pairs`), and per layer where the calibration says
-the budget matters (`--allocation`).
+`--kv-budget` (`MLAShape`, `plan_shape`, `default_rope_pairs`; `spec_shape`: those of an `MLASpec`, for both
+layouts), and per layer where the calibration says the budget matters (`--allocation`).
 
 `--allocation uniform` gives every layer the same r (RoPE pairs per KV head) and d_c (kv_lora_rank).
 The greedy allocations keep the uniform plan's total (sum over layers of d_c,i + Hkv 2 r_i <= the budget's
@@ -35,11 +35,12 @@ import torch
 from tqdm.auto import tqdm
 
 from hf_attn.conversion.checkpoint.io import AttentionGeometry
+from hf_attn.conversion.export.engine_dims import conversion_ranks
 from hf_attn.conversion.mla import factorization as fac
 from hf_attn.conversion.mla import rope_selection as rs
-from hf_attn.conversion.specs import DEFAULT_ROPE_SELECTION, KVBudget
+from hf_attn.conversion.specs import DEFAULT_ROPE_SELECTION, KVBudget, MLASpec
 from hf_attn.models.llama_mla.configuration_llama_mla import LlamaMLAConfig
-from hf_attn.tooling.errors import UserError
+from hf_attn.tooling.errors import UserError, user_input
 
 # greedy allocations: the RoPE keys' share of a --kv-budget when r is not given (uniform: 0.5, capped)
 GREEDY_ROPE_SHARE = 0.4
@@ -194,6 +195,29 @@ def plan_shape(
             f"got {rank!r}; a larger latent cannot help."
         )
     return MLAShape(geometry, r, rank, shared)
+
+
+def spec_shape(spec: MLASpec, geometry: AttentionGeometry) -> MLAShape:
+    """The ranks (r, d_c) of `spec` on the source's geometry: from --engine-dims, the budget (its greedy
+    allocation places fewer RoPE pairs) or the given ranks; UserError where they do not fit."""
+    kv_lora_rank, rope_pairs = spec.kv_lora_rank, spec.rope_pairs
+    budget = None if spec.budget is None else spec.budget.fraction
+    with user_input():
+        if spec.engine_dims is not None:  # d_c and r whose export has exactly a size vLLM's MLA backends take
+            kv_lora_rank, rope_pairs = conversion_ranks(
+                spec.engine_dims, head_dim=geometry.head_dim, num_kv_heads=geometry.num_kv_heads
+            )
+        greedy = spec.allocation_method != "uniform" and spec.layout == "per-head"
+        if greedy and rope_pairs is None and budget is not None:
+            rope_pairs = greedy_rope_pairs(geometry, budget)
+        return plan_shape(
+            geometry,
+            kv_lora_rank=kv_lora_rank,
+            kv_budget=budget,
+            rope_pairs=rope_pairs,
+            rope_selection=spec.rope_selection,
+            layout=spec.layout,
+        )
 
 
 @dataclass(frozen=True)

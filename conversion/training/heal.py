@@ -1,37 +1,12 @@
 """Healing: a short uptraining of a converted checkpoint (causal-LM loss on held-apart text), with accelerate.
 
-The GQA paper uptrains pooled checkpoints for a small fraction of pre-training compute; MHA2MLA and TransMLA
-fine-tune after conversion too. This module does that step for any `AutoModelForCausalLM` checkpoint (pooled
-GQA/MQA Llama-family, the `llama_mla` model type, remote-code models with `trust_remote_code`).
-
-Recipe: the training text is tokenized once and cut into `seq_len` chunks (`conversion.training.data`),
-visited in a seeded order; AdamW on the chosen parameters (`all`, or `attention` = every `*.self_attn.*`
-parameter), linear warmup then cosine (to 10% of the peak) or constant learning rate, gradient clipping,
-optional gradient accumulation, gradient checkpointing and bf16/fp16 autocast. Data parallel through
-`accelerate.Accelerator`: process p of P takes every P-th batch and gradients are averaged, so `batch_size x P
-x grad_accum` chunks make one optimizer step whatever P is (the same global batch gives the same run on one or
-many processes).
-
-Evaluation: held-out perplexity with the project's protocol (`hf_attn.tooling.perplexity.evaluate_perplexity`,
-disjoint windows of `eval_context` tokens over the first `eval_tokens` tokens) before, every `eval_every`
-steps, and after. Training and evaluation text must not overlap (`data.check_disjoint`).
-
-Interruption: every `checkpoint_every` steps an atomic checkpoint `STATE/checkpoint-NNNNNN/` is written: the
-model in `save_pretrained` format (loadable as is) plus `trainer_state.pt` (optimizer, scheduler, the RNG of
-every process, data position, progress). `resume=True` continues from the newest complete one with the same
-data order and optimizer state: the losses are those of an uninterrupted run. `STATE` defaults to
-`OUTPUT.heal/` and also holds the JSON-lines log `log.jsonl` (one line per step, evaluation, checkpoint).
-
-Teacher (`--teacher`, `conversion/training/teacher.py`): the loss becomes T^2 x KL(teacher || student) of the
-next-token distributions at temperature T, or w x KL + (1 - w) x cross-entropy; `auto` is the source the
-conversion record starts from. The teacher is frozen, in its own dtype, replicated on every process (never
-prepared for training, never written), and its weights hash is part of the recipe a resume must match.
-LoRA (`--lora-rank`, `conversion/training/lora.py`): peft adapters on the named modules, merged on save.
-
-Output: the healed model in the input's format (same config and model type, weights in the input's dtype,
-side files such as the tokenizer copied), written atomically, never over or inside its source
-(`hf_attn.tooling.files.check_output`, checked before training); the run is appended to
-`config.json["hf_attn"]["history"]` (`conversion.checkpoint.io.conversion_record`, kind `heal`).
+Any `AutoModelForCausalLM` checkpoint heals (pooled GQA/MQA Llama-family, `llama_mla`, remote-code models
+with `trust_remote_code`): AdamW on all or the attention parameters (or LoRA adapters, merged on save), warmup
+then cosine or constant learning rate, optionally distilled from a teacher (the source by default with
+`--teacher auto`), data parallel or sharded (FSDP) through `accelerate`, with atomic checkpoints that
+`--resume` continues exactly, held-out perplexity before, during and after, and the healed model written in
+the input's format with a `heal` record appended to its history. docs/healing.md describes the recipe, the
+teacher and LoRA; docs/heal-fsdp.md the sharded runs.
 
 Code (`conversion/training/`): `HealSettings` (every option; the command line is built from it) -> `load_data`
 -> `make_recipe` -> `find_resume_point` / `build_train_state` (`TrainState.save` / `restore`) -> `train_steps`
@@ -49,17 +24,9 @@ Code (`conversion/training/`): `HealSettings` (every option; the command line is
     accelerate launch --multi_gpu --num_processes 2 -m conversion.training ...   # data parallel (CPU: gloo)
     accelerate launch --config_file FSDP_CONFIG --num_processes N -m hf_attn.conversion.training ...   # FSDP2
 
-Sharded training (FSDP, `FSDP_CONFIG` = heal_fsdp.yaml beside this file; docs/heal-fsdp.md): the optimizer
-is prepared together with the model (FSDP2 re-points it at the sharded parameters; FSDP1 gets it built
-after the model is wrapped), clipping goes through `accelerator.clip_grad_norm_`, every checkpoint and the
-output hold the FULL state dict gathered to the main process (`accelerator.get_state_dict`, the optimizer
-via `torch.distributed.checkpoint.state_dict` with full state dicts), so they are the same files as without
-sharding; held-out evaluation runs every window on every process (a sharded forward is collective).
-Precision under FSDP2 is accelerate's: `--autocast-dtype bfloat16` becomes FSDP2's MixedPrecisionPolicy
-(parameters all-gathered, outputs and gradient reductions in bfloat16, float32 sharded master weights), not
-autocast: a different rounding from the unsharded runs (docs/heal-fsdp.md).
-accelerate does not enable FSDP on CPU; with an FSDP config, several processes and no accelerator device,
-`make_accelerator` switches its state to FSDP2 itself (fully_shard over gloo), which is what the tests run.
+`FSDP_CONFIG` is heal_fsdp.yaml beside this file. accelerate does not enable FSDP on CPU; with an FSDP
+config, several processes and no accelerator device, `make_accelerator` switches its state to FSDP2 itself
+(fully_shard over gloo), which is what the tests run.
 """
 
 from __future__ import annotations
