@@ -295,7 +295,7 @@ def test_a_study_where_no_variant_succeeds_writes_its_report_and_runs_again(tmp_
 
     monkeypatch.setattr(study, "convert", failing)
     results = tmp_path / "results"
-    argv = ["--quick", "--only", "mqa-mean", "--results", str(results)]
+    argv = ["--quick", "--only", "mqa-mean", "--results", str(results), "--fresh"]  # no cached checkpoint
     for _ in range(2):  # the second run replaces what the first wrote
         assert study.main(argv) == 0, capsys.readouterr().err[-3000:]
     assert "mqa-mean FAILED: RuntimeError: the conversion ran out of memory" in capsys.readouterr().out
