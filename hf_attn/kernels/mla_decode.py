@@ -315,8 +315,8 @@ def _plan_launch(
     block_r = max(_MIN_BLOCK, triton.next_power_of_2(R)) if R else _MIN_BLOCK
     block_m = max(_MIN_BLOCK, min(triton.next_power_of_2(M), _MAX_ACC_ELEMENTS // block_dc))
     row_blocks = triton.cdiv(M, block_m)
-    if block_n is None:
-        block_n = 64 if block_dc <= 256 else 32
+    if block_n is None:  # measured on sm_90 (docs/research/mla-kernel.md): 64 wins at d_c 128 and 512
+        block_n = 64
     if block_n < _MIN_BLOCK or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= {_MIN_BLOCK}, got {block_n}")
     n_blocks = triton.cdiv(S, block_n)
@@ -326,17 +326,18 @@ def _plan_launch(
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     split_len = triton.cdiv(n_blocks, min(num_splits, n_blocks)) * block_n  # a multiple of block_n
     num_splits = triton.cdiv(S, split_len)  # every split holds at least one token
-    if num_warps is None:  # spill-free in ptxas's sm_90 report for the shapes in docs/research/mla-kernel.md
-        num_warps = 4 if block_m * block_dc <= 4 * 1024 else 8
+    if num_warps is None:  # 4 beat 8 at d_c 512 despite ptxas's spills (docs/research/mla-kernel.md)
+        num_warps = 4
     return _Launch(block_m, block_n, block_dc, block_r, row_blocks, split_len, num_splits, num_warps)
 
 
 def _default_splits(programs_per_split: int, n_blocks: int, device: torch.device) -> int:
-    """Splits so that about two waves of programs fill the GPU, each split at least 4 tiles long."""
+    """The most splits whose programs fit in two waves over the SMs (a started third wave costs about as
+    much as a full one), each split at least 4 tiles long."""
     sms = 8  # CPU tensors (Triton's interpreter): any count works
     if device.type == "cuda":
         sms = _sm_count(torch.cuda.current_device() if device.index is None else device.index)
-    wanted = triton.cdiv(2 * sms, programs_per_split)
+    wanted = 2 * sms // programs_per_split
     return max(1, min(wanted, triton.cdiv(n_blocks, 4)))
 
 
