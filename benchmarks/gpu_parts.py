@@ -1,8 +1,8 @@
 """The parts and profiles of `python -m benchmarks.gpu`: their registry, the adapter protocol, the budget
 check, the markdown rendering, and the child-process entry that runs one part (or dry-runs them all).
 
-A part has a planned duration (`plan_s`: seconds on one H100, its process start, imports and Triton
-compilation included) and a time limit (`limit_s`: it is stopped there and keeps the rows it has). A profile
+A part has a planned duration (`plan_s`: seconds on one GPU, its process start, imports and Triton
+compilation included; measured where the part has run) and a time limit (`limit_s`: it is stopped there and keeps the rows it has). A profile
 is one command: its parts in order of value, then optional parts that run only if their planned seconds are
 left. `budget_problems` fails a profile whose planned seconds (SETUP_S + STOP_S + its parts') exceed its
 budget; the dry run and the tests check every profile with it.
@@ -37,7 +37,7 @@ class Part:
     name: str
     module: str  # the module (under benchmarks) whose ADAPTERS has this part
     about: str
-    plan_s: int  # planned seconds on one H100: process start, imports and compilation included
+    plan_s: int  # planned seconds: measured on one H200 (2026-11-27) where it ran, rounded up
     limit_s: int  # default time limit of its child process
 
 
@@ -56,14 +56,14 @@ class Adapter:
 PARTS = {
     p.name: p
     for p in (  # name, module, about, planned s, limit s
-        Part("kernel-tests", "gpu_checks", "the compiled MLA kernel tests (they skip without CUDA)", 50, 90),
-        Part("mla-kernel", "gpu_kernel", "MLA decode kernel: GB/s vs copy, PyTorch, GQA; tuning", 50, 80),
-        Part("capacity", "gpu_capacity", "decode tokens/s at equal KV memory: MHA vs MLA 512+64", 30, 60),
-        Part("recipe", "gpu_recipe", "default convert mla / gqa on CUDA, 2 layers of Llama-3-8B", 120, 170),
-        Part("attention", "gpu_attention", "hf_attn_grouped vs sdpa (and flash), prefill / decode", 25, 45),
+        Part("kernel-tests", "gpu_checks", "the compiled MLA kernel tests (they skip without CUDA)", 70, 100),
+        Part("mla-kernel", "gpu_kernel", "MLA decode kernel: GB/s vs copy, PyTorch, GQA; tuning", 40, 80),
+        Part("capacity", "gpu_capacity", "decode tokens/s at equal KV memory: MHA vs MLA 512+64", 25, 60),
+        Part("recipe", "gpu_recipe", "default convert mla / gqa on CUDA, 2 layers of Llama-3-8B", 135, 170),
+        Part("attention", "gpu_attention", "hf_attn_grouped vs sdpa (and flash), prefill / decode", 15, 45),
         Part("heal", "gpu_train", "healing tokens/s and MFU, one GPU: heal, bare loop, a teacher", 60, 100),
         Part("fsdp", "gpu_train", "healing under FSDP (the shipped config), one process per GPU", 45, 90),
-        Part("recipe-full", "gpu_recipe", "default convert mla on CUDA at Llama-3-8B's full depth", 330, 360),
+        Part("recipe-deep", "gpu_recipe", "default convert mla on CUDA, 8 layers of Llama-3-8B", 200, 300),
     )
 }  # fmt: skip
 
@@ -85,7 +85,7 @@ PROFILES = {
         Profile("loan", "the essential figures in one command of at most 5 minutes (the default)", 300,
                 ("kernel-tests", "mla-kernel", "capacity", "recipe"), ("attention",)),
         Profile("extended", "the rest, a second command of at most 8 minutes", 480,
-                ("heal", "fsdp", "recipe-full")),
+                ("heal", "fsdp", "recipe-deep")),
     )
 }  # fmt: skip
 

@@ -1,9 +1,10 @@
-"""`python -m benchmarks.gpu` parts recipe and recipe-full: the default conversion recipe on CUDA.
+"""`python -m benchmarks.gpu` parts recipe and recipe-deep: the default conversion recipe on CUDA.
 
 recipe: `hf-attn convert mla` (its defaults: --kv-budget 0.5, the calibrated closed form, then the refinement)
 and `hf-attn convert gqa --num-kv-heads 1` (defaults otherwise), each with `--device cuda`, on the synthetic
 Llama-3-8B-shaped checkpoint of benchmarks/synthetic.py (its exact config, random bf16 weights, the real
-vocabulary) cut to `layers` layers. recipe-full: `convert mla` at the full depth (32 layers, 16 GB).
+vocabulary) cut to `layers` layers. recipe-deep: `convert mla` on 8 layers, a second point for the full-depth
+estimate (the full depth, 32 layers and 16 GB, does not fit one 10-minute command on an H200).
 
 Each conversion runs in its own process, `python -m hf_attn.conversion.<x>` through a small wrapper that times
 the recipe's stage functions (HOOKS; each call's seconds appended to a log as the call ends, so a conversion
@@ -255,7 +256,7 @@ COLUMNS = (
 _DEFAULTS = dict(shape="llama-3-8b", layers=2, converters=["mla", "gqa"], workdir=None)
 ADAPTERS = {
     "recipe": Adapter(defaults=_DEFAULTS, columns=COLUMNS, plan=plan, run=run),
-    "recipe-full": Adapter(
-        defaults={**_DEFAULTS, "layers": None, "converters": ["mla"]}, columns=COLUMNS, plan=plan, run=run
+    "recipe-deep": Adapter(
+        defaults={**_DEFAULTS, "layers": 8, "converters": ["mla"]}, columns=COLUMNS, plan=plan, run=run
     ),  # fmt: skip
 }

@@ -24,7 +24,7 @@ def test_dry_run_sets_up_every_part():
     assert "batch 16 at 8192" in results["capacity"]["plan"][0]  # MHA 7B: 128 MiB per row and layer at 8k
     assert "batch 227 at 8192" in results["capacity"]["plan"][1]  # 512 + 64: 9 MiB
     assert (
-        "2 of 32 layers" in results["recipe"]["plan"][0] and "32 of 32" in results["recipe-full"]["plan"][0]
+        "2 of 32 layers" in results["recipe"]["plan"][0] and "8 of 32" in results["recipe-deep"]["plan"][0]
     )
     assert all("--device cuda" in line for line in results["recipe"]["plan"][1:])
 
@@ -63,12 +63,12 @@ def test_dry_run_covers_both_profiles_and_fails_one_that_cannot_fit(monkeypatch,
     env = gpu_bundle.child_env(install=False)
     assert gpu.dry_run(gpu.all_parts(), {}, env, in_process=True) == 0
     out = capsys.readouterr().out
-    assert "profile loan: planned 280 s of 300 s" in out and "profile extended:" in out
+    assert "profile loan: planned 300 s of 300 s" in out and "profile extended:" in out
     assert "CANNOT" not in out
     slow = gpu_parts.Part("recipe", "gpu_recipe", "slower", plan_s=200, limit_s=250)
     monkeypatch.setitem(PARTS, "recipe", slow)
     assert gpu.dry_run([], {}, env, in_process=True) == 1
-    assert "profile loan: planned 360 s of 300 s" in capsys.readouterr().out
+    assert "profile loan: planned 365 s of 300 s" in capsys.readouterr().out
     assert "recipe 200) > its budget 300 s" in " ".join(gpu_parts.budget_problems(PROFILES["loan"]))
     assert gpu.dry_run(["mla-kernel"], {"mla-kernel": {"batch": [0]}}, env, in_process=True) == 1
 

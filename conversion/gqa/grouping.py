@@ -298,11 +298,8 @@ def search_and_pool(
                             )
                 out[layer] = permuted
             else:
-                out[layer] = pool.calibrated_pool_layer(
-                    weights=permute_layer(weights, order, geo),
-                    stats=slice_statistics(full, groups, geo),
-                    pooling=pooling,
-                )
+                permuted, sliced = permute_layer(weights, order, geo), slice_statistics(full, groups, geo)
+                out[layer] = pool.pool_layer_on(model.device, permuted, sliced, pooling)
     finally:
         torch.set_num_threads(threads)
     return out, chosen

@@ -399,6 +399,27 @@ def calibrated_pool_layer(
     return out
 
 
+def pool_layer_on(
+    device: torch.device, weights: dict, stats: AttentionStatistics, pooling: Pooling
+) -> dict[str, torch.Tensor | None]:
+    """`calibrated_pool_layer` on the calibration device, its result on the CPU. On a GPU the float64 solves
+    run there (at the 8B shape they are most of the conversion's time on one CPU thread). On the CPU one
+    thread fits small groups (r d <= 256: many small products, threads only add synchronisation), the
+    command's threads larger ones."""
+    if device.type != "cpu":
+        with torch.device(device):  # the fit's own new tensors are made there too
+            moved = {k: None if v is None else v.to(device) for k, v in weights.items()}
+            on = AttentionStatistics(stats.keys.to(device), stats.values.to(device), stats.tokens)
+            result = calibrated_pool_layer(weights=moved, stats=on, pooling=pooling)
+        return {k: None if v is None else v.cpu() for k, v in result.items()}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if stats.values.shape[-1] <= 256 else threads)
+    try:
+        return calibrated_pool_layer(weights=weights, stats=stats, pooling=pooling)
+    finally:
+        torch.set_num_threads(threads)
+
+
 # ------------------------------------------------------------------------------------ the calibration pass
 
 
@@ -424,14 +445,9 @@ def calibrate(
     out = {} if store is None else store
 
     def fit(layer: int, stats: AttentionStatistics) -> None:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # the fits are many small matrix products: threads only add synchronisation
-        try:
-            weights = model.attention_weights(layer)  # float32, as the fp32 model holds them
-            with stages.stage("fit"):
-                out[layer] = calibrated_pool_layer(weights=weights, stats=stats, pooling=pooling)
-        finally:
-            torch.set_num_threads(threads)
+        weights = model.attention_weights(layer)  # float32 on the CPU, as the fp32 model holds them
+        with stages.stage("fit"):
+            out[layer] = pool_layer_on(model.device, weights, stats, pooling)
 
     with torch.inference_mode():
         collect_attention_statistics(
