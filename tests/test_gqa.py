@@ -182,6 +182,36 @@ def test_attention_statistics_match_a_direct_computation(tmp_path):
                 torch.testing.assert_close(stats[layer].values[g, local], y.T @ y, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_calibrated_fit_on_gpu_matches_the_cpu_fit_on_gpu(tmp_path):
+    """The fit a GPU conversion runs (`pool_layer_on` a CUDA device) against the float64 fit on the CPU."""
+    from hf_attn.conversion.checkpoint.io import AttentionGeometry
+    from hf_attn.conversion.gqa import pooling as pool
+
+    src = make_tiny(tmp_path / "src", "qwen2")  # q/k/v biases
+    model = AutoModelForCausalLM.from_pretrained(src, attn_implementation="eager").eval()
+    geo = AttentionGeometry.from_config(model.config.to_dict())
+    pooling = gqa.check_pooling(geo, 2)
+    ids = torch.randint(0, 96, (48,), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        stats = gqa.collect_attention_statistics(model, ids, pooling=pooling, window=24, progress=False)
+    att = model.model.layers[1].self_attn
+    weights = {
+        f"{p}.{k}": getattr(getattr(att, p), k)
+        for p in ("q_proj", "k_proj", "v_proj")
+        for k in ("weight", "bias")
+    }
+    weights = {k: v.detach().float() for k, v in weights.items()} | {
+        "o_proj.weight": att.o_proj.weight.detach().float()
+    }
+    on_cpu = gqa.calibrated_pool_layer(weights=weights, stats=stats[1], pooling=pooling)
+    on_gpu = pool.pool_layer_on(torch.device("cuda"), weights, stats[1], pooling)
+    assert set(on_gpu) == set(on_cpu)
+    for name, expected in on_cpu.items():
+        assert on_gpu[name].device.type == "cpu"
+        torch.testing.assert_close(on_gpu[name], expected, rtol=1e-4, atol=1e-5)
+
+
 def test_calibrated_pooling_of_repeated_heads_is_exact(tmp_path, smollm2_path):
     """Expand 2 -> 8 KV heads (copies), then calibrated pooling back to 2: keys are rank one per rotary pair
     and values span d dimensions, so the fit is exact and the logits are the original ones."""
