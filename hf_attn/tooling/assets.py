@@ -25,6 +25,8 @@ import subprocess
 import zlib
 from pathlib import Path
 
+from hf_attn.tooling import python_docs
+from hf_attn.tooling.cli import ArgumentParser, run_command
 from hf_attn.tooling.errors import UserError
 from hf_attn.tooling.files import atomic_directory, sha256_file
 from hf_attn.tooling.files import cache_dir as configured_cache_dir
@@ -157,8 +159,6 @@ CORPUS_TEXTS = {  # what each calibration corpus is, in words (reports)
 def python_docs_dir() -> Path:
     """Directory with the Python 3.11 docs as plain text (one file per section) plus SHA256SUMS; fetched from
     Debian's `python3.11-doc` on first use (`hf_attn.tooling.python_docs`)."""
-    from hf_attn.tooling import python_docs
-
     final = cache_dir() / python_docs.DIRNAME
     if (final / "SHA256SUMS").exists():
         _verify(final)
@@ -171,16 +171,12 @@ def python_docs_dir() -> Path:
 
 def python_docs_calibration_files() -> list[Path]:
     """The second corpus's calibration / healing part: tutorial, reference, howto, using, extending."""
-    from hf_attn.tooling import python_docs
-
     root = python_docs_dir()
     return [root / f"{s}.txt" for s in python_docs.CALIBRATION_SECTIONS]
 
 
 def python_docs_eval_file() -> Path:
     """The second corpus's evaluation part: the Python FAQ (never calibration or healing text)."""
-    from hf_attn.tooling import python_docs
-
     return python_docs_dir() / f"{python_docs.EVAL_SECTION}.txt"
 
 
@@ -199,8 +195,6 @@ def calibration_corpus_files(name: str) -> list[Path]:
 def embedded_eval_files(*, fetch: bool = True) -> list[Path]:
     """Every embedded evaluation text: *Persuasion* and the Python FAQ (the latter only if already fetched,
     unless `fetch`)."""
-    from hf_attn.tooling import python_docs
-
     files = eval_text_files()
     if fetch or (cache_dir() / python_docs.DIRNAME / "SHA256SUMS").exists():
         files.append(python_docs_eval_file())
@@ -344,8 +338,6 @@ class _RReader:
 
 def main(argv: list[str] | None = None) -> int:
     """`hf-attn assets` (`python -m hf_attn.tooling.assets`): fetch the embedded default once; print where."""
-    from hf_attn.tooling.cli import ArgumentParser, run_command
-
     ArgumentParser(prog="hf-attn assets", description=__doc__.split("\n")[0]).parse_args(argv)
 
     def fetch() -> None:

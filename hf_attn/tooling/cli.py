@@ -25,7 +25,9 @@ import typing
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from hf_attn.tooling.devices import announcing
 from hf_attn.tooling.errors import UserError, one_line, user_message
+from hf_attn.tooling.files import sweep_leftovers
 
 # Old spelling kept for callers that classify by type; new code raises UserError and lets run_command decide.
 USER_ERRORS = (UserError, OSError)
@@ -82,9 +84,6 @@ def run_command(prog: str, fn: Callable[[], Any]) -> int:
     0): 2 with one line on stderr for a UserError or a file-system error, 130 with one line for Ctrl-C;
     SIGTERM exits through the same cleanup (`sigterm_exits_cleanly`); any other error propagates (a bug: its
     traceback, exit status 1)."""
-    from hf_attn.tooling.devices import announcing
-    from hf_attn.tooling.files import sweep_leftovers
-
     sweep_leftovers()
     try:
         with sigterm_exits_cleanly(), announcing(prog):  # where it computes: one line (tooling.devices)

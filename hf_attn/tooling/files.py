@@ -18,6 +18,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from hf_attn.tooling.errors import UserError
+
 # A checkpoint's weight files: what transformers loads a model from, and what `checkpoint_hash` covers.
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 # Other tensor files (training state such as heal's trainer_state.pt, other frameworks' weights): not hashed,
@@ -53,8 +55,6 @@ def cache_dir() -> Path:
     value = os.environ.get("HF_ATTN_CACHE", "")
     root = Path(value).expanduser() if value else Path.home() / ".cache" / "hf-attn"
     if (root.exists() or root.is_symlink()) and not root.is_dir():
-        from hf_attn.tooling.errors import UserError
-
         raise UserError(
             f"HF_ATTN_CACHE {root} is {_what_is_there(root)}, not a directory; set HF_ATTN_CACHE to a "
             "directory (unset, it is ~/.cache/hf-attn)"
@@ -326,8 +326,6 @@ def write_text_atomic(final: str | os.PathLike, text: str | bytes, *, overwrite:
 def check_text_files(paths, flag: str = "--text") -> list[Path]:
     """UserError naming the file unless each of `paths` is a non-empty UTF-8 text file (no NUL bytes): a
     binary or missing file is refused before any model is loaded. Returns the paths."""
-    from hf_attn.tooling.errors import UserError
-
     out = []
     for p in paths:
         path = Path(p).expanduser()
@@ -430,8 +428,6 @@ def check_replaceable(path: Path, kind: str, flag: str = "--output") -> None:
     directory whose config.json carries config["hf_attn"] and that holds only files hf-attn wrote there
     (`not_written_here`), a "json" file carrying WRITTEN_BY. A "directory" output is added to, never
     replaced: anything but a file is fine."""
-    from hf_attn.tooling.errors import UserError
-
     if kind == "directory":
         if path.exists() and not path.is_dir():
             raise UserError(f"{flag} {path} is {_what_is_there(path)}, not a directory; choose a directory")
@@ -464,8 +460,6 @@ def check_replaceable(path: Path, kind: str, flag: str = "--output") -> None:
 
 def _check_writable(path: Path, flag: str) -> None:
     """UserError unless `path` could be created: its nearest existing ancestor is a writable directory."""
-    from hf_attn.tooling.errors import UserError
-
     parent = path.parent
     while not parent.exists():
         parent = parent.parent
@@ -493,8 +487,6 @@ def check_output(
     writes or that this project did not write (`check_replaceable`), or if it cannot be created. kind None:
     only the source and existence checks. A dangling link on the way to `output`, and a trailing slash on
     a "json" output, are refused. Returns `output` as an absolute path."""
-    from hf_attn.tooling.errors import UserError
-
     given = Path(output).expanduser()
     link = next((p for p in (*reversed(given.absolute().parents), given.absolute()) if _dangling(p)), None)
     if link is not None:  # (as GNU cp: never create a link's target)
