@@ -128,8 +128,11 @@ def convert(
     spec, calibration = pipeline.specs_from_options(
         variant.kind, opts, calibration=CalibrationSpec(tokens=settings.calibration_tokens, device=device)
     )
+    s = settings
     stages = (
-        RefineSpec(steps=settings.refine_steps, tokens=settings.refine_tokens) if refine else RefineSpec(0)
+        RefineSpec(steps=s.refine_steps, tokens=s.refine_tokens, loss_stride=s.refine_loss_stride)
+        if refine
+        else RefineSpec(0)
     )
     pipeline.convert(
         spec,
@@ -323,7 +326,7 @@ class Study:
             v.kind,
             v.options,
             s.calibration_tokens if v.kind != "source" else 0,
-            (s.refine_steps, s.refine_tokens) if v.options.get("refine") else None,
+            (s.refine_steps, s.refine_tokens, s.refine_loss_stride) if v.options.get("refine") else None,
         )
         heal_key = _key(
             conv_key, s.heal_minutes, s.heal_seq_len, s.heal_batch_size, s.heal_lr, s.heal_trainable,

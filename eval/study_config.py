@@ -34,6 +34,7 @@ class Settings:
     second_corpus_tokens: int = 0  # > 0: also the first N tokens of the Python FAQ (the cross-domain check)
     refine_steps: int = 0  # variants with `refine = true`: `hf-attn refine --steps` after the closed form
     refine_tokens: int = 0  # ... and its `--calibration-tokens` (the default `mix` corpus)
+    refine_loss_stride: int = 1  # ... and its `--loss-stride`: a short refinement needs every position
     heal_corpus: str = "austen"  # `hf-attn heal --train-corpus`: austen | python-docs | mix
 
     @property
@@ -54,8 +55,9 @@ class Settings:
         """How rows marked refined were refined (one home for the report and the README)."""
         return (
             f"`hf-attn refine` after the closed form: {self.refine_steps} Adam steps per layer on "
-            f"{self.refine_tokens} calibration tokens ({DEFAULT_CORPUS} corpus), learning rate {RELATIVE_LR} "
-            "x each tensor's RMS, layer-local, no labels"
+            f"{self.refine_tokens} calibration tokens ({DEFAULT_CORPUS} corpus), the loss on every "
+            f"{'position' if self.refine_loss_stride == 1 else f'{self.refine_loss_stride}th position'}, "
+            f"learning rate {RELATIVE_LR} x each tensor's RMS, layer-local, no labels"
         )
 
     def key(self) -> dict:
@@ -91,6 +93,7 @@ _POSITIVE = (
     "heal_batch_size",
     "heal_lr",
     "task_items",
+    "refine_loss_stride",
 )
 
 
