@@ -63,6 +63,22 @@ def file_hashes(path: Path) -> dict[str, str]:
     return {p.name: sha256_file(p) for p in sorted(path.iterdir()) if p.is_file()}
 
 
+def tiny_statistics(path: Path, model_type: str, *, tokens: int, window: int, seed: int):
+    """(the eager tiny model, its AttentionGeometry, a 2-group pooling, `tokens` random ids, the pooling's
+    AttentionStatistics per layer over them in windows of `window`)."""
+    from hf_attn.conversion.checkpoint.io import AttentionGeometry
+
+    model = AutoModelForCausalLM.from_pretrained(
+        make_tiny(path, model_type), attn_implementation="eager"
+    ).eval()
+    geo = AttentionGeometry.from_config(model.config.to_dict())
+    pooling = gqa.check_pooling(geo, 2)
+    ids = torch.randint(0, 96, (tokens,), generator=torch.Generator().manual_seed(seed))
+    with torch.inference_mode():
+        stats = gqa.collect_attention_statistics(model, ids, pooling=pooling, window=window, progress=False)
+    return model, geo, pooling, ids, stats
+
+
 def independent_mean(w: torch.Tensor, num_heads: int, groups: int, head_dim: int) -> torch.Tensor:
     """Group g = mean of heads g*r ... (g+1)*r - 1, head by head in float64 (written without reshapes)."""
     r = num_heads // groups
@@ -142,15 +158,9 @@ def test_sharded_source_and_output(tmp_path):
 def test_attention_statistics_match_a_direct_computation(tmp_path):
     """AttentionStatistics against loops over eager attention probabilities (output_attentions=True)."""
     from hf_attn.conversion.checkpoint.calibration import capture_attention_inputs
-    from hf_attn.conversion.checkpoint.io import AttentionGeometry
 
-    src = make_tiny(tmp_path / "src")
-    model = AutoModelForCausalLM.from_pretrained(src, attn_implementation="eager").eval()
-    geo = AttentionGeometry.from_config(model.config.to_dict())
-    pooling = gqa.check_pooling(geo, 2)
-    ids = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(1))
+    model, geo, pooling, ids, stats = tiny_statistics(tmp_path / "src", "llama", tokens=12, window=12, seed=1)
     with torch.inference_mode():
-        stats = gqa.collect_attention_statistics(model, ids, pooling=pooling, window=12, progress=False)
         probs = model(input_ids=ids[None], output_attentions=True).attentions  # per layer (1, Hq, T, T)
         inputs = capture_attention_inputs(model, ids, layers=[0, 1], window=12, progress=False)
     d, half, r = geo.head_dim, geo.head_dim // 2, pooling.heads_per_group
@@ -185,16 +195,9 @@ def test_attention_statistics_match_a_direct_computation(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_calibrated_fit_on_gpu_matches_the_cpu_fit_on_gpu(tmp_path):
     """The fit a GPU conversion runs (`pool_layer_on` a CUDA device) against the float64 fit on the CPU."""
-    from hf_attn.conversion.checkpoint.io import AttentionGeometry
     from hf_attn.conversion.gqa import pooling as pool
 
-    src = make_tiny(tmp_path / "src", "qwen2")  # q/k/v biases
-    model = AutoModelForCausalLM.from_pretrained(src, attn_implementation="eager").eval()
-    geo = AttentionGeometry.from_config(model.config.to_dict())
-    pooling = gqa.check_pooling(geo, 2)
-    ids = torch.randint(0, 96, (48,), generator=torch.Generator().manual_seed(2))
-    with torch.inference_mode():
-        stats = gqa.collect_attention_statistics(model, ids, pooling=pooling, window=24, progress=False)
+    model, _, pooling, _, stats = tiny_statistics(tmp_path / "src", "qwen2", tokens=48, window=24, seed=2)
     att = model.model.layers[1].self_attn
     weights = {
         f"{p}.{k}": getattr(getattr(att, p), k)
