@@ -54,7 +54,7 @@ def _cells(row: dict, columns: tuple = COLUMNS) -> list[str]:
         cell(row.get("kv_fraction") and 100 * row["kv_fraction"], ".1f") + "%",
         cell(row.get("perplexity"), ",.2f"),
         cell(row.get("lastword_acc"), ".3f"),
-        cell(row.get("decode_tokens_per_second"), ".1f"),
+        "same" if row.get("decode_measured_on") else cell(row.get("decode_tokens_per_second"), ".1f"),
         cell(row.get("convert_seconds"), ".0f"),
         cell(row.get("heal_seconds"), ".0f") if row["healed"] else "",
     ]
@@ -288,7 +288,8 @@ def write_report(record: dict, results: Path) -> None:
         f"KV bytes per token are measured from a real cache (fp32, all 30 layers), except for deepseek_v3 "
         "exports: what an MLA engine (vLLM, SGLang) caches, from the config (transformers' DeepseekV3 caches "
         "expanded per-head K/V). Decode: tokens/s of "
-        f"greedy decoding with a real cache, so it is noisy on a shared machine. "
+        f"greedy decoding with a real cache, so it is noisy on a shared machine; a healed row runs the "
+        'shapes, dtype and code of its unhealed row, so it is measured once ("same"). '
         f"Wall time {record['wall_seconds'] / 60:.1f} min{_resumed_note(record)}.",
         "",
         format_table(record),

@@ -183,8 +183,9 @@ def heal(src: Path, dst: Path, settings: Settings, device: str = DEFAULT_DEVICE)
     return heal_checkpoint(recipe, progress=False)
 
 
-def measure(path: Path, settings: Settings, device: str = DEFAULT_DEVICE) -> dict:
-    """Perplexity (with measured KV bytes per token) and decode speed of one checkpoint."""
+def measure(path: Path, settings: Settings, device: str = DEFAULT_DEVICE, *, decode: bool = True) -> dict:
+    """Perplexity (with measured KV bytes per token), task accuracy and, with `decode`, decode speed of one
+    checkpoint."""
     from hf_attn.eval.bench.decode import bench_decode
     from hf_attn.eval.perplexity import PerplexitySettings
     from hf_attn.eval.perplexity import run as perplexity
@@ -211,13 +212,15 @@ def measure(path: Path, settings: Settings, device: str = DEFAULT_DEVICE) -> dic
             )
         )
     accuracy = task_accuracy_of(path, settings.task_items)
-    decode = bench_decode(
-        path,
-        attn_implementation=None,
-        prompt_tokens=settings.decode_prompt_tokens,
-        batch_size=1,
-        new_tokens=settings.decode_new_tokens,
-    )
+    speed = {}
+    if decode:
+        speed = bench_decode(
+            path,
+            attn_implementation=None,
+            prompt_tokens=settings.decode_prompt_tokens,
+            batch_size=1,
+            new_tokens=settings.decode_new_tokens,
+        )
     # KV bytes measured from a real cache, except for deepseek_v3 exports: transformers' DeepseekV3 caches
     # expanded per-head K/V, so their row states what an MLA engine (vLLM, SGLang) caches, from the config.
     kv = (
@@ -233,7 +236,7 @@ def measure(path: Path, settings: Settings, device: str = DEFAULT_DEVICE) -> dic
         "kv_bytes_per_token": kv["total"],
         "kv_bytes_per_token_config": (ppl["kv_bytes_per_token"] or {}).get("total"),
         "kv_numbers_per_token_per_layer": kv["numbers_per_token_per_layer"],
-        "decode_tokens_per_second": decode["decode_tokens_per_second"],
+        "decode_tokens_per_second": speed.get("decode_tokens_per_second"),
         "lastword_acc": accuracy["lastword_acc"],
         "task_items": accuracy["items"],
         "eval_seconds": ppl["seconds"],
@@ -367,7 +370,7 @@ class Study:
                 try:
                     after_key = _key(heal_key, self.code["measurement"], s.key(), "after")
                     label = f"heal for {s.heal_minutes} min"
-                    after = self._row(v, after_key, healed, label, progress, healed=True)
+                    after = self._row(v, after_key, healed, label, progress, healed=True, decode_from=rows[0])
                     after.setdefault("convert_seconds", rows[0].get("convert_seconds"))
                     rows.append(after)
                 except Exception as err:
@@ -382,9 +385,14 @@ class Study:
                         shutil.rmtree(tree)
         return rows
 
-    def _row(self, v: Variant, key: str, checkpoint, label: str, progress: Progress, *, healed: bool):
+    def _row(
+        self, v: Variant, key: str, checkpoint, label: str, progress: Progress, *, healed: bool,
+        decode_from: dict | None = None,
+    ):  # fmt: skip
         """One row: resumed from an earlier run with the same key, or measured on the checkpoint that
-        `checkpoint()` returns as (path, seconds it took to build, whether it was cached)."""
+        `checkpoint()` returns as (path, seconds it took to build, whether it was cached). A healed row takes
+        the decode speed of `decode_from`, its unhealed row: healing changes the weights' values, not the
+        shapes, dtype or code that decoding runs, so it is not measured twice."""
         name = v.name + ("+healed" if healed else "")
         row = self.rows.get(name, key)
         if row is not None:
@@ -394,10 +402,13 @@ class Study:
         ckpt, build_seconds, cached = checkpoint()
         progress.step(f"{v.name}: evaluate" + (" healed" if healed else ""))
         row = {
-            **measure(ckpt, self.settings, self.device),
+            **measure(ckpt, self.settings, self.device, decode=decode_from is None),
             **self._describe(v, healed=healed, checkpoint=str(ckpt), cached=cached),
             ("heal_seconds" if healed else "convert_seconds"): build_seconds,
         }
+        if decode_from is not None:
+            row["decode_tokens_per_second"] = decode_from.get("decode_tokens_per_second")
+            row["decode_measured_on"] = decode_from["name"]
         return self.rows.put(name, key, row)
 
     @staticmethod

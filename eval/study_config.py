@@ -36,6 +36,7 @@ class Settings:
     refine_tokens: int = 0  # ... and its `--calibration-tokens` (the default `mix` corpus)
     refine_loss_stride: int = 1  # ... and its `--loss-stride`: a short refinement needs every position
     heal_corpus: str = "austen"  # `hf-attn heal --train-corpus`: austen | python-docs | mix
+    variants: tuple[str, ...] = ()  # the names of the variants this profile runs (empty: all of them)
 
     @property
     def protocol(self) -> str:
@@ -63,6 +64,7 @@ class Settings:
     def key(self) -> dict:
         """The settings a row's key depends on (an unset second corpus leaves earlier keys unchanged)."""
         out = dataclasses.asdict(self)
+        del out["variants"]  # which rows run, not how one is measured
         if not self.second_corpus_tokens:
             del out["second_corpus_tokens"]
         return out
@@ -101,6 +103,10 @@ def check_settings(settings: Settings, where: str) -> None:
     """UserError naming the field and the file for a value of the wrong type or out of range."""
     for f in dataclasses.fields(Settings):
         value, integer = getattr(settings, f.name), f.type in ("int", int)
+        if f.name == "variants":
+            if not all(isinstance(name, str) for name in value):
+                raise UserError(f"variants = {list(value)!r} in {where} must be a list of variant names")
+            continue
         if f.type in ("str", str):
             if not isinstance(value, str):
                 raise UserError(f"{f.name} = {value!r} in {where} must be a string")
@@ -133,7 +139,10 @@ def load_config(path: str | Path, profile: str) -> tuple[Settings, list[Variant]
     missing = sorted(required - set(raw[profile]))
     if missing:
         raise UserError(f"[{profile}] of {path} lacks the settings {missing}; add them")
-    settings = Settings(**raw[profile])
+    names = raw[profile].get("variants", [])
+    if not isinstance(names, list):
+        raise UserError(f"variants = {names!r} in [{profile}] of {path} must be a list of variant names")
+    settings = Settings(**{**raw[profile], "variants": tuple(names)})
     check_settings(settings, f"[{profile}] of {path}")
     variants = []
     for entry in raw.get("variants", []):
@@ -151,6 +160,14 @@ def load_config(path: str | Path, profile: str) -> tuple[Settings, list[Variant]
         variants.append(Variant(name, entry.pop("label", name), kind, bool(entry.pop("heal", False)), entry))
     if len({v.name for v in variants}) != len(variants):
         raise UserError(f"variant names in {path} must be unique")
+    unknown = sorted(set(settings.variants) - {v.name for v in variants})
+    if unknown:
+        raise UserError(
+            f"variants = {unknown} in [{profile}] of {path} are not [[variants]] of the file; "
+            f"choose from {[v.name for v in variants]}"
+        )
+    if settings.variants:
+        variants = [v for v in variants if v.name in settings.variants]
     return settings, variants
 
 

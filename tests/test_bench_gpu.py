@@ -23,9 +23,7 @@ def test_dry_run_sets_up_every_part():
     assert results["attention"]["plan"][0].startswith("10 cases")  # 2 shapes x (2 contexts x 2 batches + 1)
     assert "batch 16 at 8192" in results["capacity"]["plan"][0]  # MHA 7B: 128 MiB per row and layer at 8k
     assert "batch 227 at 8192" in results["capacity"]["plan"][1]  # 512 + 64: 9 MiB
-    assert (
-        "2 of 32 layers" in results["recipe"]["plan"][0] and "8 of 32" in results["recipe-deep"]["plan"][0]
-    )
+    assert "2 of 32 layers" in results["recipe"]["plan"][0] and "8 of 32" in results["recipe-deep"]["plan"][0]
     assert all("--device cuda" in line for line in results["recipe"]["plan"][1:])
 
 

@@ -5,6 +5,7 @@ tests resume its rows and reuse its store instead of converting or healing again
 
 import contextlib
 import json
+import re
 import shutil
 
 import pytest
@@ -53,6 +54,7 @@ def failing_bad_variant():
 def first_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("study")
     header, variants = DEFAULT_CONFIG.read_text().split("[[variants]]", 1)
+    header = re.sub(r"(?m)^variants = .*$", "", header)  # every variant, not the quick profile's choice
     config = root / "study.toml"
     config.write_text(header + BAD + "[[variants]]" + variants)  # the failing variant first
     # Keeps every checkpoint (~13 x 0.5 GB, deleted with the fixture) for the reuse tests below.
@@ -64,7 +66,7 @@ def first_run(tmp_path_factory):
 
 def test_every_row_is_reported(first_run):
     root, record = first_run
-    _, variants = load_config(DEFAULT_CONFIG, "quick")
+    _, variants = load_config(DEFAULT_CONFIG, "default")
     expected = [v.name for v in variants] + [v.name + "+healed" for v in variants if v.heal]
     names = [r["name"] for r in record["rows"]]
     assert sorted(names) == sorted(expected + ["bad", "bad+healed"])
@@ -84,8 +86,8 @@ def test_a_failing_variant_is_reported_not_fatal(first_run):
     assert "ran out of memory" in rows["bad"]["error"]  # names what went wrong
     assert "error" in rows["bad+healed"]
     assert "FAILED" in (root / "results" / "report.md").read_text()
-    # ... and every variant after it was converted (7) and healed (7: `source` heals the source itself).
-    assert record["counts"] == {"converted": 7, "healed": 7, "reused": 0}
+    # ... and every variant after it was converted (7) and healed (5: `source` heals the source itself).
+    assert record["counts"] == {"converted": 7, "healed": 5, "reused": 0}
 
 
 def test_rows_are_consistent(first_run):
@@ -104,6 +106,13 @@ def test_rows_are_consistent(first_run):
     )
     for name in ("mla-50", "mla-25", "mla-12"):
         assert rows[name]["kv_fraction"] <= {"mla-50": 0.5, "mla-25": 0.25, "mla-12": 0.125}[name] + 1e-9
+    # A healed row's decode speed is its unhealed row's (same shapes and code), measured once.
+    for row in rows.values():
+        if row["healed"]:
+            assert row["decode_measured_on"] == row["variant"]
+            assert row["decode_tokens_per_second"] == rows[row["variant"]]["decode_tokens_per_second"]
+        else:
+            assert "decode_measured_on" not in row and row["decode_tokens_per_second"] > 0
 
 
 def test_second_run_reuses_the_cache(first_run):
@@ -122,13 +131,13 @@ def test_kept_checkpoints_are_reused_by_a_new_results_dir(first_run):
     def store():  # the checkpoints in the store, by variant name (`NAME-KEY`, `NAME-healed-KEY`)
         return sorted(p.name.rsplit("-", 1)[0] for p in (root / "store").iterdir() if p.suffix != ".heal")
 
-    _, variants = load_config(DEFAULT_CONFIG, "quick")
+    _, variants = load_config(DEFAULT_CONFIG, "default")
     converted = [v.name for v in variants if v.kind != "source"]
     built = converted + [v.name + "-healed" for v in variants if v.heal]
     assert store() == sorted(built)  # every converted and healed checkpoint, kept by default
     # New rows (another results dir), same store: both checkpoints of one variant are reused, not rebuilt,
     # then discarded once measured (--discard-checkpoints); the other variants' checkpoints stay.
-    again = study(root, results="again", only=["mqa-mean"], keep_checkpoints=False)
+    again = study(root, results="again", only=["mqa-calibrated"], keep_checkpoints=False)
     assert again["counts"] == {"converted": 0, "healed": 0, "reused": 2}
     assert not any(r.get("resumed") for r in again["rows"])
     before = {r["name"]: r for r in first["rows"]}
@@ -136,7 +145,7 @@ def test_kept_checkpoints_are_reused_by_a_new_results_dir(first_run):
         assert r["perplexity"] == pytest.approx(before[r["name"]]["perplexity"], rel=1e-6)
     # Without a source row the fraction still compares with the source's cache: MQA keeps 1 of 3 KV heads.
     assert [r["kv_fraction"] for r in again["rows"]] == pytest.approx([1 / 3, 1 / 3])
-    assert store() == sorted(set(built) - {"mqa-mean", "mqa-mean-healed"})
+    assert store() == sorted(set(built) - {"mqa-calibrated", "mqa-calibrated-healed"})
 
 
 def test_code_hash_follows_the_source(tmp_path, monkeypatch):
@@ -149,6 +158,17 @@ def test_code_hash_follows_the_source(tmp_path, monkeypatch):
     assert code_hash(("hashed_pkg",)) == before
     (pkg / "sub" / "mod.py").write_text("X = 2\n")  # a nested file of the package counts
     assert code_hash(("hashed_pkg",)) != before
+
+
+def test_a_profile_runs_the_variants_it_names(tmp_path):
+    _, every = load_config(DEFAULT_CONFIG, "default")
+    settings, quick = load_config(DEFAULT_CONFIG, "quick")
+    assert [v.name for v in quick] == [v for v in settings.variants]  # in the file's order
+    assert set(settings.variants) < {v.name for v in every}
+    config = tmp_path / "study.toml"
+    config.write_text(DEFAULT_CONFIG.read_text().replace('"mla-50-deepseek"]', '"mla-51"]'))
+    with pytest.raises(ValueError, match=r"\['mla-51'\] in \[quick\].*choose from"):
+        load_config(config, "quick")
 
 
 def test_an_unknown_heal_corpus_is_refused(tmp_path):
