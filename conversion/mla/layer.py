@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -180,6 +180,30 @@ def convert_layer(
     for key, tensor in out.items():
         assert tuple(tensor.shape) == expected[key], (key, tuple(tensor.shape), expected[key])
     return out
+
+
+def convert_layer_on(device: torch.device, **kwargs) -> dict[str, torch.Tensor]:
+    """`convert_layer(**kwargs)` on the calibration device, its tensors on the CPU. On a GPU the float64
+    factorizations run there (their inputs moved once: a spilled layer's statistics are read back once);
+    on the CPU this is `convert_layer` itself."""
+    if device.type == "cpu":
+        return convert_layer(**kwargs)
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    kwargs["weights"] = {k: to(w) for k, w in kwargs["weights"].items()}
+    kwargs["query_fit"] = to(kwargs.get("query_fit"))
+    stats, key = kwargs.get("statistics"), kwargs.get("shared_key")
+    if stats is not None:
+        samples = stats.samples
+        kwargs["statistics"] = LayerStatistics(
+            moment=to(stats.moment),
+            shared_keys=to(stats.shared_keys),
+            samples=None if samples is None else [to(x) for x in samples],
+        )
+    if key is not None:
+        kwargs["shared_key"] = replace(key, coef=to(key.coef), scale=to(key.scale), residual=to(key.residual))
+    with torch.device(device):  # the fit's own new tensors are made there too
+        out = convert_layer(**kwargs)
+    return {k: v.cpu() for k, v in out.items()}
 
 
 def _factorize(

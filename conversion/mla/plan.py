@@ -31,7 +31,7 @@ from hf_attn.conversion.mla import ranks as alloc
 from hf_attn.conversion.mla import rope_selection as rs
 from hf_attn.conversion.mla import shared_rope as sr
 from hf_attn.conversion.mla.calibration import Calibration, calibrate
-from hf_attn.conversion.mla.layer import LayerMoments, convert_layer
+from hf_attn.conversion.mla.layer import LayerMoments, convert_layer_on
 from hf_attn.conversion.mla.ranks import MLAShape
 from hf_attn.conversion.specs import (
     CALIBRATED_FACTORIZATIONS,
@@ -156,6 +156,12 @@ class MLAConversion:
         """The ranks of layer `layer`: its own (`--allocation greedy`) or the shared `shape`."""
         return self.shape if self.layer_shapes is None else self.layer_shapes[layer]
 
+    @property
+    def fit_device(self) -> torch.device:
+        """Where the layer fits run: the calibration pass's device (the CPU without one)."""
+        record = {} if self.calibration is None else self.calibration.record
+        return torch.device(record.get("device", "cpu"))
+
     def query_fit(self, layer: int) -> torch.Tensor | None:
         """The `attention` selection's query refit of the dropped pairs of `layer` (None otherwise)."""
         if self.selection != "attention" or self.calibration is None:
@@ -249,7 +255,8 @@ class MLAConversion:
                 k: read_tensor(index[n]) if n in index else None for k, n in layer_attn_keys(layer).items()
             }
             with stages.stage("fit"):
-                new = convert_layer(
+                new = convert_layer_on(
+                    self.fit_device,
                     weights={k: (w.double() if w is not None else None) for k, w in weights.items()},
                     pairs=self.pairs[layer],
                     shape=self.layer_shape(layer),
