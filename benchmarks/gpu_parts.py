@@ -1,11 +1,11 @@
 """The parts and profiles of `python -m benchmarks.gpu`: their registry, the adapter protocol, the budget
 check, the markdown rendering, and the child-process entry that runs one part (or dry-runs them all).
 
-A part has a planned duration (`plan_s`: seconds on one GPU, its process start, imports and Triton
-compilation included; measured where the part has run) and a time limit (`limit_s`: it is stopped there and keeps the rows it has). A profile
-is one command: its parts in order of value, then optional parts that run only if their planned seconds are
-left. `budget_problems` fails a profile whose planned seconds (SETUP_S + STOP_S + its parts') exceed its
-budget; the dry run and the tests check every profile with it.
+A part has a planned duration (`plan_s`: seconds on one GPU, its process start, imports and Triton compilation
+included; measured where the part has run) and a time limit (`limit_s`: it is stopped there and keeps the rows
+it has). A profile is one command: its parts in order of value, then optional parts that run only if their
+planned seconds are left. `budget_problems` fails a profile whose planned seconds (SETUP_S + STOP_S + its
+parts') exceed its budget; the dry run and the tests check every profile with it.
 
 Adapter protocol (`Adapter`, listed in the `ADAPTERS` dict of the part's module):
     defaults   settings of the part; `--set PART.KEY=JSON` replaces one
@@ -56,13 +56,14 @@ class Adapter:
 PARTS = {
     p.name: p
     for p in (  # name, module, about, planned s, limit s
-        Part("kernel-tests", "gpu_checks", "the compiled MLA kernel tests (they skip without CUDA)", 70, 100),
+        Part("kernel-tests", "gpu_checks", "MLA kernel and layer-fit tests (skip without CUDA)", 80, 110),
         Part("mla-kernel", "gpu_kernel", "MLA decode kernel: GB/s vs copy, PyTorch, GQA; tuning", 40, 80),
         Part("capacity", "gpu_capacity", "decode tokens/s at equal KV memory: MHA vs MLA 512+64", 25, 60),
-        Part("recipe", "gpu_recipe", "default convert mla / gqa on CUDA, 2 layers of Llama-3-8B", 135, 170),
+        Part("recipe", "gpu_recipe", "default convert mla on CUDA, 2 layers of Llama-3-8B", 85, 130),
         Part("attention", "gpu_attention", "hf_attn_grouped vs sdpa (and flash), prefill / decode", 15, 45),
-        Part("heal", "gpu_train", "healing tokens/s and MFU, one GPU: heal, bare loop, a teacher", 60, 100),
+        Part("heal", "gpu_train", "healing tokens/s and MFU, one GPU: heal, bare loop, a teacher", 40, 100),
         Part("fsdp", "gpu_train", "healing under FSDP (the shipped config), one process per GPU", 45, 90),
+        Part("recipe-gqa", "gpu_recipe", "convert gqa (MQA) on CUDA, 2 layers of Llama-3-8B", 75, 120),
         Part("recipe-deep", "gpu_recipe", "default convert mla on CUDA, 8 layers of Llama-3-8B", 200, 300),
     )
 }  # fmt: skip
@@ -85,7 +86,7 @@ PROFILES = {
         Profile("loan", "the essential figures in one command of at most 5 minutes (the default)", 300,
                 ("kernel-tests", "mla-kernel", "capacity", "recipe"), ("attention",)),
         Profile("extended", "the rest, a second command of at most 8 minutes", 480,
-                ("heal", "fsdp", "recipe-deep")),
+                ("heal", "fsdp", "recipe-gqa", "recipe-deep")),
     )
 }  # fmt: skip
 

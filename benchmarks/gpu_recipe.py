@@ -39,7 +39,7 @@ HOOKS = (
     ("calibration and fit", "closed form", "hf_attn.conversion.gqa.convert", "_calibrate_layers", "layers"),
     ("closed-form write", "closed form", "hf_attn.conversion.mla.convert", "write_conversion", "bytes"),
     ("closed-form write", "closed form", "hf_attn.conversion.gqa.convert", "save_streamed", "bytes"),
-    ("factorization", "closed-form write", "hf_attn.conversion.mla.plan", "convert_layer", "layers"),
+    ("factorization", "closed-form write", "hf_attn.conversion.mla.plan", "convert_layer_on", "layers"),
     ("refinement", None, "hf_attn.conversion.pipeline", "_refine", "layers"),
     ("layer fits", "refinement", "hf_attn.conversion.refine", "fit_layer", "layers"),
     ("refined write", "refinement", "hf_attn.conversion.refine", "save_streamed", "bytes"),
@@ -253,9 +253,10 @@ COLUMNS = (
     ("peak GPU GiB", "peak_gpu_gib", ".2f"), ("peak RSS GiB", "peak_rss_gib", ".2f"),
     ("status", "status", ""),
 )  # fmt: skip
-_DEFAULTS = dict(shape="llama-3-8b", layers=2, converters=["mla", "gqa"], workdir=None)
+_DEFAULTS = dict(shape="llama-3-8b", layers=2, converters=["mla"], workdir=None)
 ADAPTERS = {
     "recipe": Adapter(defaults=_DEFAULTS, columns=COLUMNS, plan=plan, run=run),
+    "recipe-gqa": Adapter(defaults={**_DEFAULTS, "converters": ["gqa"]}, columns=COLUMNS, plan=plan, run=run),
     "recipe-deep": Adapter(
         defaults={**_DEFAULTS, "layers": 8, "converters": ["mla"]}, columns=COLUMNS, plan=plan, run=run
     ),  # fmt: skip

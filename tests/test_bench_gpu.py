@@ -18,8 +18,8 @@ def test_dry_run_sets_up_every_part():
     assert set(results) == set(PARTS) == set(gpu.all_parts())  # every part belongs to a profile
     broken = {name: r["error"] for name, r in results.items() if not r["ok"]}
     assert not broken
-    # 7 kernel cases x 3 dtypes + 4 model cases: the compiled tests that skip without CUDA
-    assert results["kernel-tests"]["plan"][0].startswith("25 tests")
+    # 7 kernel cases x 3 dtypes + 4 model cases + 2 layouts' layer fits: the tests that skip without CUDA
+    assert results["kernel-tests"]["plan"][0].startswith("27 tests")
     assert results["attention"]["plan"][0].startswith("10 cases")  # 2 shapes x (2 contexts x 2 batches + 1)
     assert "batch 16 at 8192" in results["capacity"]["plan"][0]  # MHA 7B: 128 MiB per row and layer at 8k
     assert "batch 227 at 8192" in results["capacity"]["plan"][1]  # 512 + 64: 9 MiB
@@ -61,12 +61,12 @@ def test_dry_run_covers_both_profiles_and_fails_one_that_cannot_fit(monkeypatch,
     env = gpu_bundle.child_env(install=False)
     assert gpu.dry_run(gpu.all_parts(), {}, env, in_process=True) == 0
     out = capsys.readouterr().out
-    assert "profile loan: planned 300 s of 300 s" in out and "profile extended:" in out
+    assert "profile loan: planned 260 s of 300 s" in out and "profile extended:" in out
     assert "CANNOT" not in out
     slow = gpu_parts.Part("recipe", "gpu_recipe", "slower", plan_s=200, limit_s=250)
     monkeypatch.setitem(PARTS, "recipe", slow)
     assert gpu.dry_run([], {}, env, in_process=True) == 1
-    assert "profile loan: planned 365 s of 300 s" in capsys.readouterr().out
+    assert "profile loan: planned 375 s of 300 s" in capsys.readouterr().out
     assert "recipe 200) > its budget 300 s" in " ".join(gpu_parts.budget_problems(PROFILES["loan"]))
     assert gpu.dry_run(["mla-kernel"], {"mla-kernel": {"batch": [0]}}, env, in_process=True) == 1
 
