@@ -50,7 +50,10 @@ def plan_tests(settings: dict) -> list[str]:
 
 
 def run_tests(settings: dict, emit) -> None:
+    # `-o pythonpath=`: not the checkout's root first on sys.path (pyproject's setting for benchmarks/), where
+    # its `hf_attn/` folder, which lacks `conversion` and `eval`, would hide the installed layout
     argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", __name__, "-q", "-rfE"]
+    argv += ["-o", "pythonpath="]
     env = dict(os.environ, **{ROWS_ENV: emit.path})
     args = [*_test_files(settings), "-k", settings["select"]]
     proc = subprocess.run(argv + args, cwd=ROOT, env=env, capture_output=True, text=True)
