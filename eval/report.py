@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 from hf_attn.conversion.specs import DEFAULT_CORPUS as CALIBRATION_CORPUS
+from hf_attn.eval.study_config import Settings
 from hf_attn.tooling.assets import CORPUS_TEXTS
 from hf_attn.tooling.errors import UserError
 from hf_attn.tooling.files import WRITTEN_BY, write_json, write_text_atomic
@@ -210,8 +211,6 @@ def _resumed_note(record: dict) -> str:
 def _refinement_note(record: dict) -> str:
     if not any((r.get("options") or {}).get("refine") for r in record["rows"]):
         return ""
-    from hf_attn.eval.study import Settings
-
     return f"Rows marked refined: {Settings(**record['settings']).refinement}; counted in Convert s. "
 
 

@@ -31,7 +31,17 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from hf_attn.conversion.specs import MLASpec
+from hf_attn.conversion import mla, pipeline
+from hf_attn.conversion.checkpoint.io import AttentionGeometry, read_config
+from hf_attn.conversion.specs import CalibrationSpec, MLASpec, RefineSpec
+from hf_attn.conversion.training.data import HealSettings
+from hf_attn.conversion.training.heal import heal as heal_checkpoint
+from hf_attn.conversion.training.recipe import default_state_dir
+from hf_attn.eval.bench.decode import bench_decode
+from hf_attn.eval.kv_cache import kv_bytes_per_token
+from hf_attn.eval.perplexity import PerplexitySettings
+from hf_attn.eval.perplexity import run as perplexity
+from hf_attn.eval.report import check_results_dir, format_table, write_report
 from hf_attn.eval.rows import RowStore
 from hf_attn.eval.rows import row_key as _key
 from hf_attn.eval.study_config import (
@@ -43,7 +53,7 @@ from hf_attn.eval.study_config import (
     check_variants,
     load_config,
 )
-from hf_attn.tooling import assets
+from hf_attn.tooling import assets, loading
 from hf_attn.tooling.cli import ArgumentParser, run_command
 from hf_attn.tooling.devices import DEFAULT_DEVICE, DEVICE_HELP, DEVICES, announce_device, resolve_device
 from hf_attn.tooling.errors import UserError
@@ -115,9 +125,6 @@ def convert(
     A variant without `refine = true` is the closed form only, whatever the converters' defaults. `shared` (a
     dict kept across calls) holds the MLA calibration pass, which does not depend on the ranks: every per-head
     MLA variant of a study reuses it."""
-    from hf_attn.conversion import pipeline
-    from hf_attn.conversion.specs import CalibrationSpec, RefineSpec
-
     opts = dict(variant.options)
     export, refine = opts.pop("export", None), bool(opts.pop("refine", False))
     if refine and (settings.refine_steps < 1 or settings.refine_tokens < 1):
@@ -148,9 +155,6 @@ def convert(
 def _shared_calibration(spec, source: Path, calibration, shared: dict):
     """The MLA calibration pass of a per-head MLA spec on `calibration`'s text (kept in `shared` for the next
     variant); None for any other spec (the DeepSeek layout needs statistics of its own: calibrates itself)."""
-    from hf_attn.conversion import mla
-    from hf_attn.conversion.checkpoint.io import AttentionGeometry, read_config
-
     if not isinstance(spec, MLASpec) or spec.layout != "per-head":
         return None
     files = calibration.files()
@@ -165,9 +169,6 @@ def _shared_calibration(spec, source: Path, calibration, shared: dict):
 
 
 def heal(src: Path, dst: Path, settings: Settings, device: str = DEFAULT_DEVICE) -> dict:
-    from hf_attn.conversion.training.data import HealSettings
-    from hf_attn.conversion.training.heal import heal as heal_checkpoint
-
     recipe = HealSettings(
         model=str(src),
         output=str(dst),
@@ -186,10 +187,6 @@ def heal(src: Path, dst: Path, settings: Settings, device: str = DEFAULT_DEVICE)
 def measure(path: Path, settings: Settings, device: str = DEFAULT_DEVICE, *, decode: bool = True) -> dict:
     """Perplexity (with measured KV bytes per token), task accuracy and, with `decode`, decode speed of one
     checkpoint."""
-    from hf_attn.eval.bench.decode import bench_decode
-    from hf_attn.eval.perplexity import PerplexitySettings
-    from hf_attn.eval.perplexity import run as perplexity
-
     ppl = perplexity(
         PerplexitySettings(
             model=str(path),
@@ -246,8 +243,7 @@ def measure(path: Path, settings: Settings, device: str = DEFAULT_DEVICE, *, dec
 
 def task_accuracy_of(path: Path, items: int) -> dict:
     """Last-word accuracy (the local Persuasion task) of the checkpoint at `path`, fp32."""
-    from hf_attn.eval.tasks.accuracy import task_accuracy
-    from hf_attn.tooling import loading
+    from hf_attn.eval.tasks.accuracy import task_accuracy  # lm-eval: loaded only when a study measures
 
     model, tokenizer = loading.load_causal_lm(path), loading.load_tokenizer(path)
     return task_accuracy(model, tokenizer, tasks=("persuasion_lastword",), limit=items)
@@ -310,8 +306,6 @@ class Study:
         )
         if source_kv is None:  # no source row (`--only`): the source's cache from its config, in fp32
             from transformers import AutoConfig
-
-            from hf_attn.eval.kv_cache import kv_bytes_per_token
 
             source_kv = kv_bytes_per_token(AutoConfig.from_pretrained(self.source)).total
         for r in rows:
@@ -377,8 +371,6 @@ class Study:
                     rows.append(self._failed(v, err, healed=True))
         progress.done = first_step + 2 + 2 * v.heal  # the steps a failure skipped
         if not self.keep_checkpoints:
-            from hf_attn.conversion.training.recipe import default_state_dir
-
             for path, _, _ in built.values():
                 for tree in (path, default_state_dir(path)):  # the healing log lives beside its checkpoint
                     if path != self.source and tree.exists():
@@ -448,9 +440,6 @@ def run_study(
     """Run the study; write `results.json`, `report.md` and `pareto.png` into `results`; return the record.
     `log` receives one line per step (and the errors of failed variants); `device` is every stage's
     `--device` (auto: CUDA where torch sees it, else the CPU; the record says which)."""
-    from hf_attn.eval.report import check_results_dir, write_report
-    from hf_attn.tooling.loading import library_versions
-
     settings, variants = load_config(config, profile)
     if overrides:
         settings = dataclasses.replace(settings, **overrides)
@@ -491,7 +480,7 @@ def run_study(
         "device": where.type,
         "wall_seconds": time.perf_counter() - start,
         "date": time.strftime("%Y-%m-%d"),
-        "versions": library_versions(),
+        "versions": loading.library_versions(),
     }
     write_report(record, Path(results))
     return record
@@ -530,8 +519,6 @@ def main(argv: list[str] | None = None) -> int:
             log=lambda line: print(line, flush=True),
             device=args.device,
         )
-        from hf_attn.eval.report import format_table
-
         print()
         print(format_table(record))
         print(

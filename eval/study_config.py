@@ -8,7 +8,18 @@ import re
 import tomllib
 from pathlib import Path
 
-from hf_attn.conversion.specs import DEFAULT_CORPUS, EXPORT_TARGETS, RELATIVE_LR
+from hf_attn.conversion import gqa, pipeline
+from hf_attn.conversion.checkpoint.io import AttentionGeometry, read_config
+from hf_attn.conversion.gqa import expand
+from hf_attn.conversion.mla import plan as mla_plan
+from hf_attn.conversion.specs import (
+    DEFAULT_CORPUS,
+    EXPORT_TARGETS,
+    RELATIVE_LR,
+    CalibrationSpec,
+    ExpandSpec,
+    GQASpec,
+)
 from hf_attn.tooling import assets
 from hf_attn.tooling.errors import UserError, check_number, one_line, user_input
 
@@ -174,12 +185,6 @@ def load_config(path: str | Path, profile: str) -> tuple[Settings, list[Variant]
 def check_variants(variants: list[Variant], settings: Settings, source: Path, where: str) -> None:
     """Every variant's options against the source checkpoint (its attention geometry), before the first
     variant runs: UserError naming the variant and the first bad option."""
-    from hf_attn.conversion import gqa, pipeline
-    from hf_attn.conversion.checkpoint.io import AttentionGeometry, read_config
-    from hf_attn.conversion.gqa import expand
-    from hf_attn.conversion.mla import plan as mla_plan
-    from hf_attn.conversion.specs import CalibrationSpec, ExpandSpec, GQASpec
-
     geometry = AttentionGeometry.from_config(read_config(source))
     for v in variants:
         options = dict(v.options)

@@ -187,11 +187,12 @@ def test_every_package_folder_is_installed():
 
 # ------------------------------------------------------------------------------ conversion/: its own imports
 
-# a function-level import of a project module inside conversion/ is allowed only for these (module prefix ->
-# why): an optional dependency that the code path needs and an ordinary install may lack. Every other import
-# is at the top of its module, where a cycle would show.
+# a function-level import of a project module inside conversion/ or eval/ is allowed only for these (module
+# prefix -> why): an optional or heavy dependency that the code path needs and that a command which does not
+# take that path should not load. Every other import is at the top of its module, where a cycle would show.
 LAZY_IMPORTS_ALLOWED = {
     "hf_attn.kernels": "Triton: present only with the `kernels` extra, used only on CUDA",
+    "hf_attn.eval.tasks": "lm-eval: loaded only by a run that measures task accuracy",
 }
 
 
@@ -210,9 +211,10 @@ def _project_module(name: str) -> str | None:
     return name if name == "hf_attn" or name.startswith("hf_attn.") else None
 
 
-def test_conversion_has_no_function_level_project_imports():
+@pytest.mark.parametrize("folder", ["conversion", "eval"])
+def test_no_function_level_project_imports(folder):
     found = []
-    for path in sorted((ROOT / "conversion").rglob("*.py")):
+    for path in sorted((ROOT / folder).rglob("*.py")):
         tree = ast.parse(path.read_text(), filename=str(path))
         for func in ast.walk(tree):
             if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):

@@ -35,6 +35,7 @@ from hf_attn.conversion.checkpoint.io import latest_record
 from hf_attn.conversion.export.engine_dims import accepting_backends, platform_sizes
 from hf_attn.eval.engine import environment as env
 from hf_attn.eval.engine import reference as ref
+from hf_attn.tooling import assets
 from hf_attn.tooling.cli import ArgumentParser, run_command
 from hf_attn.tooling.errors import UserError, check_number
 from hf_attn.tooling.files import check_output, write_json
@@ -137,8 +138,6 @@ def prompts_from_text(text: str, target: Target, lengths: tuple[int, ...]) -> li
     tokenizer (SmolLM2's for a checkpoint without one, its ids modulo the vocabulary)."""
     from transformers import AutoTokenizer
 
-    from hf_attn.tooling import assets
-
     has_tokenizer = (target.model / "tokenizer.json").exists() or (target.model / "tokenizer.model").exists()
     tok = AutoTokenizer.from_pretrained(target.model if has_tokenizer else assets.smollm2_dir())
     need = PROMPT_STRIDE * (len(lengths) - 1) + max(lengths)
@@ -236,8 +235,6 @@ def engine_check_many(
     text: str | None = None,
 ) -> list[dict]:
     """`engine_check` for several (model, source) pairs with ONE vLLM launch; a report per pair."""
-    from hf_attn.tooling import assets
-
     if rotary_workaround not in ("auto", "on", "off"):
         raise UserError(f"--rotary-workaround must be auto, on or off, got {rotary_workaround!r}")
     targets = [resolve_target(m, s) for m, s in models]

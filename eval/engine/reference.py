@@ -12,6 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
+
+import hf_attn  # noqa: F401  (registers llama_mla)
 
 
 @dataclass(frozen=True)
@@ -67,10 +70,6 @@ def run_model(
 
 def load(path: Path):
     """A checkpoint in fp32, eager attention, eval mode (llama_mla via hf_attn's registration)."""
-    from transformers import AutoModelForCausalLM
-
-    import hf_attn  # noqa: F401  (registers llama_mla)
-
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     return model.eval()
 
