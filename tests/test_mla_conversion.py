@@ -400,10 +400,10 @@ def test_output_loads_with_remote_code_without_hf_attn(tiny_root, tmp_path):
 
 
 def test_failure_leaves_no_output(tiny_root, tmp_path, monkeypatch):
-    def boom(**kwargs):
+    def boom(device, **kwargs):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(mla_plan, "convert_layer", boom)  # where the planned conversion calls it
+    monkeypatch.setattr(mla_plan, "convert_layer_on", boom)  # where the planned conversion calls it
     with pytest.raises(RuntimeError, match="disk full"):
         mla.convert_to_mla(MLASpec(kv_budget=1.0), src=tiny_root / "llama", dst=tmp_path / "mla")
     assert list(tmp_path.iterdir()) == []
