@@ -705,3 +705,22 @@ def test_input_side_directions_complete_a_rank_deficient_metric():
     u = metric.top_directions(12)  # more than the 5 nonzero directions
     assert torch.allclose(u.T @ u, torch.eye(12, dtype=u.dtype), atol=1e-10)
     assert torch.allclose(u @ (u.T @ weighted), weighted, atol=1e-9 * weighted.abs().max())
+
+
+@pytest.mark.parametrize("biased", [False, True])
+def test_attention_metric_is_the_weighted_moment_of_centred_keys_and_values(biased):
+    """The metric A J A^T against its definition: J the sample second moment of z = [W_K (x - mean);
+    W_V x (- W_V mean where the values carry a bias)] over the calibration samples, A recovered from the
+    metric's A W by the pseudo-inverse of the stacked weights (full row rank: W = 12 < C = 20)."""
+    n, c, hkv, d, dn = 200, 20, 2, 4, 2
+    x, kw = _pca_problem(9, n=n, c=c, hq=4, hkv=hkv, d=d, dn=dn, biased=biased, offset=0.5)
+    w_k, w_v = kw["w_k"], kw["w_v"]
+    metric = fac._attention_metric(
+        w_k, w_v, kw["w_q"], kw["b_q"], kw["b_v"], kw["w_o"], kw["moment"], num_kv_heads=hkv
+    )
+    mean = x.mean(0)  # (C,)
+    z = torch.cat([(x - mean) @ w_k.T, (x - mean) @ w_v.T if biased else x @ w_v.T], 1)  # (n, W)
+    j = z.T @ z / n  # (W, W)
+    a = metric.aw @ torch.linalg.pinv(torch.cat([w_k, w_v]))  # (W, W): block-diagonal A
+    want = a @ j @ a.T
+    torch.testing.assert_close(metric.weighted(), want, rtol=1e-9, atol=1e-9 * want.abs().max().item())

@@ -236,3 +236,68 @@ def test_a_strided_step_is_the_layers_own_output_at_its_positions(kind, stride, 
         range(visit % stride, t, stride)
     )
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("window,given", [(None, False), (9, False), (9, True)])
+def test_a_strided_steps_gradient_is_the_layers_own(window, given):
+    """The gradient of a strided step's loss (its queries in chunks, each over the keys up to its last
+    query, or under the `given` mask) equals the gradient of the same loss on the decoder layer's own
+    forward, with and without a sliding window: 37 positions, every 2nd, so the chunks are uneven."""
+    from hf_attn.conversion.refine_fit import FitRule, _step_prediction
+
+    model = tiny_llama(7).eval()
+    model.config.sliding_window = window
+    layer, t = model.model.layers[0], 37
+    x = torch.randn(1, t, SRC_TINY["hidden_size"], generator=torch.Generator().manual_seed(2))
+    ids = torch.arange(t)[None]
+    keys = torch.arange(t)
+    allowed = keys[None] <= keys[:, None]
+    if window is not None:
+        allowed &= keys[:, None] - keys[None] < window
+    kwargs = dict(position_ids=ids, position_embeddings=model.model.rotary_emb(x, ids), use_cache=False)
+    if window is not None:
+        kwargs["sliding_window"] = window
+    weight = layer.self_attn.q_proj.weight
+    grads = []
+    for strided in (True, False):
+        weight.grad = None
+        if strided:
+            y, positions = _step_prediction(
+                layer,
+                x,
+                {**kwargs, "attention_mask": allowed[None, None] if given else None},
+                FitRule(1, lr=1e-3, loss_stride=2),
+                1,
+            )
+        else:  # the layer's own forward under an explicit boolean mask, then the same positions
+            y = layer(x, attention_mask=allowed[None, None], **kwargs)
+            y = (y[0] if isinstance(y, tuple) else y)[:, positions]
+        y.pow(2).mean().backward()
+        grads.append(weight.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "boolean", "additive"])
+def test_strided_attention_matches_sdpa_on_a_batch(mask_kind):
+    """`strided_queries_attention` on a batch of 2 with grouped heads (4 query, 2 KV), at every 3rd query from
+    the 2nd, against torch's `scaled_dot_product_attention` over every query with the K/V heads repeated:
+    causal without a mask, else each sequence's own (random, diagonal kept) boolean or additive mask."""
+    from hf_attn.conversion.refine_fit import strided_queries_attention
+
+    g = torch.Generator().manual_seed(3)
+    b, hq, hkv, t, d = 2, 4, 2, 10, 8
+    q, k, v = (torch.randn(b, h, t, d, generator=g) for h in (hq, hkv, hkv))
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    allowed = (torch.rand(b, 1, t, t, generator=g) < 0.6) & causal | torch.eye(t, dtype=torch.bool)
+    mask = {
+        "none": None,
+        "boolean": allowed,
+        "additive": torch.zeros(b, 1, t, t).masked_fill(~allowed, float("-inf")),
+    }[mask_kind]
+    rows = slice(1, None, 3)
+    got, _ = strided_queries_attention(None, q, k, v, mask, query_rows=rows)  # (B, T, Hq, D)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=causal if mask is None else allowed
+    ).transpose(1, 2)  # (B, T, Hq, D)
+    torch.testing.assert_close(got[:, rows], want[:, rows], rtol=1e-5, atol=1e-6)
+    assert not got[:, 0].any() and not got[:, 2].any()  # the other positions stay zero

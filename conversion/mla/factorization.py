@@ -168,12 +168,14 @@ def attention_pca(
     down = basis.T @ metric.aw  # (r, C): U_r^T A W
 
     # least-squares decoders: keys from the centred latent, values from the latent (+1 if biased)
-    c_cov = down @ cov @ down.T  # (r, r)
-    up_k = _lstsq_decoder(w_k @ cov @ down.T, c_cov)  # (nk, r)
+    cov_d = cov @ down.T  # (C, r): E[(x - mean) c^T] = Cov(x) D^T, shared by every decoder
+    c_cov = down @ cov_d  # (r, r)
+    up_k = _lstsq_decoder(w_k @ cov_d, c_cov)  # (nk, r)
     if v_center:
-        up_v = _lstsq_decoder(w_v @ cov @ down.T, c_cov)  # (nv, r)
+        up_v = _lstsq_decoder(w_v @ cov_d, c_cov)  # (nv, r)
     else:
-        up_v = _lstsq_decoder(w_v @ second @ down.T, down @ second @ down.T)  # (nv, r)
+        second_d = second @ down.T  # (C, r)
+        up_v = _lstsq_decoder(w_v @ second_d, down @ second_d)  # (nv, r)
     up = torch.cat([up_k, up_v])  # (W, r)
     up_bias = None
     if b_k is not None or b_v is not None:
@@ -222,11 +224,9 @@ def _input_side(w_k, w_v, moment, rank: int, forced: bool | None) -> bool:
 @dataclass(frozen=True)
 class _Metric:
     """`attention_pca`'s metric: the weighted second moment A J A^T (W, W), J = E[z z^T] of
-    z = M [x; 1] = [W_K (x - mean); W_V x (- W_V mean if the values are centred)], A = block_diag(blocks)."""
+    z = M [x; 1] = [W_K (x - mean); W_V x (- W_V mean if the values are centred)],
+    A = block_diag(A_K,g, A_V,g)."""
 
-    blocks: list  # the A_g blocks: Hkv key blocks (dn, dn), then Hkv value blocks (d, d)
-    w_k: torch.Tensor  # (nk, C)
-    w_v: torch.Tensor  # (nv, C)
     am: torch.Tensor  # (W, C+1): A M
     moment: torch.Tensor  # (C+1, C+1): E[[x;1][x;1]^T]
     cov: torch.Tensor  # (C, C)
@@ -263,17 +263,8 @@ class _Metric:
         return torch.linalg.qr(u)[0]  # orthonormal; its first k columns span u's first k
 
     def weighted(self) -> torch.Tensor:
-        """A J A^T (W, W), J assembled from the centred / uncentred input moments."""
-        a = torch.block_diag(*self.blocks)  # (W, W)
-        w_k, w_v = self.w_k, self.w_v
-        sv = self.cov if self.v_center else self.second
-        joint = torch.cat(
-            [
-                torch.cat([w_k @ self.cov @ w_k.T, w_k @ self.cov @ w_v.T], 1),
-                torch.cat([w_v @ self.cov @ w_k.T, w_v @ sv @ w_v.T], 1),
-            ]
-        )  # (W, W)
-        return a @ joint @ a.T
+        """A J A^T = (A M) E[[x;1][x;1]^T] (A M)^T (W, W): one product through the augmented moment."""
+        return self.am @ self.moment @ self.am.T
 
 
 def _attention_metric(w_k, w_v, w_q, b_q, b_v, w_o, moment, num_kv_heads) -> _Metric:
@@ -320,4 +311,4 @@ def _attention_metric(w_k, w_v, w_q, b_q, b_v, w_o, moment, num_kv_heads) -> _Me
         n = block.shape[0]
         am[row : row + n] = block @ am[row : row + n]
         row += n
-    return _Metric(a_blocks, w_k, w_v, am, m, cov, second, mean, v_center)
+    return _Metric(am, m, cov, second, mean, v_center)
