@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from transformers import AttentionInterface, AttentionMaskInterface
+from transformers import AttentionInterface, AttentionMaskInterface, AutoConfig, AutoModelForCausalLM
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from hf_attn.attention.grouped import grouped_attention_forward, grouped_attention_mask
+from hf_attn.models.llama_mla import LlamaMLAConfig, LlamaMLAForCausalLM
 
 # name -> (attention function, mask function). The mask function decides which masks reach the attention
 # function: `grouped_attention_mask` (transformers' `sdpa_mask`) gives a boolean (B, 1, T, S) mask, or None
@@ -27,12 +30,6 @@ def register() -> None:
 
 def _register_model_types() -> None:
     """Register `llama_mla` with AutoConfig / AutoModelForCausalLM (skipped where already registered)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    from hf_attn.models.llama_mla import LlamaMLAConfig, LlamaMLAForCausalLM
-
     model_type = LlamaMLAConfig.model_type
     if model_type not in CONFIG_MAPPING or CONFIG_MAPPING[model_type] is not LlamaMLAConfig:
         AutoConfig.register(model_type, LlamaMLAConfig)  # raises if transformers itself defines the name

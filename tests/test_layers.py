@@ -211,7 +211,7 @@ def _project_module(name: str) -> str | None:
     return name if name == "hf_attn" or name.startswith("hf_attn.") else None
 
 
-@pytest.mark.parametrize("folder", ["conversion", "eval"])
+@pytest.mark.parametrize("folder", ["hf_attn", "conversion", "eval"])
 def test_no_function_level_project_imports(folder):
     found = []
     for path in sorted((ROOT / folder).rglob("*.py")):

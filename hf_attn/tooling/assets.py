@@ -340,13 +340,10 @@ def main(argv: list[str] | None = None) -> int:
     """`hf-attn assets` (`python -m hf_attn.tooling.assets`): fetch the embedded default once; print where."""
     ArgumentParser(prog="hf-attn assets", description=__doc__.split("\n")[0]).parse_args(argv)
 
-    def fetch() -> None:
-        from hf_attn.tooling import task_data  # the local accuracy tasks, built from the evaluation novel
-
+    def fetch() -> None:  # the local accuracy tasks are built from the novels on first use (task_data)
         print(f"model: {smollm2_dir()}")
         print(f"text:  {austen_dir()}")
         print(f"docs:  {python_docs_dir()}")
-        print(f"tasks: {task_data.task_dir()}")
 
     return run_command("hf-attn assets", fetch)
 
