@@ -19,7 +19,8 @@ tokens, S steps of one window each:
     refine targets        N_r L fwd(P_attn)  (the source layer)
     refine forward        S T L att(P_attn')  (target "attention"; "layer": fwd(P_attn'))
     refine backward       S T L 2 att(P_attn')  (target "layer": + 2 P_mlp T)
-    refine error          N_r L (att(P_attn') or fwd(P_attn') before, fwd(P_attn') after)
+    refine error          L (N_k (att(P_attn') or fwd(P_attn')) before, N_r fwd(P_attn') after), N_k the
+                          tokens of the windows the keep rule reads (every KEEP_WINDOW_STRIDE-th)
     refine update         refit: 2 N_r L (att(P_attn') + 2 w^2) + 2 L w^3 / 3, w = Hq d (+1 with a bias)
     read, write           bytes: the layers read / the checkpoint read and written
 
@@ -36,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from hf_attn.conversion.refine_fit import KEEP_WINDOW_STRIDE
 
 QUERY_STRIDE = 16  # conversion.mla.rope_selection.QUERY_STRIDE: the attention pair scores' query subsample
 
@@ -144,12 +147,13 @@ def refine_flops(shape: Shape, refine: dict, conv_attn_params: int) -> dict[str,
     step = att if target == "attention" else fwd
     backward = 2 * att + (2 * s.mlp_params if target != "attention" else 0)
     width = s.heads * s.head_dim
+    checked = -(-max(1, tokens // window) // KEEP_WINDOW_STRIDE) * window  # N_k
     refit = 2 * (tokens * (att + 2 * width**2) + 2 * width**3 / 3) if cfg.get("refit") else 0.0
     return {
         "refine targets": tokens * s.layers * s.forward(s.attn_params, window),
         "refine forward": steps * window * s.layers * step,
         "refine backward": steps * window * s.layers * backward,
-        "refine error": tokens * s.layers * ((att if target == "attention" else fwd) + fwd),
+        "refine error": s.layers * (checked * (att if target == "attention" else fwd) + tokens * fwd),
         "refine update": refit * s.layers,
     }
 

@@ -23,15 +23,14 @@ own stream:
     minimise  mean_tokens |rms(conv_layer_i(x_conv)) - rms(t)|^2     rms(h) = h / sqrt(mean(h^2))
 
 over the converted layer's `self_attn` parameters only (the MLP and norms are frozen; the gradient passes
-through the MLP), `steps` Adam steps of one window each; rms() compares what the next layer's RMSNorm
-reads, so the few huge residual-stream dimensions do not dominate. Each step's loss covers every
-`loss_stride`-th position (the MLP runs on those alone), and the matmuls of the steps, the targets and the
-errors run in `step_dtype` (`conversion.refine_fit`); their outputs are added to float32 hidden states, so
-the stream carried on and the errors stay float32. A layer keeps its refined weights only if they lower the
-error over all windows (an exact conversion is left as it is). Then x_conv and x_src move on; on the CPU the
-threads follow the cores other processes leave free (`conversion.checkpoint.threads`). The parameter shapes
-never change, so the output has the converted checkpoint's format (a DeepSeek-layout `llama_mla` stays
-exportable).
+through the MLP), `steps` Adam steps of one window each; rms() compares what the next layer's RMSNorm reads,
+so the few huge residual-stream dimensions do not dominate. Each step's loss covers every `loss_stride`-th
+position (the MLP runs on those alone), and the matmuls of the steps, the targets and the errors run in
+`step_dtype` (`conversion.refine_fit`); their outputs are added to float32 hidden states, so the stream
+carried on and the errors stay float32. A layer keeps its refined weights only if they lower the error over
+every 2nd window (an exact conversion is left as it is). Then x_conv and x_src move on; on the CPU the threads
+follow the cores other processes leave free (`conversion.checkpoint.threads`). The parameter shapes never
+change, so the output has the converted checkpoint's format (a DeepSeek-layout `llama_mla` stays exportable).
 
 Both models are read from their safetensors one decoder layer at a time (`layerwise.LayerwiseModel`), in fp32
 on `--device`: memory is one layer of each model plus 3 N T E floats of hidden states, whatever the depth (a
@@ -64,7 +63,15 @@ from hf_attn.conversion.checkpoint.io import (
 from hf_attn.conversion.checkpoint.layerwise import LayerwiseModel
 from hf_attn.conversion.checkpoint.shards import SpilledLayers
 from hf_attn.conversion.checkpoint.threads import CoreShare
-from hf_attn.conversion.refine_fit import FitRule, LayerFit, autocast, fit_layer, halves, targets_of
+from hf_attn.conversion.refine_fit import (
+    FitRule,
+    LayerFit,
+    autocast,
+    fit_layer,
+    frozen_linears_to,
+    halves,
+    targets_of,
+)
 from hf_attn.conversion.specs import (
     DEFAULT_CORPUS,
     DEFAULT_WINDOW,
@@ -199,6 +206,7 @@ def refine_layers(
         for i in bar:
             share.update()
             layer, kwargs = source.load_layer(i), source.layer_kwargs(x_src[0], i, src_cache)
+            frozen_linears_to(layer, rule.step_dtype)
             with torch.no_grad(), stages.stage("refine targets"), autocast(x_src[0].device, rule.step_dtype):
                 mids, x_src = (list(h) for h in zip(*(halves(layer, x, kwargs) for x in x_src)))
             source.free_layer(i)
@@ -206,6 +214,7 @@ def refine_layers(
             del mids
             layer, kwargs = converted.load_layer(i), converted.layer_kwargs(x_conv[0], i, conv_cache)
             layer.requires_grad_(False)  # fit_layer trains self_attn alone
+            frozen_linears_to(layer, rule.step_dtype, skip=layer.self_attn)
             fit, x_conv = fit_layer(i, layer, x_conv, targets, kwargs, rule)
             fits.append(fit)
             if fit.kept and keep is not None:

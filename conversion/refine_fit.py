@@ -7,20 +7,24 @@ its attention and y the layer's output:
     m = x + attn(input_layernorm(x))         y = m + mlp(post_attention_layernorm(m))
     rms(h) = h / sqrt(mean(h^2) + 1e-6)      (over E: what the next RMSNorm reads, without its gain)
 
-The target is the source layer's y on the source's own stream (target "layer"), or its m (target
-"attention": the steps then run neither the MLP nor its backward, at a measured cost in quality). A
-layer's error is mean |rms(prediction) - rms(target)|^2 over every token of the windows, in float32. The fit:
-`steps` Adam steps on all `self_attn` parameters, step k on window k mod N; each step's loss covers every
-`loss_stride`-th position of its window, the offset advancing with each visit of the window (the MLP acts per
-position, so it runs on those positions alone, and the attention is computed for those queries alone, over
-every key: the loss reads nothing else). The matmuls of the steps and of the errors run in `step_dtype`
-(torch.autocast); their outputs are added to float32 hidden states, so the errors stay float32. The
-weights are kept only if they lower the error over all windows (an exact conversion is left as it is).
+The target is the source layer's y on the source's own stream (target "layer"), or its m (target "attention":
+the steps then run neither the MLP nor its backward, at a measured cost in quality). A layer's error is mean
+|rms(prediction) - rms(target)|^2 over every token of every 2nd window (windows 0, 2, ...:
+KEEP_WINDOW_STRIDE), in float32. The fit: `steps` Adam steps on all `self_attn` parameters, step k on window k
+mod N; each step's loss covers every `loss_stride`-th position of its window, the offset advancing with each
+visit of the window (the MLP acts per position, so it runs on those positions alone, and the attention is
+computed for those queries alone, over every key: the loss reads nothing else). The matmuls of the steps and
+of the errors run in `step_dtype` (torch.autocast); their outputs are added to float32 hidden states, so the
+errors stay float32. The weights are kept only if they lower the error (an exact conversion is left as it is).
+The weights as converted are evaluated on the error's windows alone; after the fit every window runs once, for
+the error and for the stream the next layer reads (again from the converted weights where the fit is not
+kept).
 """
 
 from __future__ import annotations
 
 import statistics
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -33,8 +37,8 @@ from hf_attn.conversion.specs import REFINE_TARGETS, STEP_DTYPES
 
 @dataclass(frozen=True)
 class LayerFit:
-    """One layer's mean error over the calibration windows before and after; kept=False: not lowered, so the
-    layer was left as converted."""
+    """One layer's error (the module docstring) before and after; kept=False: not lowered, so the layer was
+    left as converted."""
 
     layer: int
     error_before: float
@@ -103,15 +107,28 @@ def autocast(device: torch.device, step_dtype: str):
     return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
-def _evaluate(layer, inputs: list, targets: list, kwargs: dict, rule: FitRule) -> tuple[float, list]:
-    """(the error over all windows, the layer's outputs y: the stream the next layer reads, float32)."""
-    error, outputs = 0.0, []
+def frozen_linears_to(module: torch.nn.Module, step_dtype: str, *, skip: torch.nn.Module | None = None):
+    """Cast the linear layers of `module` (outside `skip`, the part being trained) to `step_dtype` once, in
+    place. Under autocast a float32 weight is cast at every matmul (its cache keeps trainable weights
+    alone), and this is the same rounding done once: the matmuls keep their bits. No-op for float32."""
+    dtype = STEP_DTYPES[step_dtype]
+    if dtype == torch.float32:
+        return
+    skipped = set() if skip is None else set(skip.modules())
+    for sub in module.modules():
+        if isinstance(sub, torch.nn.Linear) and sub not in skipped:
+            sub.to(dtype)
+
+
+def _evaluate(layer, inputs: list, targets: list, kwargs: dict, rule: FitRule) -> tuple[list, list]:
+    """(each window's error, the layer's outputs y: the stream the next layer reads, float32)."""
+    errors, outputs = [], []
     with torch.no_grad(), autocast(inputs[0].device, rule.step_dtype):
         for x, t in zip(inputs, targets, strict=True):
             m, y = halves(layer, x, kwargs)  # (1, T, E) float32 each: x + bf16 increments
-            error += float((_rms(m if rule.target == "attention" else y) - t).pow(2).mean())
+            errors.append(float((_rms(m if rule.target == "attention" else y) - t).pow(2).mean()))
             outputs.append(y)
-    return error / len(inputs), outputs
+    return errors, outputs
 
 
 def _step_prediction(layer, x: torch.Tensor, kwargs: dict, rule: FitRule, visit: int):
@@ -126,12 +143,46 @@ def _step_prediction(layer, x: torch.Tensor, kwargs: dict, rule: FitRule, visit:
     config = layer.self_attn.config
     attention, config._attn_implementation = config._attn_implementation, STRIDED
     try:
-        m = attention_residual(layer, x, {**kwargs, "query_rows": positions})  # (1, T, E), right at positions
+        with _query_side_at(layer.self_attn, positions):
+            m = attention_residual(layer, x, {**kwargs, "query_rows": positions})  # (1, T, E), right there
     finally:
         config._attn_implementation = attention
     return mlp_residual(layer, m[:, positions]), positions
 
 
+QUERY_SIDE = ("q_proj", "o_proj")  # the projections whose rows are the query positions' alone
+
+
+class _AtRows(torch.nn.Module):
+    """`linear` applied to the positions `rows` of its input (B, T, in) alone: (B, T, out), zero elsewhere."""
+
+    def __init__(self, linear: torch.nn.Linear, rows: slice):
+        super().__init__()
+        self.linear, self.rows = linear, rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x[:, self.rows])  # (B, Tq, out)
+        out = y.new_zeros(*x.shape[:-1], y.shape[-1])  # (B, T, out)
+        out[:, self.rows] = y
+        return out
+
+
+@contextmanager
+def _query_side_at(attn, rows: slice):
+    """The attention's query and output projections (QUERY_SIDE) run on the positions `rows` alone: a
+    strided step reads no other query and no other output row, so the other rows' matmuls (half of these
+    two at stride 2, forward and backward) are skipped. Their parameters are the same tensors."""
+    linears = {n: getattr(attn, n) for n in QUERY_SIDE if isinstance(getattr(attn, n, None), torch.nn.Linear)}
+    for name, linear in linears.items():
+        setattr(attn, name, _AtRows(linear, rows))
+    try:
+        yield
+    finally:
+        for name, linear in linears.items():
+            setattr(attn, name, linear)
+
+
+KEEP_WINDOW_STRIDE = 2  # the keep rule's error: every 2nd calibration window (the module docstring)
 QUERY_CHUNKS = 4  # query chunks of `strided_queries_attention` without a mask (its docstring)
 
 
@@ -189,8 +240,9 @@ def fit_layer(index: int, layer, inputs: list, targets: list, kwargs: dict, rule
     """Fit `layer.self_attn` to `targets` (the module docstring); returns (LayerFit, the layer's outputs on
     `inputs` with the weights it keeps: the stream the next layer reads)."""
     attn = layer.self_attn
+    checked = slice(None, None, KEEP_WINDOW_STRIDE)  # the windows the keep rule compares
     with stages.stage("refine error"):
-        before, outputs_before = _evaluate(layer, inputs, targets, kwargs, rule)
+        before = statistics.fmean(_evaluate(layer, inputs[checked], targets[checked], kwargs, rule)[0])
     saved = {k: v.clone() for k, v in attn.state_dict().items()}
     params = list(attn.parameters())
     groups = param_groups(params, lr=rule.lr, relative_lr=rule.relative_lr)
@@ -211,8 +263,11 @@ def fit_layer(index: int, layer, inputs: list, targets: list, kwargs: dict, rule
     for p in params:
         p.requires_grad_(False)
     with stages.stage("refine error"):
-        after, outputs = _evaluate(layer, inputs, targets, kwargs, rule)
+        errors, outputs = _evaluate(layer, inputs, targets, kwargs, rule)
+    after = statistics.fmean(errors[checked])
     if after < before:
         return LayerFit(index, before, after, True), outputs
     attn.load_state_dict(saved)
-    return LayerFit(index, before, before, False), outputs_before
+    with stages.stage("refine error"):  # the stream again, from the weights as converted
+        outputs = _evaluate(layer, inputs, targets, kwargs, rule)[1]
+    return LayerFit(index, before, before, False), outputs

@@ -292,3 +292,19 @@ def test_check_finite_names_the_first_offending_tensor():
             [("a", good), ("b", torch.tensor([0, math.nan, 1, 2])), ("c", torch.tensor([math.inf]))],
             where="m",
         )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("value,kind", [(math.nan, "NaN"), (math.inf, "inf"), (-math.inf, "-inf")])
+def test_one_non_finite_value_is_found_wherever_it_is(dtype, value, kind, monkeypatch):
+    """One NaN or infinity at the first, a middle or the last position of a tensor checked in several
+    chunks is counted once, with its kind: checked against the value planted there."""
+    from hf_attn.tooling import weights
+
+    monkeypatch.setattr(weights, "_CHECK_CHUNK", 64)
+    n = 64 * 3 + 5  # four chunks, the last one short
+    for position in (0, 100, n - 1):
+        tensor = torch.linspace(-3, 3, n).to(dtype)
+        tensor[position] = value
+        assert weights._non_finite(tensor) == (1, kind)
+    assert weights._non_finite(torch.linspace(-3, 3, n).to(dtype)) is None

@@ -240,8 +240,9 @@ def test_a_strided_step_is_the_layers_own_output_at_its_positions(kind, stride, 
 
 @pytest.mark.parametrize("window,given", [(None, False), (9, False), (9, True)])
 def test_a_strided_steps_gradient_is_the_layers_own(window, given):
-    """The gradient of a strided step's loss (its queries in chunks, each over the keys up to its last
-    query, or under the `given` mask) equals the gradient of the same loss on the decoder layer's own
+    """The gradients of a strided step's loss (its queries in chunks, each over the keys up to its last
+    query, or under the `given` mask; the query and output projections on its positions alone) with respect
+    to the query, key and output projections equal those of the same loss on the decoder layer's own
     forward, with and without a sliding window: 37 positions, every 2nd, so the chunks are uneven."""
     from hf_attn.conversion.refine_fit import FitRule, _step_prediction
 
@@ -257,10 +258,12 @@ def test_a_strided_steps_gradient_is_the_layers_own(window, given):
     kwargs = dict(position_ids=ids, position_embeddings=model.model.rotary_emb(x, ids), use_cache=False)
     if window is not None:
         kwargs["sliding_window"] = window
-    weight = layer.self_attn.q_proj.weight
+    attn = layer.self_attn
+    weights = [attn.q_proj.weight, attn.k_proj.weight, attn.o_proj.weight]  # query side, key side, output
     grads = []
     for strided in (True, False):
-        weight.grad = None
+        for weight in weights:
+            weight.grad = None
         if strided:
             y, positions = _step_prediction(
                 layer,
@@ -273,8 +276,9 @@ def test_a_strided_steps_gradient_is_the_layers_own(window, given):
             y = layer(x, attention_mask=allowed[None, None], **kwargs)
             y = (y[0] if isinstance(y, tuple) else y)[:, positions]
         y.pow(2).mean().backward()
-        grads.append(weight.grad.clone())
-    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-7)
+        grads.append([weight.grad.clone() for weight in weights])
+    for strided, whole in zip(*grads, strict=True):
+        torch.testing.assert_close(strided, whole, rtol=1e-4, atol=1e-7)
 
 
 @pytest.mark.parametrize("mask_kind", ["none", "boolean", "additive"])
@@ -301,3 +305,32 @@ def test_strided_attention_matches_sdpa_on_a_batch(mask_kind):
     ).transpose(1, 2)  # (B, T, Hq, D)
     torch.testing.assert_close(got[:, rows], want[:, rows], rtol=1e-5, atol=1e-6)
     assert not got[:, 0].any() and not got[:, 2].any()  # the other positions stay zero
+
+
+def test_the_keep_rule_reads_every_second_window_and_the_stream_every_window():
+    """fit_layer's error before is the mean over windows 0 and 2 of |rms(y) - rms(t)|^2, y from the layer's
+    own float32 forward (window 1 is left out: its target is garbage and changes nothing), and the stream it
+    returns is the layer's own output on every window with the weights it keeps."""
+    from hf_attn.conversion.refine_fit import FitRule, _rms, fit_layer
+
+    model = tiny_llama(11).eval()
+    layer, t = model.model.layers[0], 9
+    g = torch.Generator().manual_seed(4)
+    inputs = [torch.randn(1, t, SRC_TINY["hidden_size"], generator=g) for _ in range(3)]
+    ids = torch.arange(t)[None]
+    rope = model.model.rotary_emb(inputs[0], ids)
+    kwargs = dict(position_ids=ids, position_embeddings=rope, use_cache=False)
+    targets = [_rms(torch.randn(1, t, SRC_TINY["hidden_size"], generator=g)) for _ in range(3)]
+    layer.requires_grad_(False)
+
+    def own(x):
+        with torch.no_grad():
+            y = layer(x, attention_mask=None, **kwargs)
+        return y[0] if isinstance(y, tuple) else y
+
+    want = sum(float((_rms(own(inputs[w])) - targets[w]).pow(2).mean()) for w in (0, 2)) / 2
+    rule = FitRule(2, lr=1e-3, step_dtype="float32")
+    fit, outputs = fit_layer(0, layer, inputs, [targets[0], targets[1] * 1e3, targets[2]], kwargs, rule)
+    assert fit.error_before == pytest.approx(want, rel=1e-5)
+    for x, y in zip(inputs, outputs, strict=True):
+        torch.testing.assert_close(y, own(x), rtol=1e-5, atol=1e-6)

@@ -349,7 +349,8 @@ def plan_allocation(
     read_layer(i) -> the source's float64 attention weights of layer i ("q_proj.weight", ... as in
     `mla.convert_layer`); pair_scores / query_fit / moments: the calibration's `attention` pair scores,
     query refit and input moments per layer. Returns the allocation and its record (per-layer lists, the
-    normalisation and each layer's relative metric error at its rank)."""
+    normalisation and, with `allocate_latent`, each layer's relative metric error at its rank: without it
+    no spectrum is computed, d_c being every layer's)."""
     L, d = geometry.num_layers, geometry.head_dim
     scores = [pair_scores[i] for i in range(L)]
     if allocate_rope and 0 < rope_pairs < d // 2:
@@ -357,6 +358,14 @@ def plan_allocation(
     else:
         r_layers = [rope_pairs] * L
     pairs = [rs.top_pairs(scores[i], r_layers[i]) for i in range(L)]
+    record = {"method": "greedy-ranks" if allocate_latent else "greedy", "normalization": normalization}
+    if not allocate_latent:  # d_c in every layer, at most the rows of its [k_nope; v] stack: no spectrum
+        ranks = [min(kv_lora_rank, geometry.num_kv_heads * (2 * d - 2 * r)) for r in r_layers]
+        return Allocation(r_layers, ranks, pairs), {
+            **record,
+            "layer_rope_pairs": r_layers,
+            "layer_kv_lora_ranks": ranks,
+        }
     spectra = []
     for i in tqdm(range(L), desc="allocation", unit="layer", disable=not progress):
         inputs = layer_spectrum(
@@ -366,16 +375,11 @@ def plan_allocation(
             query_fit=None if query_fit is None else query_fit[i],
         )
         spectra.append(fac.attention_spectrum(**inputs, moment=moments[i]))
-    if allocate_latent:
-        ranks = allocate_ranks(spectra, total_rank=L * kv_lora_rank, normalization=normalization)
-    else:
-        ranks = [min(kv_lora_rank, len(ev)) for ev in spectra]
+    ranks = allocate_ranks(spectra, total_rank=L * kv_lora_rank, normalization=normalization)
     kept = [float(1 - ev[:c].sum() / ev.sum().clamp_min(1e-300)) for ev, c in zip(spectra, ranks)]
-    record = {
-        "method": "greedy-ranks" if allocate_latent else "greedy",
-        "normalization": normalization,
+    return Allocation(r_layers, ranks, pairs), {
+        **record,
         "layer_rope_pairs": r_layers,
         "layer_kv_lora_ranks": ranks,
         "layer_relative_metric_error": [round(e, 6) for e in kept],
     }
-    return Allocation(r_layers, ranks, pairs), record
