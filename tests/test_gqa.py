@@ -192,6 +192,28 @@ def test_attention_statistics_match_a_direct_computation(tmp_path):
                 torch.testing.assert_close(stats[layer].values[g, local], y.T @ y, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("window", [None, 5, 40])
+def test_causal_probabilities_in_blocks_are_the_full_softmax(window):
+    """The blocks of `_causal_probabilities` against one softmax over every key under an explicit causal (and
+    sliding-window) mask, the K/V heads repeated: 13 queries (uneven blocks), 6 query heads on 2 key heads."""
+    from hf_attn.conversion.gqa.pooling import _causal_probabilities
+
+    g = torch.Generator().manual_seed(5)
+    t, hq, h, d = 13, 6, 2, 4
+    q, k = torch.randn(hq, t, d, generator=g), torch.randn(h, t, d, generator=g)
+    rows, keys = torch.arange(t)[:, None], torch.arange(t)[None]
+    allowed = keys <= rows if window is None else (keys <= rows) & (rows - keys < window)
+    full = (q @ k.repeat_interleave(hq // h, 0).transpose(1, 2)).masked_fill(~allowed, float("-inf"))
+    want = full.softmax(-1)  # (Hq, T, T)
+    got = torch.zeros(hq, t, t)
+    covered = []
+    for (a, b), (lo, p) in _causal_probabilities(q, k, window):
+        got[:, a:b, lo:b] = p
+        covered += range(a, b)
+    assert covered == list(range(t))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_calibrated_fit_on_gpu_matches_the_cpu_fit_on_gpu(tmp_path):
     """The fit a GPU conversion runs (`pool_layer_on` a CUDA device) against the float64 fit on the CPU."""

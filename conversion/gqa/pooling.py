@@ -166,44 +166,47 @@ def _window_statistics(att, x: torch.Tensor, position_embeddings, pooling: Pooli
     cos, sin = (e[0].float() for e in position_embeddings)  # each (T, d)
     q_rot = (q * cos + rotate_half(q) * sin) * att.scaling  # (Hq, T, d), scaled
     k_rot = k * cos + rotate_half(k) * sin  # (H, T, d)
-    scores = (q_rot.reshape(h, n * t, d) @ k_rot.transpose(1, 2)).view(hq, t, t)  # (Hq, T, T): no K copies
-    future = torch.ones(t, t, dtype=torch.bool).triu(1)  # (T, T)
-    window = getattr(att, "sliding_window", None)
-    if window is not None:
-        future |= torch.ones(t, t, dtype=torch.bool).tril(-window)
-    p = scores.masked_fill_(future, float("-inf")).softmax(dim=-1)  # (Hq, T, T), zero above the diagonal
-
     q_power = q[..., :half] ** 2 + q[..., half:] ** 2  # (Hq, T, d/2): |q_i|^2, invariant under RoPE
-    w = _causal_t_matmul(p, q_power).view(h, n, t, half).sum(1).double()  # (H, T, d/2): w_{h,t,i}
+    v_groups = v.view(g_count, r, t, d).permute(0, 2, 1, 3).reshape(g_count, 1, t, r * d)  # (G, 1, T, r*d)
+
+    w = q_power.new_zeros(hq, t, half)  # (Hq, T, d/2): sum_s p_{s,t} |q_{s,i}|^2 per query head
+    y = []  # per query chunk (G, n*r, Tc, r*d): y_s = sum_t p_{s,t} v_t, the group's values stacked
+    for (a, b), (lo, p) in _causal_probabilities(q_rot, k_rot, getattr(att, "sliding_window", None)):
+        w[:, lo:b] += p.transpose(1, 2) @ q_power[:, a:b]  # (Hq, Sc, d/2)
+        y.append(p.view(g_count, r * n, b - a, b - lo) @ v_groups[:, :, lo:b])
+    y = torch.cat(y, dim=2)  # (G, n*r, T, r*d)
+
+    w = w.view(h, n, t, half).sum(1).double()  # (H, T, d/2): w_{h,t,i}
     z = torch.complex(k[..., :half].double(), k[..., half:].double())  # (H, T, d/2)
     z = z.view(g_count, r, t, half)  # (G, r, T, d/2)
     w = w.view(g_count, r, t, half).to(torch.complex128)  # (G, r, T, d/2)
     keys = torch.einsum("ghti,gati,gbti->ghiab", w, z, z.conj())  # (G, r, d/2, r, r)
-
-    v_groups = v.view(g_count, r, t, d).permute(0, 2, 1, 3).reshape(g_count, 1, t, r * d)  # (G, 1, T, r*d)
-    y = _causal_matmul(p.view(g_count, r * n, t, t), v_groups)  # (G, n*r, T, r*d)
     values = torch.einsum("gqta,gqtb->gqab", y, y).double()  # (G, n*r, r*d, r*d)
     return AttentionStatistics(keys=keys, values=values, tokens=t)
 
 
-CAUSAL_CHUNKS = 4  # row blocks of the products with causal attention probabilities (about 5/8 of the work)
+CAUSAL_CHUNKS = 4  # query blocks of the causal attention probabilities (about 5/8 of the full square)
 
 
-def _causal_matmul(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """p @ v for p (..., T, T) zero above its diagonal (causal probabilities) and v (..., T, c): each block of
-    rows reads only the keys up to its last row."""
-    t = p.shape[-1]
+def _causal_probabilities(q_rot: torch.Tensor, k_rot: torch.Tensor, window: int | None):
+    """The causal attention probabilities of one window in CAUSAL_CHUNKS blocks of query rows, each over the
+    keys its rows can read (from the first one inside the `window` of its first row, None: 0, to its last
+    row): q_rot (Hq, T, d) scaled, k_rot (H, T, d), grouped heads (query head j reads key head j // (Hq/H)).
+    Yields ((a, b): the rows, (lo, p)): p (Hq, b - a, b - lo) the probabilities over keys lo..b-1, whose
+    other keys are masked for every row of the block, so each row's softmax is the full one's."""
+    hq, t, d = q_rot.shape
+    h = k_rot.shape[0]
     bounds = [t * i // CAUSAL_CHUNKS for i in range(CAUSAL_CHUNKS + 1)]
-    return torch.cat([p[..., a:b, :b] @ v[..., :b, :] for a, b in itertools.pairwise(bounds) if b > a], -2)
-
-
-def _causal_t_matmul(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """p^T @ u for p (..., T, T) zero above its diagonal and u (..., T, c): each block of key columns is
-    read only by the queries from its first column on."""
-    t = p.shape[-1]
-    bounds = [t * i // CAUSAL_CHUNKS for i in range(CAUSAL_CHUNKS + 1)]
-    blocks = itertools.pairwise(bounds)
-    return torch.cat([p[..., a:, a:b].transpose(-1, -2) @ u[..., a:, :] for a, b in blocks if b > a], -2)
+    for a, b in itertools.pairwise(bounds):
+        if b == a:
+            continue
+        lo = 0 if window is None else max(0, a - window + 1)
+        rows = torch.arange(a, b)[:, None]  # (Tc, 1)
+        keys = torch.arange(lo, b)[None]  # (1, Sc)
+        hidden = keys > rows if window is None else (keys > rows) | (rows - keys >= window)  # (Tc, Sc)
+        q = q_rot[:, a:b].reshape(h, (hq // h) * (b - a), d)  # (H, n*Tc, d)
+        scores = (q @ k_rot[:, lo:b].transpose(1, 2)).view(hq, b - a, b - lo)  # (Hq, Tc, Sc): no K copies
+        yield (a, b), (lo, scores.masked_fill_(hidden, float("-inf")).softmax(dim=-1))
 
 
 def collect_attention_statistics(
