@@ -361,11 +361,8 @@ def plan_allocation(
     record = {"method": "greedy-ranks" if allocate_latent else "greedy", "normalization": normalization}
     if not allocate_latent:  # d_c in every layer, at most the rows of its [k_nope; v] stack: no spectrum
         ranks = [min(kv_lora_rank, geometry.num_kv_heads * (2 * d - 2 * r)) for r in r_layers]
-        return Allocation(r_layers, ranks, pairs), {
-            **record,
-            "layer_rope_pairs": r_layers,
-            "layer_kv_lora_ranks": ranks,
-        }
+        record.update(layer_rope_pairs=r_layers, layer_kv_lora_ranks=ranks)
+        return Allocation(r_layers, ranks, pairs), record
     spectra = []
     for i in tqdm(range(L), desc="allocation", unit="layer", disable=not progress):
         inputs = layer_spectrum(
@@ -377,9 +374,6 @@ def plan_allocation(
         spectra.append(fac.attention_spectrum(**inputs, moment=moments[i]))
     ranks = allocate_ranks(spectra, total_rank=L * kv_lora_rank, normalization=normalization)
     kept = [float(1 - ev[:c].sum() / ev.sum().clamp_min(1e-300)) for ev, c in zip(spectra, ranks)]
-    return Allocation(r_layers, ranks, pairs), {
-        **record,
-        "layer_rope_pairs": r_layers,
-        "layer_kv_lora_ranks": ranks,
-        "layer_relative_metric_error": [round(e, 6) for e in kept],
-    }
+    record.update(layer_rope_pairs=r_layers, layer_kv_lora_ranks=ranks)
+    record["layer_relative_metric_error"] = [round(e, 6) for e in kept]
+    return Allocation(r_layers, ranks, pairs), record
