@@ -34,11 +34,6 @@ from hf_attn.tooling.cli import ArgumentParser, run_command
 STAGES = {"calibration": CalibrationSpec, "refine": RefineSpec, "write": WriteSpec}
 
 
-def calibrates(spec: type) -> bool:
-    """Whether the command of the converter spec `spec` has calibration and refinement flags."""
-    return spec is not ExpandSpec
-
-
 def build_parser(prog: str, doc: str, spec: type) -> argparse.ArgumentParser:
     """--model (default: the embedded SmolLM2), --output and the flags of `spec` and of its stages."""
     parser = ArgumentParser(prog=prog, description=doc.split("\n")[0])
@@ -46,7 +41,7 @@ def build_parser(prog: str, doc: str, spec: type) -> argparse.ArgumentParser:
     parser.add_argument("--output", required=True, help="the converted checkpoint's directory")
     add_spec_arguments(parser, spec, prefix="spec")
     for prefix, stage in STAGES.items():
-        if calibrates(spec) or stage is WriteSpec:
+        if spec is not ExpandSpec or stage is WriteSpec:  # (the exact expansion: the write flags only)
             add_spec_arguments(parser, stage, prefix=prefix)
     return parser
 
@@ -74,9 +69,7 @@ def main(prog: str, doc: str, spec: type, argv: list[str] | None = None) -> int:
 
     def convert_and_report() -> None:
         start = time.perf_counter()
-        specs = specs_from_args(spec, args)
-        if not calibrates(spec):
-            specs["refine"] = RefineSpec(steps=0)
+        specs = specs_from_args(spec, args)  # (an expansion is never refined: `pipeline.convert`)
         converted = pipeline.convert(
             specs.pop("spec"), src=args.model, dst=args.output, progress=True, **specs
         )

@@ -19,10 +19,9 @@ checkpoint is written to `dst`, atomically.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from functools import partial
 from pathlib import Path
 
 from hf_attn.conversion.checkpoint.io import latest_record
@@ -66,7 +65,7 @@ class Converted:
 
 def last_record(out: str | Path) -> dict:
     """The newest conversion record of the checkpoint at `out` (config.json["hf_attn"])."""
-    return latest_record(json.loads((Path(out) / "config.json").read_text()))
+    return latest_record(loading.read_config(out))
 
 
 def closed_form_stage(spec: ConverterSpec) -> Callable[..., Path]:
@@ -99,36 +98,20 @@ def convert(
     progress: the refinement's progress bars."""
     if export is not None and export not in EXPORT_TARGETS:
         raise UserError(f"unknown export {export!r}; choose one of {', '.join(EXPORT_TARGETS)}")
-    stage = closed_form_stage(spec)
     extra = {"calibration_pass": calibration_pass} if calibration_pass is not None else {}
+    closed_form_to = partial(closed_form_stage(spec), spec, src=src, calibration=calibration, **extra)
     output = check_output(loading.resolve_model(src), dst, overwrite=write.overwrite)
     steps = 0 if isinstance(spec, ExpandSpec) else refine.steps
     if steps == 0 and export is None:
-        path = stage(spec, src=src, dst=output, calibration=calibration, write=write, **extra)
+        path = closed_form_to(dst=output, write=write)
         return Converted(path, last_record(path))
     output.parent.mkdir(parents=True, exist_ok=True)  # (where the output goes; the scratch sits beside it)
     with scratch_directory(".hf-attn-closed-form-", dir=output.parent) as scratch:
-        scratch_write = dataclasses.replace(write, overwrite=False)
-        last = stage(
-            spec,
-            src=src,
-            dst=Path(scratch) / "closed-form",
-            calibration=calibration,
-            write=scratch_write,
-            **extra,
-        )
+        last = closed_form_to(dst=Path(scratch) / "closed-form", write=replace(write, overwrite=False))
         closed_form, refined = last_record(last), None
         if steps:
             refined_dir = output if export is None else Path(scratch) / "refined"
-            refined = _refine(
-                last,
-                refined_dir,
-                src=src,
-                spec=refine,
-                calibration=calibration,
-                write=write,
-                progress=progress,
-            )
+            refined = _refine(last, refined_dir, src, refine, calibration, write, progress)
             last = refined_dir
         if export is not None:
             export_checkpoint(src=last, dst=output, to=export, overwrite=write.overwrite)
@@ -136,16 +119,10 @@ def convert(
 
 
 def _refine(
-    closed: Path,
-    dst: Path,
-    *,
-    src,
-    spec: RefineSpec,
-    calibration: CalibrationSpec,
-    write: WriteSpec,
-    progress: bool,
+    closed: Path, dst: Path, src, spec: RefineSpec, calibration: CalibrationSpec, write: WriteSpec, progress
 ) -> dict:
-    """`hf-attn refine` of the closed form at `closed` into `dst`: its record."""
+    """`hf-attn refine` of the closed form at `closed` into `dst` (against the source `src`, `convert`'s
+    calibration, its write overwrite and progress): the refinement's record."""
     settings = RefineSettings(
         model=str(closed),
         output=str(dst),
@@ -176,12 +153,12 @@ def specs_from_options(
     study variant's): `calibration_tokens` / `_window` / `_text` / `_corpus` override `calibration`'s
     fields, the other keys are the spec's; UserError naming an unknown key."""
     spec_type = SPECS[kind]
-    names = {f.name for f in dataclasses.fields(spec_type)}
-    cal_names = {f"calibration_{f.name}": f.name for f in dataclasses.fields(CalibrationSpec)}
+    names = {f.name for f in fields(spec_type)}
+    cal_names = {f"calibration_{f.name}": f.name for f in fields(CalibrationSpec)}
     unknown = sorted(set(options) - names - set(cal_names))
     if unknown:
         known = sorted(names | set(cal_names))
         raise UserError(f"unknown {kind} options {unknown}; known: {known}")
     cal = {cal_names[k]: v for k, v in options.items() if k in cal_names}
     spec = spec_type(**{k: v for k, v in options.items() if k in names})
-    return spec, dataclasses.replace(calibration, **cal)
+    return spec, replace(calibration, **cal)

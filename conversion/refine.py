@@ -24,13 +24,11 @@ own stream:
 
 over the converted layer's `self_attn` parameters only (the MLP and norms are frozen; the gradient passes
 through the MLP), `steps` Adam steps of one window each; rms() compares what the next layer's RMSNorm reads,
-so the few huge residual-stream dimensions do not dominate. Each step's loss covers every `loss_stride`-th
-position (the MLP runs on those alone), and the matmuls of the steps, the targets and the errors run in
-`step_dtype` (`conversion.refine_fit`); their outputs are added to float32 hidden states, so the stream
-carried on and the errors stay float32. A layer keeps its refined weights only if they lower the error over
-every 2nd window (an exact conversion is left as it is). Then x_conv and x_src move on; on the CPU the threads
-follow the cores other processes leave free (`conversion.checkpoint.threads`). The parameter shapes never
-change, so the output has the converted checkpoint's format (a DeepSeek-layout `llama_mla` stays exportable).
+so the few huge residual-stream dimensions do not dominate. One layer's fit (the positions a step's loss
+covers, the `step_dtype` of its matmuls, the rule that keeps a layer only if its error drops) is
+`conversion.refine_fit`. Then x_conv and x_src move on; on the CPU the threads follow the cores other
+processes leave free (`conversion.checkpoint.threads`). The parameter shapes never change, so the output has
+the converted checkpoint's format (a DeepSeek-layout `llama_mla` stays exportable).
 
 Both models are read from their safetensors one decoder layer at a time (`layerwise.LayerwiseModel`), in fp32
 on `--device`: memory is one layer of each model plus 3 N T E floats of hidden states, whatever the depth (a
@@ -167,9 +165,6 @@ class RefineSettings:
         )
 
 
-# --------------------------------------------------------------------------------------------- the fit
-
-
 def refine_layers(
     *,
     source: LayerwiseModel,
@@ -198,9 +193,7 @@ def refine_layers(
     with torch.no_grad():
         x_src = [source.embed(w).unsqueeze(0) for w in windows]  # N x (1, T, E)
         x_conv = [converted.embed(w).unsqueeze(0) for w in windows]  # N x (1, T, E)
-    src_cache: dict = {}
-    conv_cache: dict = {}
-    fits = []
+    src_cache, conv_cache, fits = {}, {}, []
     bar = tqdm(range(converted.num_layers), desc="refine", unit="layer", disable=not progress)
     with CoreShare() as share:
         for i in bar:
@@ -222,9 +215,6 @@ def refine_layers(
             bar.set_postfix(error=f"{fit.error_before:.3g}->{fit.error_after:.3g}")
             converted.free_layer(i)
     return fits
-
-
-# --------------------------------------------------------------------------------------------- command
 
 
 def recorded_source(model_dir: Path) -> tuple[Path, str]:

@@ -247,8 +247,7 @@ def fit_layer(index: int, layer, inputs: list, targets: list, kwargs: dict, rule
     params = list(attn.parameters())
     groups = param_groups(params, lr=rule.lr, relative_lr=rule.relative_lr)
     optimizer = torch.optim.Adam(groups, fused=True)  # one kernel per group: 6x the per-tensor loop on a CPU
-    for p in params:
-        p.requires_grad_(True)
+    attn.requires_grad_(True)
     with torch.enable_grad():
         for step in range(rule.steps):
             optimizer.zero_grad(set_to_none=True)
@@ -260,8 +259,7 @@ def fit_layer(index: int, layer, inputs: list, targets: list, kwargs: dict, rule
                 loss.backward()
             with stages.stage("refine update"):
                 optimizer.step()
-    for p in params:
-        p.requires_grad_(False)
+    attn.requires_grad_(False)
     with stages.stage("refine error"):
         errors, outputs = _evaluate(layer, inputs, targets, kwargs, rule)
     after = statistics.fmean(errors[checked])

@@ -35,10 +35,6 @@ from hf_attn.tooling.devices import DEFAULT_DEVICE, DEVICE_HELP, DEVICES, resolv
 from hf_attn.tooling.errors import UserError, check_number, user_input
 from hf_attn.tooling.files import check_text_files
 
-# ------------------------------------------------------------------------------- choices and defaults
-# Every choice a conversion offers and every default it takes: the specs below, the converters and the
-# commands read them from here.
-
 # the calibration text and its forward (conversion.checkpoint.calibration, .layerwise)
 DEFAULT_CALIBRATION_TOKENS = 8192
 DEFAULT_WINDOW = 1024
@@ -105,13 +101,10 @@ def _check_int(flag: str, value, minimum: int) -> None:
     check_number(flag, value, minimum=minimum, inclusive=True, integer=True)
 
 
-def _check_num_kv_heads(value) -> None:
+def check_num_kv_heads(value) -> None:
     """UserError unless --num-kv-heads is a positive integer."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise UserError(f"--num-kv-heads must be a positive integer, got {value!r}")
-
-
-# ------------------------------------------------------------------------------------------- calibration
 
 
 @dataclass(frozen=True)
@@ -198,9 +191,6 @@ class KVBudget:
         return int(self.fraction * self.source_numbers(kv_dim) + 1e-9)
 
 
-# ------------------------------------------------------------------------------------------- converters
-
-
 @dataclass(frozen=True)
 class GQASpec:
     """`hf-attn convert gqa`: pool the source's H KV heads into `num_kv_heads` groups (conversion.gqa)."""
@@ -220,7 +210,7 @@ class GQASpec:
 
     def __post_init__(self):
         check_choices(self)
-        _check_num_kv_heads(self.num_kv_heads)
+        check_num_kv_heads(self.num_kv_heads)
 
 
 @dataclass(frozen=True)
@@ -298,8 +288,7 @@ class MLASpec:
 
     @property
     def allocation_method(self) -> str:
-        """`allocation`, or its default: greedy where it applies (a budget that leaves the ranks to it, the
-        per-head layout, the `attention` selection and factorization), else uniform."""
+        """`allocation`, or its default (`default_allocation`: greedy where it applies, else uniform)."""
         if self.allocation is not None:
             return self.allocation
         return default_allocation(
@@ -337,10 +326,7 @@ class ExpandSpec:
 
     def __post_init__(self):
         if self.num_kv_heads is not None:
-            _check_num_kv_heads(self.num_kv_heads)
-
-
-# ------------------------------------------------------------------------------------------- stages after
+            check_num_kv_heads(self.num_kv_heads)
 
 
 @dataclass(frozen=True)
@@ -401,9 +387,6 @@ class WriteSpec:
 
 
 ConverterSpec = GQASpec | MLASpec | ExpandSpec
-
-
-# ------------------------------------------------------------------------------------------- parsers
 
 
 def add_spec_arguments(parser: argparse.ArgumentParser, spec: type, *, prefix: str) -> None:

@@ -11,6 +11,7 @@ from a checkout as `python -m benchmarks.<name>` (benchmarks/README.md)."""
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import sys
 
 from hf_attn.tooling.cli import run_command
@@ -50,15 +51,18 @@ BENCHMARKS: dict[str, str] = {
 PROG = "hf-attn"
 
 
-def _usage() -> str:
-    width = max(map(len, COMMANDS))
-    lines = [
-        f"usage: {PROG} <command> [options]   ({PROG} <command> --help for its options)",
-        "",
-        "commands:",
-    ]
-    lines += [f"  {name:<{width}}  {text}" for name, (_, text) in COMMANDS.items()]
-    lines += ["", "the project's own benchmarks: python -m benchmarks.<name> from a checkout (benchmarks/)"]
+def _usage(group: str | None = None) -> str:
+    """`hf-attn --help`, or with `group` (`hf-attn convert --help`) the subcommands of that group."""
+    names = {name: text for name, (_, text) in COMMANDS.items() if group in (None, name.split()[0])}
+    width = max(map(len, names))
+    prog, more = (f"{PROG} {group}", "") if group else (PROG, " for its options")
+    lines = [f"usage: {prog} <command> [options]   ({prog} <command> --help{more})", "", "commands:"]
+    lines += [f"  {name:<{width}}  {text}" for name, text in names.items()]
+    if group is None:
+        lines += [
+            "",
+            "the project's own benchmarks: python -m benchmarks.<name> from a checkout (benchmarks/)",
+        ]
     return "\n".join(lines)
 
 
@@ -78,24 +82,10 @@ def resolve(argv: list[str]) -> tuple[str, list[str]] | None:
 
 
 def _version() -> str:
-    import importlib.metadata
-
     try:
         return importlib.metadata.version("hf-attn")
     except importlib.metadata.PackageNotFoundError:  # a checkout that is not installed
         return "unknown (not installed)"
-
-
-def _group_usage(group: str) -> str:
-    """`hf-attn convert --help`: the subcommands of one group."""
-    names = {name: text for name, (_, text) in COMMANDS.items() if name.split()[0] == group}
-    width = max(map(len, names))
-    lines = [
-        f"usage: {PROG} {group} <command> [options]   ({PROG} {group} <command> --help)",
-        "",
-        "commands:",
-    ]
-    return "\n".join(lines + [f"  {name:<{width}}  {text}" for name, text in names.items()])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     groups = {name.split()[0] for name in COMMANDS if " " in name}
     if argv[0] in groups and (len(argv) == 1 or argv[1] in ("-h", "--help")):
-        print(_group_usage(argv[0]), file=sys.stdout if len(argv) > 1 else sys.stderr)
+        print(_usage(argv[0]), file=sys.stdout if len(argv) > 1 else sys.stderr)
         return 0 if len(argv) > 1 else 2
     found = resolve(argv)
     if found is None and " ".join(argv[:2]) in BENCHMARKS:

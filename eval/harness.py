@@ -19,11 +19,18 @@ model hash and settings) to `--output`. Bad input and offline failures: one line
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from pathlib import Path
 
 from hf_attn.tooling import loading
-from hf_attn.tooling.cli import ArgumentParser, add_deprecated_alias, run_command
+from hf_attn.tooling.cli import (
+    ArgumentParser,
+    add_settings_arguments,
+    run_command,
+    setting,
+    settings_from_args,
+)
 from hf_attn.tooling.devices import DEFAULT_DEVICE, DEVICE_HELP, announce_device, resolve_device
 from hf_attn.tooling.errors import UserError, check_number, check_seed, one_line
 from hf_attn.tooling.files import check_output, write_json
@@ -34,44 +41,75 @@ LOCAL_TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 DEFAULT_TASKS = ("persuasion_lastword", "persuasion_nextsent")
 
 
+@dataclasses.dataclass(frozen=True)
+class HarnessSettings:
+    """What `run` evaluates and how; `hf-attn harness`'s options are built from these fields."""
+
+    model: str | None = setting(None, help="checkpoint directory or hub id (default: the embedded SmolLM2)")
+    tasks: list[str] = setting(
+        list(DEFAULT_TASKS),
+        help="task names (comma or space separated) or task YAML paths (default: the two local tasks)",
+    )
+    include_paths: list[str] = setting(
+        [], help="more task YAML directories", flag="--include-path", metavar="DIR"
+    )
+    attn_implementation: str | None = setting(None, help="eager, sdpa, hf_attn_grouped, ...")
+    load_dtype: str = setting(
+        "float32",
+        help="dtype the weights load in",
+        choices=list(loading.DTYPES),
+        deprecated_flags=("--dtype",),
+    )
+    batch_size: int = setting(8)
+    device: str = setting(DEFAULT_DEVICE, help=f"{DEVICE_HELP} (also cuda:N)")
+    limit: float | None = setting(None, help="first N items per task (or a fraction < 1)")
+    num_fewshot: int | None = setting(None)
+    seed: int = setting(1234)
+    trust_remote_code: bool = setting(False)
+    log_samples: bool = setting(False, help="keep every item's scores in the output")
+    output: str | None = setting(
+        None, help="write the JSON record here (replaces only a JSON record hf-attn wrote; default: none)"
+    )
+
+
+_OFFLINE_ERRORS = ("OfflineModeIsEnabled", "LocalEntryNotFoundError")
+_OFFLINE_TEXTS = ("offline", "couldn't reach", "couldn't connect")
+
+
 def _is_offline_error(err: BaseException) -> bool:
-    """True if `err` (or anything in its chain) says the hub could not be reached."""
-    seen = 0
-    while err is not None and seen < 16:
-        name = type(err).__name__
-        text = str(err).lower()
-        if (
-            isinstance(err, ConnectionError)
-            or name in ("OfflineModeIsEnabled", "LocalEntryNotFoundError")
-            or "offline" in text
-            or "couldn't reach" in text
-            or "couldn't connect" in text
-        ):
+    """True if `err` (or anything in its chain, 16 links at most) says the hub could not be reached."""
+    for _ in range(16):
+        if err is None:
+            return False
+        if isinstance(err, ConnectionError) or type(err).__name__ in _OFFLINE_ERRORS:
             return True
-        err, seen = err.__cause__ or err.__context__, seen + 1
+        if any(text in str(err).lower() for text in _OFFLINE_TEXTS):
+            return True
+        err = err.__cause__ or err.__context__
     return False
 
 
-def _offline_message(what: str, err: BaseException) -> str:
+def _raise_if_offline(what: str, err: BaseException) -> None:
+    """UserError saying `what` is not available offline, if `err` says the hub could not be reached."""
+    if not _is_offline_error(err):
+        return
     from huggingface_hub import constants
 
     why = "HF_HUB_OFFLINE=1 is set" if constants.HF_HUB_OFFLINE else "the Hugging Face Hub is not reachable"
-    return (
+    raise UserError(
         f"{what} is not available offline ({why}: {one_line(err)}); use a local checkpoint / the "
         "local tasks, or run with network access"
-    )
+    ) from err
 
 
 def _yaml_task_name(path: Path) -> str:
     """The `task:` of a task YAML (lm-eval's `!function` and other tags are skipped, not resolved)."""
     import yaml
 
-    class _Loader(yaml.SafeLoader):
-        pass
-
-    _Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
+    loader = type("_Loader", (yaml.SafeLoader,), {})
+    loader.add_multi_constructor("!", lambda loader, suffix, node: None)
     try:
-        data = yaml.load(path.read_text(), Loader=_Loader) or {}
+        data = yaml.load(path.read_text(), Loader=loader) or {}
     except yaml.YAMLError as err:
         raise UserError(f"Task file {path} is not valid YAML: {one_line(err)}") from err
     name = data.get("task") or data.get("group") if isinstance(data, dict) else None
@@ -128,8 +166,7 @@ def _check_task_data(names: list[str], manager) -> None:
     try:
         get_task_dict(names, manager)
     except Exception as err:
-        if _is_offline_error(err):
-            raise UserError(_offline_message(f"Task data for {names}", err)) from err
+        _raise_if_offline(f"Task data for {names}", err)
         raise UserError(f"Could not load the task(s) {names}: {one_line(err)}") from err
 
 
@@ -154,6 +191,9 @@ def evaluate_model(
     names, paths = resolve_tasks(list(tasks), list(include_paths))
     tm = manager if manager is not None else task_manager(names, paths)
     lm = HFLM(pretrained=lm_model, tokenizer=tokenizer, batch_size=batch_size)
+    seeds = dict.fromkeys(
+        ("random_seed", "numpy_random_seed", "torch_random_seed", "fewshot_random_seed"), seed
+    )
     try:
         return lm_eval.simple_evaluate(
             model=lm,
@@ -163,90 +203,54 @@ def evaluate_model(
             num_fewshot=num_fewshot,
             log_samples=log_samples,
             bootstrap_iters=bootstrap_iters,
-            random_seed=seed,
-            numpy_random_seed=seed,
-            torch_random_seed=seed,
-            fewshot_random_seed=seed,
+            **seeds,
         )
     except Exception as err:
-        if _is_offline_error(err):
-            raise UserError(_offline_message(f"Task data for {names}", err)) from err
+        _raise_if_offline(f"Task data for {names}", err)
         raise
 
 
-def validate(
-    *,
-    model,
-    dtype: str,
-    attn_implementation: str | None,
-    batch_size: int,
-    limit: int | float | None,
-    num_fewshot: int | None,
-    output: str | Path | None,
-    seed: int = 1234,
-) -> str:
+def validate(settings: HarnessSettings) -> str:
     """The options checked before any work (nothing loaded or written): UserError naming the first bad one.
     Returns the resolved model path (or hub id)."""
-    loading.parse_dtype(dtype)
-    loading.check_attn_implementation(attn_implementation)
-    check_number("--batch-size", batch_size, minimum=1, inclusive=True, integer=True)
-    check_number("--limit", limit)
-    if limit is not None and limit > 1 and not float(limit).is_integer():
-        raise UserError(f"--limit must be a whole number of items or a fraction below 1, got {limit}")
-    check_number("--num-fewshot", num_fewshot, inclusive=True, integer=True)
-    check_seed(seed)
-    if output is not None:
-        check_output(None, output, overwrite=True, kind="json")
-    model_path = str(loading.resolve_model(model))
+    s = settings
+    loading.parse_dtype(s.load_dtype)
+    loading.check_attn_implementation(s.attn_implementation)
+    check_number("--batch-size", s.batch_size, minimum=1, inclusive=True, integer=True)
+    check_number("--limit", s.limit)
+    if s.limit is not None and s.limit > 1 and not float(s.limit).is_integer():
+        raise UserError(f"--limit must be a whole number of items or a fraction below 1, got {s.limit}")
+    check_number("--num-fewshot", s.num_fewshot, inclusive=True, integer=True)
+    check_seed(s.seed)
+    if s.output is not None:
+        check_output(None, s.output, overwrite=True, kind="json")
+    model_path = str(loading.resolve_model(s.model))
     if Path(model_path).is_dir():
         config = loading.check_checkpoint_complete(model_path)
         loading.check_tokenizer_fits(loading.load_tokenizer(model_path), loading.vocab_size(config))
     return model_path
 
 
-def run(
-    *,
-    model: str | Path | None = None,
-    tasks: list[str] = DEFAULT_TASKS,
-    include_paths: list[str | Path] = (),
-    attn_implementation: str | None = None,
-    dtype: str = "float32",
-    batch_size: int = 8,
-    device: str = DEFAULT_DEVICE,
-    limit: int | float | None = None,
-    num_fewshot: int | None = None,
-    seed: int = 1234,
-    trust_remote_code: bool = False,
-    log_samples: bool = False,
-    output: str | Path | None = None,
-) -> dict:
+def run(settings: HarnessSettings) -> dict:
     """Load the checkpoint (after `import hf_attn`), run lm-eval, return (and write) the JSON record."""
-    model_path = validate(
-        model=model,
-        dtype=dtype,
-        attn_implementation=attn_implementation,
-        batch_size=batch_size,
-        limit=limit,
-        num_fewshot=num_fewshot,
-        output=output,
-        seed=seed,
-    )
-    torch_dtype = loading.parse_dtype(dtype)
-    target = resolve_device(device)  # auto: CUDA where torch sees it, else the CPU
-    names, paths = resolve_tasks(list(tasks), list(include_paths))  # check the tasks before loading
+    s = settings
+    model_path = validate(s)
+    torch_dtype = loading.parse_dtype(s.load_dtype)
+    target = resolve_device(s.device)  # auto: CUDA where torch sees it, else the CPU
+    names, paths = resolve_tasks(list(s.tasks), list(s.include_paths))  # check the tasks before loading
     manager = task_manager(names, paths)
     _check_task_data(names, manager)  # before loading weights: offline hub datasets fail here
     try:
         lm_model = loading.load_causal_lm(
             model_path,
-            attn_implementation=attn_implementation,
+            attn_implementation=s.attn_implementation,
             dtype=torch_dtype,
-            trust_remote_code=trust_remote_code,
+            trust_remote_code=s.trust_remote_code,
         )
         tokenizer = loading.load_tokenizer(model_path)
     except (ValueError, OSError) as err:
-        if not Path(model_path).exists() and _is_offline_error(err):
-            raise UserError(_offline_message(f"Model {model_path}", err)) from err
+        if not Path(model_path).exists():
+            _raise_if_offline(f"Model {model_path}", err)
         raise
     announce_device(target)  # every input checked: the command's one line saying where it runs
     lm_model.to(target)
@@ -256,11 +260,11 @@ def run(
         tokenizer,
         names,
         include_paths=paths,
-        batch_size=batch_size,
-        limit=limit,
-        num_fewshot=num_fewshot,
-        seed=seed,
-        log_samples=log_samples,
+        batch_size=s.batch_size,
+        limit=s.limit,
+        num_fewshot=s.num_fewshot,
+        seed=s.seed,
+        log_samples=s.log_samples,
         manager=manager,
     )
     record = {
@@ -270,16 +274,16 @@ def run(
         "attn_implementation": lm_model.config._attn_implementation,
         "dtype": loading.dtype_name(torch_dtype),
         "tasks": names,
-        "limit": limit,
-        "batch_size": batch_size,
+        "limit": s.limit,
+        "batch_size": s.batch_size,
         "device": str(target),
         "seconds": time.perf_counter() - start,
         "versions": {**loading.library_versions(), "lm_eval": results.get("lm_eval_version")},
         "results": results["results"],
         "lm_eval": {k: v for k, v in results.items() if k != "results"},
     }
-    if output is not None:
-        write_json(output, record, prog=PROG)
+    if s.output is not None:
+        write_json(s.output, record, prog=PROG)
     return record
 
 
@@ -299,58 +303,20 @@ def summary_lines(record: dict) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--model", default=None, help="checkpoint directory or hub id (default: the embedded SmolLM2)"
-    )
-    p.add_argument(
-        "--tasks",
-        nargs="+",
-        default=list(DEFAULT_TASKS),
-        help="task names (comma or space separated) or task YAML paths (default: the two local tasks)",
-    )
-    p.add_argument("--include-path", nargs="+", default=[], metavar="DIR", help="more task YAML directories")
-    p.add_argument("--attn-implementation", default=None, help="eager, sdpa, hf_attn_grouped, ...")
-    dtypes = list(loading.DTYPES)
-    p.add_argument("--load-dtype", default="float32", choices=dtypes, help="dtype the weights load in")
-    add_deprecated_alias(p, "--dtype", new_flag="--load-dtype", dest="load_dtype", choices=dtypes)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--device", default=DEFAULT_DEVICE, help=f"{DEVICE_HELP} (also cuda:N)")
-    p.add_argument("--limit", type=float, default=None, help="first N items per task (or a fraction < 1)")
-    p.add_argument("--num-fewshot", type=int, default=None)
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--trust-remote-code", action="store_true")
-    p.add_argument("--log-samples", action="store_true", help="keep every item's scores in the output")
-    p.add_argument(
-        "--output",
-        default=None,
-        help="write the JSON record here (replaces only a JSON record hf-attn wrote; default: none)",
-    )
+    add_settings_arguments(p, HarnessSettings)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    tasks = [t for arg in args.tasks for t in arg.split(",") if t]
     limit = args.limit
     if limit is not None and limit >= 1 and float(limit).is_integer():
         limit = int(limit)
+    tasks = [t for arg in args.tasks for t in arg.split(",") if t]
+    settings = settings_from_args(HarnessSettings, args, tasks=tasks, limit=limit)
 
     def evaluate() -> None:
-        record = run(
-            model=args.model,
-            tasks=tasks,
-            include_paths=args.include_path,
-            attn_implementation=args.attn_implementation,
-            dtype=args.load_dtype,
-            batch_size=args.batch_size,
-            device=args.device,
-            limit=limit,
-            num_fewshot=args.num_fewshot,
-            seed=args.seed,
-            trust_remote_code=args.trust_remote_code,
-            log_samples=args.log_samples,
-            output=args.output,
-        )
+        record = run(settings)
         for line in summary_lines(record):
             print(line)
         print(

@@ -141,7 +141,7 @@ def cache_tensor_bytes(cache) -> int:
 def _cache_after_forward(model, seq_len: int):
     device = model.get_input_embeddings().weight.device
     vocab = model.config.get_text_config().vocab_size
-    ids = torch.randint(0, vocab, (1, seq_len), device=device, generator=None)
+    ids = torch.randint(0, vocab, (1, seq_len), device=device)
     with torch.inference_mode():
         out = model(input_ids=ids, use_cache=True)
     return getattr(out, CACHE_FIELD)

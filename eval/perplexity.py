@@ -32,12 +32,7 @@ from hf_attn.tooling.cli import (
 from hf_attn.tooling.corpus import load_corpus, tokenize
 from hf_attn.tooling.devices import DEFAULT_DEVICE, DEVICE_HELP, DEVICES, announce_device, resolve_device
 from hf_attn.tooling.errors import UserError, check_number, user_input
-from hf_attn.tooling.files import (
-    check_output,
-    check_text_files,
-    sha256_file,
-    write_json,
-)
+from hf_attn.tooling.files import check_output, check_text_files, sha256_file, write_json
 from hf_attn.tooling.perplexity import check_window, evaluate_perplexity
 
 PROG = "hf-attn perplexity"
@@ -174,17 +169,7 @@ def run(settings: PerplexitySettings, *, accelerator=None) -> dict:
         accelerator=accelerator,
         progress=s.progress,
     )
-    record = _record(
-        s,
-        model_path=model_path,
-        lm=lm,
-        dtype=torch_dtype,
-        corpus=corpus,
-        input_ids=input_ids,
-        result=result,
-        accelerator=accelerator,
-        leaks=leaks,
-    )
+    record = _record(s, model_path, lm, torch_dtype, corpus, input_ids, result, accelerator, leaks)
     if leaks and accelerator.is_main_process:
         print(
             f"{PROG}: warning: {model_path} was calibrated on the text it is scored on ({', '.join(leaks)}): "
@@ -197,7 +182,7 @@ def run(settings: PerplexitySettings, *, accelerator=None) -> dict:
 
 
 def _record(
-    s: PerplexitySettings, *, model_path, lm, dtype, corpus, input_ids, result, accelerator, leaks
+    s: PerplexitySettings, model_path, lm, dtype, corpus, input_ids, result, accelerator, leaks
 ) -> dict:
     """The JSON record of one evaluation: the model and its KV cache per token, the corpus (name, hash,
     tokens), the protocol (context, stride, windows), the result, where it ran and the library versions.

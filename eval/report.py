@@ -44,13 +44,12 @@ def _columns(record: dict) -> tuple:
 
 
 def _cells(row: dict, columns: tuple = COLUMNS) -> list[str]:
+    healed = "yes" if row["healed"] else "no"
     if "error" in row:
-        return [row["label"], "yes" if row["healed"] else "no", f"FAILED: {row['error']}"] + [""] * (
-            len(columns) - 3
-        )
+        return [row["label"], healed, f"FAILED: {row['error']}", *[""] * (len(columns) - 3)]
     cells = [
         row["label"],
-        "yes" if row["healed"] else "no",
+        healed,
         cell(row.get("kv_bytes_per_token"), ",.0f"),
         cell(row.get("kv_fraction") and 100 * row["kv_fraction"], ".1f") + "%",
         cell(row.get("perplexity"), ",.2f"),
@@ -88,23 +87,13 @@ def cross_domain_table(record: dict) -> str | None:
     for r in ok:
         if r is source:
             continue
-        ratio = {
-            "persuasion": r["perplexity"] / source["perplexity"],
-            "python-faq": r[SECOND_CORPUS[0]] / source[SECOND_CORPUS[0]],
-        }
-        p, q = ratio["persuasion"], ratio["python-faq"]
-        verdict = "pass" if check_row({"ratio": ratio}) else "no"
+        p, q = r["perplexity"] / source["perplexity"], r[SECOND_CORPUS[0]] / source[SECOND_CORPUS[0]]
+        verdict = "pass" if check_row({"ratio": {"persuasion": p, "python-faq": q}}) else "no"
         rows.append(
             [r["label"], "yes" if r["healed"] else "no", f"{p:,.3f}", f"{q:,.3f}", f"{q / p:.3f} {verdict}"]
         )
-    header = [
-        "Variant",
-        "Healed",
-        "Persuasion ratio",
-        "FAQ ratio",
-        f"FAQ ratio / Persuasion ratio (<= {TOLERANCE})",
-    ]
-    return markdown_table(header, rows, align="llrrl")
+    ratios = f"FAQ ratio / Persuasion ratio (<= {TOLERANCE})"
+    return markdown_table(["Variant", "Healed", "Persuasion ratio", "FAQ ratio", ratios], rows, align="llrrl")
 
 
 def reading(record: dict) -> list[str]:
@@ -158,27 +147,15 @@ def plot_pareto(record: dict, path: Path) -> None:
 
     ok = {r["name"]: r for r in record["rows"] if "error" not in r and r.get("perplexity")}
     fig, ax = plt.subplots(figsize=(8, 5.5), dpi=120)
-    for r in ok.values():
+    point = {name: (r["kv_bytes_per_token"] / 1024, r["perplexity"]) for name, r in ok.items()}  # KiB, ppl
+    for name, r in ok.items():
         marker, color = ("^", "tab:green") if r["healed"] else ("o", "tab:blue")
-        ax.scatter(
-            r["kv_bytes_per_token"] / 1024, r["perplexity"], marker=marker, color=color, s=50, zorder=3
-        )
+        ax.scatter(*point[name], marker=marker, color=color, s=50, zorder=3)
         if not r["healed"] or r["variant"] not in ok:  # a healed point is named by its arrow's tail
-            ax.annotate(
-                r["name"],
-                (r["kv_bytes_per_token"] / 1024, r["perplexity"]),
-                fontsize=8,
-                xytext=(5, 3),
-                textcoords="offset points",
-            )
-        healed = ok.get(r["name"] + "+healed")
-        if not r["healed"] and healed:
-            ax.annotate(
-                "",
-                xy=(healed["kv_bytes_per_token"] / 1024, healed["perplexity"]),
-                xytext=(r["kv_bytes_per_token"] / 1024, r["perplexity"]),
-                arrowprops={"arrowstyle": "->", "color": "0.6"},
-            )
+            ax.annotate(name, point[name], fontsize=8, xytext=(5, 3), textcoords="offset points")
+        if not r["healed"] and name + "+healed" in ok:
+            arrow = {"arrowstyle": "->", "color": "0.6"}
+            ax.annotate("", xy=point[name + "+healed"], xytext=point[name], arrowprops=arrow)
     ax.scatter([], [], marker="o", color="tab:blue", label="converted (training-free)")
     ax.scatter([], [], marker="^", color="tab:green", label="after healing (arrow from before)")
     if ok:

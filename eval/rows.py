@@ -47,8 +47,3 @@ class RowStore:
         row = {"key": key, "name": name, **row}
         write_json(self.path(name), row)
         return row
-
-    def rows(self) -> list[dict]:
-        """Every stored row that did not fail, by name."""
-        rows = (json.loads(p.read_text()) for p in sorted(self.directory.glob("*.json")))
-        return [r for r in rows if "error" not in r]

@@ -107,9 +107,6 @@ class Progress:
         self.log(f"[{self.done}/{self.total} | {elapsed / 60:5.1f} min] {what}")
 
 
-# ----------------------------------------------------------------------------------------- the steps
-
-
 def convert(
     variant: Variant,
     *,
@@ -125,28 +122,18 @@ def convert(
     A variant without `refine = true` is the closed form only, whatever the converters' defaults. `shared` (a
     dict kept across calls) holds the MLA calibration pass, which does not depend on the ranks: every per-head
     MLA variant of a study reuses it."""
-    opts = dict(variant.options)
-    export, refine = opts.pop("export", None), bool(opts.pop("refine", False))
-    if refine and (settings.refine_steps < 1 or settings.refine_tokens < 1):
-        raise UserError(
-            f"a variant with refine = true needs refine_steps and refine_tokens >= 1 in the profile, got "
-            f"{settings.refine_steps} and {settings.refine_tokens}"
-        )
+    s, opts = settings, dict(variant.options)
+    export, refine = opts.pop("export", None), opts.pop("refine", False)  # refine: checked by check_variants
     spec, calibration = pipeline.specs_from_options(
-        variant.kind, opts, calibration=CalibrationSpec(tokens=settings.calibration_tokens, device=device)
+        variant.kind, opts, calibration=CalibrationSpec(tokens=s.calibration_tokens, device=device)
     )
-    s = settings
-    stages = (
-        RefineSpec(steps=s.refine_steps, tokens=s.refine_tokens, loss_stride=s.refine_loss_stride)
-        if refine
-        else RefineSpec(0)
-    )
+    stages = RefineSpec(steps=s.refine_steps, tokens=s.refine_tokens, loss_stride=s.refine_loss_stride)
     pipeline.convert(
         spec,
         src=source,
         dst=dst,
         calibration=calibration,
-        refine=stages,
+        refine=stages if refine else RefineSpec(0),
         export=export,
         calibration_pass=_shared_calibration(spec, source, calibration, {} if shared is None else shared),
     )
@@ -187,44 +174,25 @@ def heal(src: Path, dst: Path, settings: Settings, device: str = DEFAULT_DEVICE)
 def measure(path: Path, settings: Settings, device: str = DEFAULT_DEVICE, *, decode: bool = True) -> dict:
     """Perplexity (with measured KV bytes per token), task accuracy and, with `decode`, decode speed of one
     checkpoint."""
-    ppl = perplexity(
-        PerplexitySettings(
-            model=str(path),
-            context_length=settings.context_length,
-            max_tokens=settings.eval_tokens,
-            progress=False,
-            device=device,
-        )
+    s = settings
+    base = PerplexitySettings(
+        model=str(path),
+        context_length=s.context_length,
+        max_tokens=s.eval_tokens,
+        progress=False,
+        device=device,
     )
-    second = {}
-    if settings.second_corpus_tokens:  # the cross-domain column: the Python FAQ, the same windows
-        second = perplexity(
-            PerplexitySettings(
-                model=str(path),
-                texts=[str(assets.python_docs_eval_file())],
-                context_length=settings.context_length,
-                max_tokens=settings.second_corpus_tokens,
-                progress=False,
-                device=device,
-            )
-        )
-    accuracy = task_accuracy_of(path, settings.task_items)
+    ppl, second = perplexity(base), {}
+    if s.second_corpus_tokens:  # the cross-domain column: the Python FAQ, the same windows
+        faq = [str(assets.python_docs_eval_file())]
+        second = perplexity(dataclasses.replace(base, texts=faq, max_tokens=s.second_corpus_tokens))
+    accuracy = task_accuracy_of(path, s.task_items)
     speed = {}
     if decode:
-        speed = bench_decode(
-            path,
-            attn_implementation=None,
-            prompt_tokens=settings.decode_prompt_tokens,
-            batch_size=1,
-            new_tokens=settings.decode_new_tokens,
-        )
+        speed = bench_decode(path, prompt_tokens=s.decode_prompt_tokens, new_tokens=s.decode_new_tokens)
     # KV bytes measured from a real cache, except for deepseek_v3 exports: transformers' DeepseekV3 caches
     # expanded per-head K/V, so their row states what an MLA engine (vLLM, SGLang) caches, from the config.
-    kv = (
-        ppl["kv_bytes_per_token"]
-        if ppl["model_type"] == "deepseek_v3"
-        else ppl["kv_bytes_per_token_measured"]
-    )
+    kv = ppl["kv_bytes_per_token" if ppl["model_type"] == "deepseek_v3" else "kv_bytes_per_token_measured"]
     return {
         "perplexity": ppl["perplexity"],
         "tokens_scored": ppl["tokens_scored"],
@@ -247,9 +215,6 @@ def task_accuracy_of(path: Path, items: int) -> dict:
 
     model, tokenizer = loading.load_causal_lm(path), loading.load_tokenizer(path)
     return task_accuracy(model, tokenizer, tasks=("persuasion_lastword",), limit=items)
-
-
-# ----------------------------------------------------------------------------------------- the pipeline
 
 
 class Study:
@@ -282,9 +247,9 @@ class Study:
         self.counts = {"converted": 0, "healed": 0, "reused": 0}
         self.shared: dict = {}  # calibration passes shared by conversions (see `convert`)
 
-    # -- cached artefacts
-    def _checkpoint(self, name: str, key: str, build) -> tuple[Path, float, bool]:
-        """Return (path, seconds it took to build, whether it was cached) of a cached checkpoint."""
+    def _checkpoint(self, name: str, key: str, build, kind: str) -> tuple[Path, float, bool]:
+        """Return (path, seconds it took to build, whether it was cached) of a cached checkpoint; counted as
+        reused, or as `kind` ("converted", "healed") when built."""
         path = self.store / f"{name}-{key}"
         meta = path / "hf_attn_study.json"
         if path.exists() and meta.exists() and not self.fresh:
@@ -296,6 +261,7 @@ class Study:
         build(path)
         seconds = time.perf_counter() - start
         meta.write_text(json.dumps({"seconds": seconds}))
+        self.counts[kind] += 1
         return path, seconds, False
 
     def run(self) -> list[dict]:
@@ -305,9 +271,7 @@ class Study:
             (r["kv_bytes_per_token"] for r in rows if r["kind"] == "source" and "error" not in r), None
         )
         if source_kv is None:  # no source row (`--only`): the source's cache from its config, in fp32
-            from transformers import AutoConfig
-
-            source_kv = kv_bytes_per_token(AutoConfig.from_pretrained(self.source)).total
+            source_kv = kv_bytes_per_token(loading.load_config(self.source)).total
         for r in rows:
             if r.get("kv_bytes_per_token") is not None:
                 r["kv_fraction"] = r["kv_bytes_per_token"] / source_kv
@@ -335,19 +299,15 @@ class Study:
             convert(v, source=self.source, dst=dst, settings=s, shared=self.shared, device=self.device)
 
         def converted() -> tuple[Path, float, bool]:
+            if v.kind == "source":
+                return self.source, 0.0, True
             if "converted" not in built:
-                if v.kind == "source":
-                    built["converted"] = (self.source, 0.0, True)
-                else:
-                    built["converted"] = self._checkpoint(v.name, conv_key, build_converted)
-                    self.counts["converted"] += not built["converted"][2]
+                built["converted"] = self._checkpoint(v.name, conv_key, build_converted, "converted")
             return built["converted"]
 
         def healed() -> tuple[Path, float, bool]:
-            built["healed"] = self._checkpoint(
-                f"{v.name}-healed", heal_key, lambda dst: heal(converted()[0], dst, s, self.device)
-            )
-            self.counts["healed"] += not built["healed"][2]
+            build = lambda dst: heal(converted()[0], dst, s, self.device)  # noqa: E731
+            built["healed"] = self._checkpoint(f"{v.name}-healed", heal_key, build, "healed")
             return built["healed"]
 
         rows, first_step = [], progress.done
@@ -373,7 +333,7 @@ class Study:
         if not self.keep_checkpoints:
             for path, _, _ in built.values():
                 for tree in (path, default_state_dir(path)):  # the healing log lives beside its checkpoint
-                    if path != self.source and tree.exists():
+                    if tree.exists():
                         shutil.rmtree(tree)
         return rows
 

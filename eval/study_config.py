@@ -95,19 +95,7 @@ KINDS = ("source", "expand", "gqa", "mla")
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
-_POSITIVE = (
-    "eval_tokens",
-    "context_length",
-    "decode_prompt_tokens",
-    "decode_new_tokens",
-    "calibration_tokens",
-    "heal_minutes",
-    "heal_seq_len",
-    "heal_batch_size",
-    "heal_lr",
-    "task_items",
-    "refine_loss_stride",
-)
+_MAY_BE_ZERO = ("second_corpus_tokens", "refine_steps", "refine_tokens")  # every other number must be > 0
 
 
 def check_settings(settings: Settings, where: str) -> None:
@@ -122,7 +110,7 @@ def check_settings(settings: Settings, where: str) -> None:
             if not isinstance(value, str):
                 raise UserError(f"{f.name} = {value!r} in {where} must be a string")
             continue
-        check_number(f"{f.name} in {where}", value, inclusive=f.name not in _POSITIVE, integer=integer)
+        check_number(f"{f.name} in {where}", value, inclusive=f.name in _MAY_BE_ZERO, integer=integer)
     if settings.heal_corpus not in assets.CORPORA:
         raise UserError(
             f"unknown heal_corpus {settings.heal_corpus!r} in {where}; choose one of {list(assets.CORPORA)}"

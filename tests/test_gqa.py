@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from calibration_reference import WholeModel, capture_attention_inputs
 from conftest import exit_status
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig, Qwen2Config
@@ -75,7 +76,9 @@ def tiny_statistics(path: Path, model_type: str, *, tokens: int, window: int, se
     pooling = gqa.check_pooling(geo, 2)
     ids = torch.randint(0, 96, (tokens,), generator=torch.Generator().manual_seed(seed))
     with torch.inference_mode():
-        stats = gqa.collect_attention_statistics(model, ids, pooling=pooling, window=window, progress=False)
+        stats = gqa.collect_attention_statistics(
+            WholeModel(model), ids, pooling=pooling, window=window, progress=False
+        )
     return model, geo, pooling, ids, stats
 
 
@@ -157,8 +160,6 @@ def test_sharded_source_and_output(tmp_path):
 
 def test_attention_statistics_match_a_direct_computation(tmp_path):
     """AttentionStatistics against loops over eager attention probabilities (output_attentions=True)."""
-    from hf_attn.conversion.checkpoint.calibration import capture_attention_inputs
-
     model, geo, pooling, ids, stats = tiny_statistics(tmp_path / "src", "llama", tokens=12, window=12, seed=1)
     with torch.inference_mode():
         probs = model(input_ids=ids[None], output_attentions=True).attentions  # per layer (1, Hq, T, T)

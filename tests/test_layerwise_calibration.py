@@ -1,7 +1,7 @@
 """Layer-by-layer calibration (conversion.checkpoint.layerwise) against the whole-model hooked pass it
 replaces.
 
-The reference is `calibration.for_each_attention_input` on the source loaded whole by transformers in float32
+The reference is `calibration_reference.WholeModel`, the source loaded whole by transformers in float32
 (what the calibrated converters did before): the attention inputs, RoPE tables and GQA statistics of the
 layer-wise pass must equal it on tiny Llama (llama3 rope scaling), Mistral (sliding window shorter than the
 calibration window), Qwen2 (q/k/v biases; mixed full/sliding layers) and the real SmolLM2. Also: one decoder
@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from calibration_reference import WholeModel, capture_attention_inputs
 from conftest import exit_status
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from hf_attn.conversion import cli as convert_cli
 from hf_attn.conversion import gqa
 from hf_attn.conversion.checkpoint import layerwise
-from hf_attn.conversion.checkpoint.calibration import capture_attention_inputs, for_each_attention_input
+from hf_attn.conversion.checkpoint.calibration import for_each_attention_input
 from hf_attn.conversion.checkpoint.io import AttentionGeometry
 from hf_attn.conversion.checkpoint.layerwise import LayerwiseModel
 
@@ -125,7 +126,9 @@ def test_gqa_statistics_equal_the_whole_model_pass(tmp_path):
     model = whole_model(src)
     pooling = gqa.check_pooling(AttentionGeometry.from_config(model.config.to_dict()), 1)
     with torch.inference_mode():
-        want = gqa.collect_attention_statistics(model, IDS, pooling=pooling, window=WINDOW, progress=False)
+        want = gqa.collect_attention_statistics(
+            WholeModel(model), IDS, pooling=pooling, window=WINDOW, progress=False
+        )
         got = gqa.collect_attention_statistics(
             LayerwiseModel(src), IDS, pooling=pooling, window=WINDOW, progress=False
         )

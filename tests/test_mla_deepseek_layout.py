@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from calibration_reference import capture_attention_inputs
 from conftest import exit_status
 
 from hf_attn.conversion import cli as convert_cli
@@ -451,7 +452,7 @@ def test_calibration_spills_every_layer_and_reads_back_the_whole_model_sums(smol
     assert all(isinstance(s, SpilledLayerStatistics) for s in got.statistics.values())
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     ids = cal.calibration_ids(AutoTokenizer.from_pretrained(src), files, 256)
-    inputs = cal.capture_attention_inputs(model, ids, layers=range(2), window=64, progress=False)
+    inputs = capture_attention_inputs(model, ids, layers=range(2), window=64, progress=False)
     ref = sr.SharedKeyStatistics(num_heads=4, num_kv_heads=2, head_dim=8)
     for i, layer in enumerate(model.model.layers):
         x, (cos, sin) = inputs[i]

@@ -10,13 +10,10 @@
 - `for_each_attention_input(model, ids, fn, window=...)`: runs the model over disjoint windows and calls
   `fn(layer, hidden_states, position_embeddings)` with the input of every `self_attn` (the post-norm hidden
   states, (B, T, C), and RoPE's (cos, sin), each (B, T, D)). Nothing is kept: the caller accumulates what it
-  needs, so memory is the model plus one window's activations; or, for a `layerwise.LayerwiseModel` (what
-  the converters pass), one decoder layer plus every window's hidden states.
+  needs, so memory is one decoder layer of a `layerwise.LayerwiseModel` plus every window's hidden states.
 - `augmented_moment(x)`: the usual statistic to accumulate there, the float64 second moment of the augmented
   input [x; 1], M = sum_t [x_t; 1][x_t; 1]^T of shape (C + 1, C + 1). Every second moment of q, k and v (with
   biases) follows from it: E[k k^T] = [W_k | b_k] M [W_k | b_k]^T / N. Memory: (C + 1)^2 float64 per layer.
-- `capture_attention_inputs(model, ids, layers=...)`: the raw inputs of the chosen layers, concatenated
-  (layers * tokens * C floats: pass few layers at a time for a big model or corpus).
 """
 
 from __future__ import annotations
@@ -26,14 +23,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
-from hf_attn.conversion.checkpoint.layerwise import (
-    AttentionInputFn,
-    LayerwiseModel,
-    StopForward,
-    wanted_layers,
-)
+from hf_attn.conversion.checkpoint.layerwise import AttentionInputFn, LayerwiseModel
 from hf_attn.conversion.specs import DEFAULT_WINDOW, CalibrationSpec
 from hf_attn.tooling import assets, loading
 from hf_attn.tooling.errors import UserError
@@ -122,15 +113,8 @@ def calibration_record(calibration: CalibrationSpec, tokens: int) -> dict:
     return {**corpus_record(calibration.files(), tokens), "window": calibration.window}
 
 
-def _decoder_layers(model) -> list:
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__} has no `model.layers`; expected a Llama-family causal LM.")
-    return list(layers)
-
-
 def for_each_attention_input(
-    model,
+    model: LayerwiseModel,
     input_ids: torch.Tensor,
     fn: AttentionInputFn,
     *,
@@ -144,38 +128,10 @@ def for_each_attention_input(
         x                     (1, T, C)  input of `layers[layer].self_attn` (after input_layernorm)
         position_embeddings   (cos, sin), each (1, T, D), or None if the model passes none
     T <= window (the last window may be shorter). Layers after the last wanted one are skipped.
-    `model`: a loaded causal LM (hooks on its layers, the whole model in memory), or a
-    `layerwise.LayerwiseModel` (one decoder layer in memory at a time; what the converters use).
+    `model`: a `layerwise.LayerwiseModel` (one decoder layer in memory at a time), or anything with its
+    `for_each_attention_input` (the tests' reference hooks a model loaded whole).
     """
-    if isinstance(model, LayerwiseModel):
-        return model.for_each_attention_input(input_ids, fn, window=window, layers=layers, progress=progress)
-    blocks = _decoder_layers(model)
-    wanted = wanted_layers(layers, len(blocks), input_ids)
-    last = wanted[-1]
-
-    def make_hook(idx: int):
-        def hook(module, args, kwargs):
-            x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            fn(idx, x.detach(), kwargs.get("position_embeddings"))
-            if idx == last:
-                raise StopForward
-
-        return hook
-
-    handles = [blocks[i].self_attn.register_forward_pre_hook(make_hook(i), with_kwargs=True) for i in wanted]
-    device = next(model.parameters()).device
-    starts = range(0, len(input_ids), window)
-    try:
-        with torch.inference_mode():
-            for start in tqdm(starts, desc="calibration", unit="window", disable=not progress):
-                chunk = input_ids[start : start + window].unsqueeze(0).to(device)  # (1, T)
-                try:
-                    model(input_ids=chunk, use_cache=False)
-                except StopForward:
-                    pass
-    finally:
-        for h in handles:
-            h.remove()
+    model.for_each_attention_input(input_ids, fn, window=window, layers=layers, progress=progress)
 
 
 def augmented_moment(x: torch.Tensor) -> torch.Tensor:
@@ -204,34 +160,3 @@ def causal_probabilities(
     if window is not None:
         keep &= query_positions[:, None] - s_pos[None] < window
     return scores.masked_fill(~keep, float("-inf")).softmax(-1)  # (Hkv, G, Tq, T)
-
-
-def capture_attention_inputs(
-    model,
-    input_ids: torch.Tensor,
-    *,
-    layers: Iterable[int],
-    window: int = DEFAULT_WINDOW,
-    progress: bool = True,
-) -> dict[int, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]]:
-    """The raw attention inputs of `layers`: layer -> (x (N, C), (cos, sin) each (N, D) or None).
-
-    N = len(input_ids), windows concatenated in order. Memory: len(layers) * N * (C + 2 D) floats.
-    """
-    xs: dict[int, list] = {}
-    pos: dict[int, list] = {}
-
-    def keep(idx: int, x: torch.Tensor, position_embeddings) -> None:
-        xs.setdefault(idx, []).append(x.reshape(-1, x.shape[-1]).clone())  # (T, C)
-        if position_embeddings is not None:
-            cos, sin = position_embeddings
-            pos.setdefault(idx, []).append((cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1])))
-
-    for_each_attention_input(model, input_ids, keep, window=window, layers=layers, progress=progress)
-    out = {}
-    for idx, chunks in xs.items():
-        pe = None
-        if idx in pos:
-            pe = (torch.cat([c for c, _ in pos[idx]]), torch.cat([s for _, s in pos[idx]]))
-        out[idx] = (torch.cat(chunks), pe)
-    return out

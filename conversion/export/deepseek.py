@@ -37,18 +37,7 @@ from pathlib import Path
 
 import torch
 
-from hf_attn.conversion.checkpoint.io import (
-    add_record,
-    check_supported,
-    checked_index,
-    conversion_record,
-    copy_side_files,
-    dtype_name,
-    latest_record,
-    read_config,
-    read_tensor,
-    write_config,
-)
+from hf_attn.conversion.checkpoint import io as ckpt
 from hf_attn.conversion.checkpoint.shards import ShardedWriter
 from hf_attn.conversion.export.engine_dims import VLLM_VERSION_READ, accepting_backends
 from hf_attn.conversion.export.plan import (
@@ -67,44 +56,40 @@ from hf_attn.tooling.loading import parse_dtype, resolve_model
 
 PROG = "hf-attn export"
 GENERATION_CONFIG = "generation_config.json"
-_ATTN_BIASES = ("q_proj", "k_rope_proj", "k_up_proj", "v_up_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
 _LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
-
-
-# ------------------------------------------------------------------------------------------------ tensors
+_ATTN_SOURCES = {  # DeepSeek's attention tensor -> the llama_mla tensors it is computed from
+    "q_proj.weight": ("q_proj.weight",),
+    "kv_a_proj_with_mqa.weight": ("kv_down_proj.weight", "k_rope_proj.weight"),
+    "kv_a_layernorm.weight": ("latent_norm.weight",),
+    "kv_b_proj.weight": ("k_up_proj.weight", "v_up_proj.weight"),
+    "o_proj.weight": ("o_proj.weight",),
+}
 
 
 def _attn(layer: int, name: str) -> str:
     return f"model.layers.{layer}.self_attn.{name}"
 
 
-def _dense_layer_shapes(prefix: str, *, hidden: int, intermediate: int) -> dict[str, tuple[int, ...]]:
-    """The norm and MLP weights of one decoder layer (`prefix` "model.layers.i."), alike in both layouts."""
-    shapes = {prefix + n + ".weight": (hidden,) for n in _LAYER_NORMS}
-    shapes[prefix + "mlp.gate_proj.weight"] = (intermediate, hidden)
-    shapes[prefix + "mlp.up_proj.weight"] = (intermediate, hidden)
-    shapes[prefix + "mlp.down_proj.weight"] = (hidden, intermediate)
+def _dense_shapes(plan: ExportPlan, config: LlamaMLAConfig) -> dict[str, tuple[int, ...]]:
+    """The tensors alike in both layouts: embeddings, final norm, lm_head and every layer's norms and MLP."""
+    E, V, F = plan.hidden_size, config.vocab_size, config.intermediate_size
+    shapes = {"model.embed_tokens.weight": (V, E), "model.norm.weight": (E,), "lm_head.weight": (V, E)}
+    for i in range(plan.num_layers):
+        pre = f"model.layers.{i}."
+        shapes.update({pre + n + ".weight": (E,) for n in _LAYER_NORMS})
+        shapes.update({pre + f"mlp.{n}.weight": (E, F) if n == "down_proj" else (F, E) for n in _MLP})
     return shapes
 
 
 def source_shapes(plan: ExportPlan, config: LlamaMLAConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor the source may hold (lm_head.weight only if untied; biases only if configured)."""
-    E, Hq, Hkv, d, dc, dn = (
-        plan.hidden_size,
-        plan.num_heads,
-        plan.num_kv_heads,
-        plan.head_dim,
-        plan.latent_dim,
-        plan.nope_dim,
-    )
-    rd, V, F = 2 * plan.rope_pairs, config.vocab_size, config.intermediate_size
-    shapes = {"model.embed_tokens.weight": (V, E), "model.norm.weight": (E,), "lm_head.weight": (V, E)}
+    E, Hq, Hkv, d, dc = plan.hidden_size, plan.num_heads, plan.num_kv_heads, plan.head_dim, plan.latent_dim
+    dn, rd, F = plan.nope_dim, 2 * plan.rope_pairs, config.intermediate_size
+    shapes = _dense_shapes(plan, config)
     for i in range(plan.num_layers):
-        pre = f"model.layers.{i}."
-        shapes.update(_dense_layer_shapes(pre, hidden=E, intermediate=F))
         if getattr(config, "mlp_bias", False):
-            shapes.update({pre + f"mlp.{n}.bias": (E if n == "down_proj" else F,) for n in _MLP})
+            shapes.update({f"model.layers.{i}.mlp.{n}.bias": (E if n == "down_proj" else F,) for n in _MLP})
         attn = {
             "q_proj.weight": (Hq * d, E),
             "k_rope_proj.weight": (rd, E),
@@ -123,26 +108,12 @@ def source_shapes(plan: ExportPlan, config: LlamaMLAConfig) -> dict[str, tuple[i
     return shapes
 
 
-def zero_bias_names(shapes: dict[str, tuple[int, ...]]) -> list[str]:
-    """The bias tensors of the source: DeepSeek (vLLM, SGLang) has none, so each must be all zeros."""
-    return [n for n in shapes if n.endswith(".bias")]
-
-
 def target_shapes(plan: ExportPlan, config: LlamaMLAConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor of the exported checkpoint and its shape."""
-    E, Hq, d, D, R, dn = (
-        plan.hidden_size,
-        plan.num_heads,
-        plan.head_dim,
-        plan.kv_lora_rank,
-        plan.qk_rope_head_dim,
-        plan.nope_dim,
-    )
-    V, F = config.vocab_size, config.intermediate_size
-    shapes = {"model.embed_tokens.weight": (V, E), "model.norm.weight": (E,), "lm_head.weight": (V, E)}
+    E, Hq, d, D, R = plan.hidden_size, plan.num_heads, plan.head_dim, plan.kv_lora_rank, plan.qk_rope_head_dim
+    dn = plan.nope_dim
+    shapes = _dense_shapes(plan, config)
     for i in range(plan.num_layers):
-        pre = f"model.layers.{i}."
-        shapes.update(_dense_layer_shapes(pre, hidden=E, intermediate=F))
         shapes[_attn(i, "q_proj.weight")] = (Hq * (dn + R), E)
         shapes[_attn(i, "kv_a_proj_with_mqa.weight")] = (D + R, E)
         shapes[_attn(i, "kv_a_layernorm.weight")] = (D,)
@@ -160,18 +131,9 @@ def key_map(plan: ExportPlan, *, tied: bool) -> dict[str, tuple[str, ...]]:
     }
     for i in range(plan.num_layers):
         pre = f"model.layers.{i}."
-        for n in _LAYER_NORMS:
-            out[pre + n + ".weight"] = (pre + n + ".weight",)
-        for n in _MLP:
-            out[pre + f"mlp.{n}.weight"] = (pre + f"mlp.{n}.weight",)
-        out[_attn(i, "q_proj.weight")] = (_attn(i, "q_proj.weight"),)
-        out[_attn(i, "kv_a_proj_with_mqa.weight")] = (
-            _attn(i, "kv_down_proj.weight"),
-            _attn(i, "k_rope_proj.weight"),
-        )
-        out[_attn(i, "kv_a_layernorm.weight")] = (_attn(i, "latent_norm.weight"),)
-        out[_attn(i, "kv_b_proj.weight")] = (_attn(i, "k_up_proj.weight"), _attn(i, "v_up_proj.weight"))
-        out[_attn(i, "o_proj.weight")] = (_attn(i, "o_proj.weight"),)
+        for n in (*_LAYER_NORMS, *(f"mlp.{m}" for m in _MLP)):
+            out[f"{pre}{n}.weight"] = (f"{pre}{n}.weight",)
+        out.update({_attn(i, k): tuple(_attn(i, n) for n in names) for k, names in _ATTN_SOURCES.items()})
     return out
 
 
@@ -194,24 +156,14 @@ def export_attention(
 ) -> dict[str, torch.Tensor]:
     """One layer's llama_mla attention weights (keys without the layer prefix, e.g. "q_proj.weight") ->
     DeepSeek's, computed in float64 and returned in the source dtype."""
-    Hq, Hkv, G, d, dc, D, dn = (
-        plan.num_heads,
-        plan.num_kv_heads,
-        plan.group_size,
-        plan.head_dim,
-        plan.latent_dim,
-        plan.kv_lora_rank,
-        plan.nope_dim,
-    )
-    rd, E = 2 * plan.rope_pairs, plan.hidden_size
+    Hq, Hkv, G, d, E = plan.num_heads, plan.num_kv_heads, plan.group_size, plan.head_dim, plan.hidden_size
+    dc, D, dn, rd = plan.latent_dim, plan.kv_lora_rank, plan.nope_dim, 2 * plan.rope_pairs
     dtype = tensors["q_proj.weight"].dtype
     t = {k: v.double() for k, v in tensors.items()}
 
     q = t["q_proj.weight"].view(Hq, d, E)  # (Hq, d, E), head rows [rope (2r) | nope (dn)]
-    q_pe = torch.stack(
-        [rope_rows_to_slots(q[h, :rd], plan=plan, layer=layer) for h in range(Hq)]
-    )  # (Hq, R, E)
-    q_new = torch.cat([q[:, rd:], q_pe], dim=1) * plan.query_scale  # (Hq, dn + R, E)
+    q_pe = [rope_rows_to_slots(q[h, :rd], plan=plan, layer=layer) for h in range(Hq)]  # Hq x (R, E)
+    q_new = torch.cat([q[:, rd:], torch.stack(q_pe)], dim=1) * plan.query_scale  # (Hq, dn + R, E)
 
     latent = t["kv_down_proj.weight"] * plan.latent_scale  # (d_c, E)
     k_pe = rope_rows_to_slots(t["k_rope_proj.weight"], plan=plan, layer=layer)  # (R, E)
@@ -244,16 +196,19 @@ def export_tensors(
     config: LlamaMLAConfig,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream the exported tensors (one layer's attention in memory at a time). `read(name)` returns a
-    source tensor, `names` are the source's tensor names. Checks every source and every target shape, that
+    source tensor, `names` are the source's tensor names (a tied model's lm_head.weight, the embedding, is
+    left out). Checks every source and every target shape, that
     every source tensor is used, and that every bias is zero (ValueError naming the tensor otherwise)."""
     src_shapes = source_shapes(plan, config)
+    names = {n for n in names if not (config.tie_word_embeddings and n == "lm_head.weight")}
     tied = "lm_head.weight" not in names
     if tied and not config.tie_word_embeddings:
         raise UserError("lm_head.weight is missing from the checkpoint, which has tie_word_embeddings=False.")
     unexpected = sorted(set(names) - set(src_shapes))
     if unexpected:
         raise UserError(f"Unexpected tensors for a llama_mla checkpoint of this config: {unexpected[:5]}.")
-    biases = zero_bias_names({n: s for n, s in src_shapes.items() if n in names})
+    # the bias tensors of the source: DeepSeek (vLLM, SGLang) has none, so each must be all zeros
+    biases = [n for n in src_shapes if n in names and n.endswith(".bias")]
     for name in biases:
         bias = read(name)
         if bias.abs().max().item() != 0:
@@ -300,20 +255,7 @@ def deepseek_state_dict(
 ) -> dict[str, torch.Tensor]:
     """In-memory form of `export_tensors`: a llama_mla state dict -> the deepseek_v3 state dict."""
     names = {n for n in state_dict if not n.endswith("rope_dims")}
-    if config.tie_word_embeddings:
-        names.discard("lm_head.weight")  # a tied model's lm_head is the embedding
     return dict(export_tensors(read=state_dict.__getitem__, names=names, plan=plan, config=config))
-
-
-# ------------------------------------------------------------------------------------------------ files
-
-
-def _generation_config(src_dir: Path, config: LlamaMLAConfig) -> dict | None:
-    """None when the source has a generation_config.json (copied as a side file), else a minimal one."""
-    if (src_dir / GENERATION_CONFIG).exists():
-        return None
-    ids = {k: getattr(config, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
-    return {k: v for k, v in ids.items() if v is not None}
 
 
 def export_checkpoint(
@@ -332,9 +274,9 @@ def export_checkpoint(
     if to not in EXPORT_TARGETS:
         raise UserError(f"--to must be one of {EXPORT_TARGETS}, got {to!r}.")
     src_dir = resolve_model(src)
-    raw = read_config(src_dir)
+    raw = ckpt.read_config(src_dir)
     if raw.get("model_type") != "llama_mla":
-        check_supported(raw)  # a source no converter covers: name the feature, not only "convert first"
+        ckpt.check_supported(raw)  # a source no converter covers: name the feature, not only "convert first"
         raise UserError(
             f"--model {src_dir} has model_type {raw.get('model_type')!r}; the export reads llama_mla "
             "checkpoints: convert first with `hf-attn convert mla --layout deepseek`."
@@ -350,14 +292,13 @@ def export_checkpoint(
         )
     dst = check_output(src_dir, dst, overwrite=overwrite)
     cast = parse_dtype(dtype) if isinstance(dtype, str) else dtype
-    index = checked_index(src_dir)  # would load completely, finite weights: before any output exists
-    names = {n for n in index if not (config.tie_word_embeddings and n == "lm_head.weight")}
-    tensors = export_tensors(read=lambda n: read_tensor(index[n]), names=names, plan=plan, config=config)
+    index = ckpt.checked_index(src_dir)  # would load completely, finite weights: before any output exists
+    tensors = export_tensors(read=lambda n: ckpt.read_tensor(index[n]), names=index, plan=plan, config=config)
     first = next(tensors)  # raises the tensor checks (biases, shapes) before any output exists
     out_config = deepseek_config(config=config, plan=plan)
     if cast is not None:
-        out_config["dtype"] = out_config["torch_dtype"] = dtype_name(cast)
-    record = conversion_record(
+        out_config["dtype"] = out_config["torch_dtype"] = ckpt.dtype_name(cast)
+    record = ckpt.conversion_record(
         kind="export",
         source=src_dir,
         source_hash=checkpoint_hash(src_dir),
@@ -373,24 +314,22 @@ def export_checkpoint(
             "export": plan.cache_numbers(),
         },
     )
-    out_config = add_record(out_config, record)
-    generation = _generation_config(src_dir, config)
+    out_config = ckpt.add_record(out_config, record)
     with atomic_directory(dst, overwrite=overwrite, kind="checkpoint") as tmp:
         with ShardedWriter(tmp, max_shard_bytes=max_shard_bytes) as writer:
             for name, tensor in itertools.chain([first], tensors):
                 if cast is not None and tensor.is_floating_point():
                     tensor = tensor.to(cast)
                 writer.add(name, tensor)
-        write_config(tmp, out_config)
-        copy_side_files(src_dir, tmp)
+        ckpt.write_config(tmp, out_config)
+        ckpt.copy_side_files(src_dir, tmp)
         for code in tmp.glob("*.py"):  # llama_mla's remote code: not part of a deepseek_v3 checkpoint
             code.unlink()
-        if generation is not None:
+        if not (src_dir / GENERATION_CONFIG).exists():  # (else copied as a side file) a minimal one
+            ids = {k: getattr(config, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+            generation = {k: v for k, v in ids.items() if v is not None}
             (tmp / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
     return dst
-
-
-# ------------------------------------------------------------------------------------------------ CLI
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -435,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         config = json.loads((dst / "config.json").read_text())
         out = config["kv_lora_rank"] + config["qk_rope_head_dim"]
-        src_n = latest_record(config)["cache_numbers_per_token_and_layer"]["source"]
+        src_n = ckpt.latest_record(config)["cache_numbers_per_token_and_layer"]["source"]
         pad = f" (+{out - src_n} zero-padded: {out / src_n:.2f}x the source's cache)" if out > src_n else ""
         cpu = accepting_backends(out, "cpu")
         serve = (
@@ -443,8 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(
             f"exported to deepseek_v3 in {time.perf_counter() - start:.1f} s: {dst}; cache per token and "
-            "layer "
-            f"{out} numbers = kv_lora_rank {config['kv_lora_rank']} + qk_rope_head_dim "
+            f"layer {out} numbers = kv_lora_rank {config['kv_lora_rank']} + qk_rope_head_dim "
             f"{config['qk_rope_head_dim']}{pad}; MLA backends accepting it: "
             f"{', '.join(accepting_backends(out))} ({VLLM_VERSION_READ}; {serve})"
         )

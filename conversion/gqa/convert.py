@@ -23,7 +23,6 @@ from hf_attn.conversion import stages
 from hf_attn.conversion.checkpoint import calibration as cal
 from hf_attn.conversion.checkpoint import layerwise
 from hf_attn.conversion.checkpoint.io import (
-    AttentionGeometry,
     TensorInfo,
     add_record,
     conversion_record,
@@ -51,10 +50,7 @@ def _pooled_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The converted checkpoint's tensors in source file order, one at a time: mean-pooled K/V read and
     pooled tensor by tensor, or (calibrated) the precomputed attention tensors in the source's dtype."""
-    geo = pooling.geometry
-    shapes = expected_attention_shapes(
-        AttentionGeometry(geo.num_layers, geo.hidden_size, geo.num_heads, pooling.num_groups, geo.head_dim)
-    )
+    shapes = expected_attention_shapes(dataclasses.replace(pooling.geometry, num_kv_heads=pooling.num_groups))
     for name in tqdm(names_in_file_order(index), desc="write", unit="tensor"):
         parsed = parse_attn_key(name)
         if parsed is None:

@@ -29,7 +29,7 @@ from hf_attn.conversion.checkpoint.io import (
     read_tensor,
     save_streamed,
 )
-from hf_attn.conversion.specs import ExpandSpec, WriteSpec
+from hf_attn.conversion.specs import ExpandSpec, WriteSpec, check_num_kv_heads
 from hf_attn.tooling.errors import UserError
 from hf_attn.tooling.files import checkpoint_hash
 
@@ -40,8 +40,7 @@ def check_expansion(geometry: AttentionGeometry, num_kv_heads: int | None) -> in
     """The target number of KV heads (None -> the number of query heads); UserError naming the values."""
     hkv, hq = geometry.num_kv_heads, geometry.num_heads
     target = hq if num_kv_heads is None else num_kv_heads
-    if isinstance(target, bool) or not isinstance(target, int) or target < 1:
-        raise UserError(f"--num-kv-heads must be a positive integer, got {target!r}")
+    check_num_kv_heads(target)
     if target < hkv:
         raise UserError(
             f"--num-kv-heads {target} is smaller than the source's {hkv} KV heads: expansion only adds "
@@ -77,8 +76,6 @@ def _expanded_tensors(
             tensor = repeat_heads(
                 tensor, num_kv_heads=geometry.num_kv_heads, repeats=repeats, head_dim=geometry.head_dim
             )
-            want = (target * geometry.head_dim, *index[name].shape[1:])
-            assert tuple(tensor.shape) == want, (name, tuple(tensor.shape), want)
         yield name, tensor
         del tensor  # hold one tensor at a time
 
@@ -93,25 +90,23 @@ def expand_checkpoint(
     """Write `dst`: the checkpoint `src` (None: the embedded SmolLM2) with its K/V heads repeated up to
     `spec.num_kv_heads` (default: MHA)."""
     source = open_source(src, dst=dst, overwrite=write.overwrite, dtype=write.save_dtype)
-    src_dir, config, geometry = source.dir, source.config, source.geometry
-    index, dtype = source.index, source.dtype
+    config, geometry, dtype = source.config, source.geometry, source.dtype
     target = check_expansion(geometry, spec.num_kv_heads)
     repeats = target // geometry.num_kv_heads
     record = conversion_record(
         kind="expand",
-        source=src_dir,
-        source_hash=checkpoint_hash(src_dir),
+        source=source.dir,
+        source_hash=checkpoint_hash(source.dir),
         settings={"method": "repeat", "num_kv_heads": spec.num_kv_heads},
         num_key_value_heads={"from": geometry.num_kv_heads, "to": target},
         sources_of_new_heads=[j // repeats for j in range(target)],
         dtype=dtype_name(dtype) if dtype is not None else config.get("dtype", config.get("torch_dtype")),
     )
-    new_config = add_record({**config, "num_key_value_heads": target}, record)
     return save_streamed(
-        src_dir=src_dir,
+        src_dir=source.dir,
         dst=dst,
-        tensors=_expanded_tensors(index, geometry, target),
-        config=new_config,
+        tensors=_expanded_tensors(source.index, geometry, target),
+        config=add_record({**config, "num_key_value_heads": target}, record),
         overwrite=write.overwrite,
         dtype=dtype,
         max_shard_bytes=write.max_shard_bytes,

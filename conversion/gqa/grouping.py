@@ -23,6 +23,7 @@ statistics are sub-blocks of them (`slice_statistics`).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable
@@ -33,28 +34,11 @@ from tqdm.auto import tqdm
 
 from hf_attn.conversion.checkpoint import calibration as cal
 from hf_attn.conversion.checkpoint import layerwise
-from hf_attn.conversion.checkpoint.io import ATTENTION_PROJECTIONS, AttentionGeometry, TensorInfo, read_tensor
+from hf_attn.conversion.checkpoint.io import AttentionGeometry, TensorInfo, layer_attn_keys, read_tensor
 from hf_attn.conversion.gqa import pooling as pool
 from hf_attn.conversion.specs import CalibrationSpec
 
 _MAX_PARTITIONS = 20_000  # exhaustive search up to this many partitions of the H heads into G groups
-
-
-# ----------------------------------------------------------------------------------------- permutations
-
-
-def contiguous_order(num_heads: int) -> list[int]:
-    return list(range(num_heads))
-
-
-def order_of(groups: list[list[int]]) -> list[int]:
-    """The head order that makes `groups` contiguous: groups concatenated."""
-    return [h for group in groups for h in group]
-
-
-def groups_of(order: list[int], num_groups: int) -> list[list[int]]:
-    r = len(order) // num_groups
-    return [list(order[g * r : (g + 1) * r]) for g in range(num_groups)]
 
 
 def _blocks(tensor: torch.Tensor, order: list[int], block: int, dim: int) -> torch.Tensor:
@@ -69,8 +53,7 @@ def permute_layer(
     """One layer's attention tensors with the source KV heads in `order` (the function is unchanged).
 
     k/v rows (H*d, C) in blocks of d; q rows (Hq*d, C) in blocks of n*d (the query heads of a KV head);
-    o columns (C, Hq*d) in blocks of n*d; biases like their rows.
-    """
+    o columns (C, Hq*d) in blocks of n*d; biases like their rows."""
     d, n = geometry.head_dim, geometry.group_size
     assert sorted(order) == list(range(geometry.num_kv_heads)), order
     out: dict[str, torch.Tensor | None] = {}
@@ -92,23 +75,18 @@ def slice_statistics(
     """The statistics of pooling `groups` (after `permute_layer`, as contiguous groups) from one-group ones.
 
     full.keys (1, H, d/2, H, H), full.values (1, Hq, H d, H d)
-      -> keys (G, r, d/2, r, r), values (G, n r, r d, r d).
-    """
+      -> keys (G, r, d/2, r, r), values (G, n r, r d, r d)."""
     d, n = geometry.head_dim, geometry.group_size
     keys, values = [], []
     for heads in groups:
         idx = torch.tensor(heads, dtype=torch.long)
         k = full.keys[0].index_select(0, idx).index_select(2, idx).index_select(3, idx)  # (r, d/2, r, r)
-        qheads = torch.tensor([hp for h in heads for hp in range(h * n, (h + 1) * n)], dtype=torch.long)
+        qh = torch.tensor([hp for h in heads for hp in range(h * n, (h + 1) * n)], dtype=torch.long)
         dims = torch.tensor([h * d + i for h in heads for i in range(d)], dtype=torch.long)
-        v = full.values[0].index_select(0, qheads).index_select(1, dims).index_select(2, dims)
-        # v: (n r, r d, r d)
+        v = full.values[0].index_select(0, qh).index_select(1, dims).index_select(2, dims)  # (n r, r d, r d)
         keys.append(k)
         values.append(v)
     return pool.AttentionStatistics(keys=torch.stack(keys), values=torch.stack(values), tokens=full.tokens)
-
-
-# ----------------------------------------------------------------------------------------- group cost
 
 
 def key_residual(s: torch.Tensor, coef: torch.Tensor, u: torch.Tensor) -> tuple[float, float]:
@@ -161,9 +139,6 @@ def group_cost(
     return kr / max(kt, 1e-300) + vr / max(vt, 1e-300)
 
 
-# ----------------------------------------------------------------------------------------- partitions
-
-
 def _partitions(heads: list[int], r: int):
     """Every partition of `heads` into groups of r (each group's smallest head first, groups in order)."""
     if not heads:
@@ -192,30 +167,23 @@ def choose_groups(
     least pair cost) followed by improving swaps of two heads between groups under the group cost."""
     r = num_heads // num_groups
     if r == 1 or num_groups == 1:
-        return groups_of(contiguous_order(num_heads), num_groups)
-    cache: dict[tuple[int, ...], float] = {}
+        return [list(range(g * r, (g + 1) * r)) for g in range(num_groups)]
+    cached = functools.cache(cost)  # every group's cost computed once
 
     def group(g) -> float:
-        key = tuple(sorted(g))
-        if key not in cache:
-            cache[key] = cost(key)
-        return cache[key]
+        return cached(tuple(sorted(g)))
 
     if partition_count(num_heads, num_groups) <= _MAX_PARTITIONS:
         best = min(_partitions(list(range(num_heads)), r), key=lambda parts: sum(group(g) for g in parts))
         return [sorted(g) for g in best]
     pair = {(a, b): group((a, b)) for a, b in itertools.combinations(range(num_heads), 2)}
-
-    def pc(a, b):
-        return pair[min(a, b), max(a, b)]
-
     left, groups = set(range(num_heads)), []
     for _ in range(num_groups):
         a, b = min(((a, b) for a, b in pair if a in left and b in left), key=lambda ab: pair[ab])
         members = [a, b]
         left -= {a, b}
         while len(members) < r:
-            h = min(left, key=lambda h: sum(pc(h, m) for m in members))
+            h = min(left, key=lambda h: sum(group((h, m)) for m in members))
             members.append(h)
             left.remove(h)
         groups.append(members)
@@ -233,9 +201,6 @@ def choose_groups(
                 if improved:
                     break
     return sorted(sorted(g) for g in groups)
-
-
-# ----------------------------------------------------------------------------------------- conversion
 
 
 def search_and_pool(
@@ -282,21 +247,16 @@ def search_and_pool(
 
             groups = choose_groups(geo.num_kv_heads, pooling.num_groups, cost)
             chosen.append(groups)
-            order = order_of(groups)
+            order = [h for group in groups for h in group]  # the head order that makes `groups` contiguous
             if method == "mean":
-                own = {}
-                for proj in ATTENTION_PROJECTIONS:
-                    for kind in ("weight", "bias"):
-                        name = f"model.layers.{layer}.self_attn.{proj}.{kind}"
-                        own[f"{proj}.{kind}"] = read_tensor(index[name]) if name in index else None
-                permuted = permute_layer(own, order, geo)
-                for proj in ("k_proj", "v_proj"):
-                    for kind in ("weight", "bias"):
-                        if permuted[f"{proj}.{kind}"] is not None:
-                            permuted[f"{proj}.{kind}"] = pool.mean_pool_heads(
-                                permuted[f"{proj}.{kind}"], pooling=pooling
-                            )
-                out[layer] = permuted
+                own = {
+                    k: read_tensor(index[f]) if f in index else None
+                    for k, f in layer_attn_keys(layer).items()
+                }
+                out[layer] = permute_layer(own, order, geo)
+                for k in ("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias"):
+                    if out[layer][k] is not None:
+                        out[layer][k] = pool.mean_pool_heads(out[layer][k], pooling=pooling)
             else:
                 permuted, sliced = permute_layer(weights, order, geo), slice_statistics(full, groups, geo)
                 out[layer] = pool.pool_layer_on(model.device, permuted, sliced, pooling)

@@ -31,7 +31,7 @@ from hf_attn.conversion import stages
 from hf_attn.conversion.checkpoint import calibration as cal
 from hf_attn.conversion.checkpoint import layerwise
 from hf_attn.conversion.checkpoint.io import AttentionGeometry
-from hf_attn.conversion.specs import DEFAULT_WINDOW, CalibrationSpec
+from hf_attn.conversion.specs import DEFAULT_WINDOW, CalibrationSpec, check_num_kv_heads
 from hf_attn.tooling.errors import UserError
 
 _RIDGE = 1e-9  # relative ridge on the covariances that are inverted or square-rooted
@@ -64,8 +64,7 @@ class Pooling:
 def check_pooling(geometry: AttentionGeometry, num_kv_heads: int) -> Pooling:
     """Validate the target number of KV heads G against the source's H; UserError naming both otherwise."""
     h = geometry.num_kv_heads
-    if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads < 1:
-        raise UserError(f"--num-kv-heads must be a positive integer, got {num_kv_heads!r}")
+    check_num_kv_heads(num_kv_heads)
     if num_kv_heads > h:
         raise UserError(
             f"--num-kv-heads {num_kv_heads} is larger than the source's {h} KV heads: pooling only reduces "
@@ -80,23 +79,15 @@ def check_pooling(geometry: AttentionGeometry, num_kv_heads: int) -> Pooling:
     return Pooling(geometry, num_kv_heads)
 
 
-# ----------------------------------------------------------------------------------------- mean pooling
-
-
 @torch.inference_mode()
 def mean_pool_heads(tensor: torch.Tensor, *, pooling: Pooling) -> torch.Tensor:
-    """K or V projection weight (H*d, C) or bias (H*d,) -> (G*d, C) or (G*d,): the mean over each group.
-
-    Accumulated in float64 and cast back to the input dtype.
-    """
+    """K or V projection weight (H*d, C) or bias (H*d,) -> (G*d, C) or (G*d,): the mean over each group,
+    accumulated in float64 and cast back to the input dtype."""
     g, r, d = pooling.num_groups, pooling.heads_per_group, pooling.geometry.head_dim
     assert tensor.shape[0] == g * r * d, (tuple(tensor.shape), g, r, d)
     rest = tuple(tensor.shape[1:])
     grouped = tensor.reshape(g, r, d, *rest)  # (G, r, d, C) or (G, r, d)
     return grouped.double().mean(dim=1).to(tensor.dtype).reshape(g * d, *rest)  # (G*d, C) or (G*d,)
-
-
-# ----------------------------------------------------------------------------------------- calibrated pooling
 
 
 def _augment(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -139,8 +130,7 @@ class AttentionStatistics:
     values (G, n r, r d, r d): for each query head h' of group g (n = Hq/H per source head),
            Y[g, h'] = sum_s y_s y_s^T with y_s = sum_t p^{h'}_{s,t} [v_{h,t} for h in g], the
            attention-averaged stacked values of the group (what the output projection reads).
-    Memory per layer: G r^2 (d/2) r^2 complex + Hq (r d)^2 float64 numbers.
-    """
+    Memory per layer: G r^2 (d/2) r^2 complex + Hq (r d)^2 float64 numbers."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -251,8 +241,7 @@ def fit_keys(s: torch.Tensor, *, iterations: int = 50) -> tuple[torch.Tensor, to
 
     s: (r, d/2, r, r) complex, the key statistics of the group (AttentionStatistics.keys[g]). Minimises
     sum_h sum_t w_{h,t} |z_{h,t} - u_h z'_t|^2 by alternating least squares from a principal-component start.
-    Returns coef and u, each (d/2, r).
-    """
+    Returns coef and u, each (d/2, r)."""
     r = s.shape[0]
     eye = torch.eye(r, dtype=s.dtype)
     own = torch.stack([s[h, :, :, h] for h in range(r)])  # (r, d/2, r): S_h e_h, column h of S_h
@@ -300,8 +289,7 @@ def fit_values(
     zero (minimum norm); D absorbs any invertible T (P -> T P, D_q -> D_q T^-1), so P is taken closest to mean
     pooling P_mean = [I/r ... I/r] in Y's metric, T = P_mean Y P^T (P Y P^T)^+, then W T P with W = C_mean^1/2
     C^-1/2 gives the pooled values the mean pool's covariance (C_mean = P_mean Y P_mean^T, C = T P Y P^T T^T);
-    each D_q's ridge pulls it toward I. Copies of one head (an expanded checkpoint) give back the original.
-    """
+    each D_q's ridge pulls it toward I. Copies of one head (an expanded checkpoint) give back the original."""
     nq, rd, d = y.shape[0], y.shape[1], grams.shape[1]
     r = rd // d
     roots = [_sym_sqrt(sum(grams[q] for q in range(nq) if reads[q] == h)) for h in range(r)]  # each (d, d)
@@ -374,8 +362,7 @@ def calibrated_pool_layer(
 
     weights: "q_proj.weight" (Hq*d, C), "k_proj.weight"/"v_proj.weight" (H*d, C), "o_proj.weight" (C, Hq*d),
     and "q_proj.bias"/"k_proj.bias"/"v_proj.bias" ((out,) or None). Returns the same keys with K/V at G
-    heads, dtypes as given.
-    """
+    heads, dtypes as given."""
     geo, g_count, r = pooling.geometry, pooling.num_groups, pooling.heads_per_group
     d, half, hq, n = geo.head_dim, geo.head_dim // 2, geo.num_heads, geo.group_size
     dtype = weights["k_proj.weight"].dtype
@@ -416,9 +403,8 @@ def calibrated_pool_layer(
     q_rows = torch.cat([new_qc.real, new_qc.imag], dim=1).reshape(hq * d, ca)  # (Hq*d, C+1)
     k_rows = torch.cat([new_kc.real, new_kc.imag], dim=1).reshape(g_count * d, ca)  # (G*d, C+1)
     out: dict[str, torch.Tensor | None] = {}
-    out["q_proj.weight"], out["q_proj.bias"] = _split(q_rows, weights.get("q_proj.bias"), dtype)
-    out["k_proj.weight"], out["k_proj.bias"] = _split(k_rows, weights.get("k_proj.bias"), dtype)
-    out["v_proj.weight"], out["v_proj.bias"] = _split(new_v, weights.get("v_proj.bias"), dtype)
+    for proj, rows in (("q_proj", q_rows), ("k_proj", k_rows), ("v_proj", new_v)):
+        out[f"{proj}.weight"], out[f"{proj}.bias"] = _split(rows, weights.get(f"{proj}.bias"), dtype)
     out["o_proj.weight"] = new_o.to(weights["o_proj.weight"].dtype).contiguous()
     return out
 
@@ -444,9 +430,6 @@ def pool_layer_on(
         torch.set_num_threads(threads)
 
 
-# ------------------------------------------------------------------------------------ the calibration pass
-
-
 def calibrate(
     *,
     src_dir: Path,
@@ -457,12 +440,11 @@ def calibrate(
 ) -> MutableMapping[int, dict[str, torch.Tensor | None]]:
     """Calibrated pooling of every layer: one layer-by-layer forward pass of the source over the calibration
     text of `calibration` (`layerwise.LayerwiseModel`: one decoder layer in memory at a time, on its `device`
-    in its `forward_dtype`, windows of its `window`)
-    collects each layer's AttentionStatistics; each layer is fitted as soon as the pass has finished it and
-    its statistics are dropped (one layer's statistics in memory at a time). Returns `store` (default: a new
-    dict, float32 tensors; `SpilledLayers` keeps them on disk) with the new attention tensors of every layer,
-    keyed like `calibrated_pool_layer`'s output. Every layer is fitted on the source's own activations (one
-    pass; docs/gqa.md says why not sequentially)."""
+    in its `forward_dtype`, windows of its `window`) collects each layer's AttentionStatistics; each layer is
+    fitted as soon as the pass has finished it and its statistics are dropped (one layer's statistics in
+    memory at a time). Returns `store` (default: a new dict, float32 tensors; `SpilledLayers` keeps them on
+    disk) with the new attention tensors of every layer, keyed like `calibrated_pool_layer`'s output. Every
+    layer is fitted on the source's own activations (one pass; docs/gqa.md says why not sequentially)."""
     c = calibration
     model = layerwise.LayerwiseModel(src_dir, device=c.device, forward_dtype=c.forward_dtype)
     ids = cal.source_ids(src_dir, c)

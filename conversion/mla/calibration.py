@@ -18,8 +18,6 @@ from hf_attn.conversion.mla.layer import LayerStatistics, SpilledLayerStatistics
 from hf_attn.conversion.specs import CalibrationSpec
 from hf_attn.tooling.files import scratch_directory
 
-# --------------------------------------------------------------------------------------------- calibration
-
 
 @dataclass
 class Calibration:
@@ -66,7 +64,10 @@ def calibrate(
     # a layer's statistics go to a scratch directory as soon as they cover every calibration token (with the
     # layer-by-layer model: when the pass leaves the layer), so one layer's are in memory at a time
     spill = moments or shared is not None or sample_stride > 0
-    scratch, spill_dir = _spill_directory(spill, scratch_dir)
+    scratch = scratch_directory("hf-attn-mla-statistics-") if spill and scratch_dir is None else None
+    spill_dir = Path(scratch.name) if scratch is not None else scratch_dir
+    if spill and scratch_dir is not None:
+        spill_dir.mkdir(parents=True, exist_ok=True)
     seen = dict.fromkeys(range(geometry.num_layers), 0)
     total = int(ids.numel())
 
@@ -100,34 +101,11 @@ def calibrate(
         if isinstance(stats[i], LayerStatistics):
             finish(i)
     record = {**cal.calibration_record(c, c.tokens), **layerwise.forward_record(c.device, c.forward_dtype)}
-    pair_scores, query_fit = _pair_results(norms, scores, geometry.num_layers)
-    return Calibration(stats, pair_scores, query_fit, record, scratch=scratch)
-
-
-def _spill_directory(spill: bool, scratch_dir: Path | None) -> tuple[object, Path | None]:
-    """Where the statistics are spilled: (the temporary directory removed with the Calibration, or None;
-    the directory's path). `scratch_dir` is created if need be and kept; without it a temporary directory
-    is made, unless nothing is spilled (`spill` false)."""
-    scratch = scratch_directory("hf-attn-mla-statistics-") if spill and scratch_dir is None else None
-    spill_dir = Path(scratch.name) if scratch is not None else scratch_dir
-    if spill and scratch_dir is not None:
-        spill_dir.mkdir(parents=True, exist_ok=True)
-    return scratch, spill_dir
-
-
-def _pair_results(
-    norms: rs.PairNormScores | None, scores: rs.AttentionPairStats | None, num_layers: int
-) -> tuple[dict[str, dict[int, torch.Tensor]], dict[int, torch.Tensor] | None]:
-    """(selection -> layer -> (Hkv, d/2) pair scores, layer -> (Hq, d/2) complex query fit or None) from the
-    pass's accumulators (None: not collected)."""
-    pair_scores = {}
-    if norms is not None:
-        pair_scores["2norm"] = norms.scores()
-    query_fit = None
+    pair_scores, query_fit = {} if norms is None else {"2norm": norms.scores()}, None
     if scores is not None:
-        pair_scores["attention"] = {i: scores.pair_scores(i) for i in range(num_layers)}
-        query_fit = {i: scores.query_fit(i) for i in range(num_layers)}
-    return pair_scores, query_fit
+        pair_scores["attention"] = {i: scores.pair_scores(i) for i in range(geometry.num_layers)}
+        query_fit = {i: scores.query_fit(i) for i in range(geometry.num_layers)}
+    return Calibration(stats, pair_scores, query_fit, record, scratch=scratch)
 
 
 def _sliding_window(config, layer: int) -> int | None:

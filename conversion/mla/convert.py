@@ -103,16 +103,13 @@ def write_conversion(
 
 def describe(r: dict) -> str:
     """One line on a `convert_to_mla` conversion record (for the command)."""
-    s, numbers = r["settings"], r["kv_numbers_per_token_per_layer"]
-    most = "<=" if "allocation" in r else "="  # per-layer ranks: the scalars are the largest layer's
+    s, numbers, a = r["settings"], r["kv_numbers_per_token_per_layer"], r.get("allocation")
+    most = "<=" if a else "="  # per-layer ranks: the scalars are the largest layer's
+    per_layer = (
+        f", per layer ({a['method']}) r={a['layer_rope_pairs']} d_c={a['layer_kv_lora_ranks']}" if a else ""
+    )
     return (
         f"MLA ({s['layout']} layout): r{most}{r['rope_pairs']} ({s['rope_selection']}), "
-        f"d_c{most}{r['kv_lora_rank']} "
-        f"({s['factorization']}), {numbers['mla']}/{numbers['source']} numbers per token and layer "
-        f"({100 * r['kv_fraction']:.1f}%)"
-        + (_describe_allocation(r["allocation"]) if "allocation" in r else "")
+        f"d_c{most}{r['kv_lora_rank']} ({s['factorization']}), {numbers['mla']}/{numbers['source']} numbers "
+        f"per token and layer ({100 * r['kv_fraction']:.1f}%){per_layer}"
     )
-
-
-def _describe_allocation(a: dict) -> str:
-    return f", per layer ({a['method']}) r={a['layer_rope_pairs']} d_c={a['layer_kv_lora_ranks']}"

@@ -36,10 +36,6 @@ class LowRank:
     up: torch.Tensor  # (W, rank)
     up_bias: torch.Tensor | None  # (W,) or None
 
-    @property
-    def rank(self) -> int:
-        return self.down.shape[0]
-
     def reconstruct(self) -> torch.Tensor:
         """The effective weight up @ down, (W, C)."""
         return self.up @ self.down
@@ -269,11 +265,9 @@ class _Metric:
 
 def _attention_metric(w_k, w_v, w_q, b_q, b_v, w_o, moment, num_kv_heads) -> _Metric:
     """`attention_pca`'s metric from float64 weights (see `_Metric`)."""
-    nk, nv = w_k.shape[0], w_v.shape[0]
-    hkv = num_kv_heads
+    nk, nv, hkv = w_k.shape[0], w_v.shape[0], num_kv_heads
     dn, d = nk // hkv, nv // hkv
-    hq = w_o.shape[1] // d
-    group = hq // hkv
+    group = w_o.shape[1] // d // hkv  # query heads per KV head
     m = moment.double() / moment[-1, -1].double()  # (C+1, C+1): E[[x;1][x;1]^T]
     mean = m[:-1, -1]  # (C,)
     second = m[:-1, :-1]  # (C, C)
@@ -281,25 +275,17 @@ def _attention_metric(w_k, w_v, w_q, b_q, b_v, w_o, moment, num_kv_heads) -> _Me
     aug = lambda w, b: torch.cat([w, (b.double() if b is not None else w.new_zeros(w.shape[0]))[:, None]], 1)  # noqa: E731
     wq_aug = aug(w_q, b_q)  # (Hq*dn, C+1)
 
-    a_blocks = []
-    v_spread = []
+    k_blocks, v_blocks = [], []  # A_K,g and A_V,g
     for g in range(hkv):
         heads = range(g * group, (g + 1) * group)
         o_cols = [w_o[:, h * d : (h + 1) * d] for h in heads]  # each (C, d)
         w_vg = w_v[g * d : (g + 1) * d]  # (d, C)
         cv = w_vg @ cov @ w_vg.T  # (d, d)
-        v_spread.append(sum(((o @ cv) * o).sum() for o in o_cols) / group)
-    for g in range(hkv):
-        heads = range(g * group, (g + 1) * group)
-        sq = sum(
-            wq_aug[h * dn : (h + 1) * dn] @ m @ wq_aug[h * dn : (h + 1) * dn].T for h in heads
-        )  # (dn, dn)
-        a_blocks.append(_sqrt_psd(sq * (v_spread[g] / d)) if dn else sq)
-    for g in range(hkv):
-        heads = range(g * group, (g + 1) * group)
-        a_blocks.append(
-            _sqrt_psd(sum(w_o[:, h * d : (h + 1) * d].T @ w_o[:, h * d : (h + 1) * d] for h in heads))
-        )
+        v_spread = sum(((o @ cv) * o).sum() for o in o_cols) / group
+        q_rows = [wq_aug[h * dn : (h + 1) * dn] for h in heads]  # each (dn, C+1)
+        sq = sum(q @ m @ q.T for q in q_rows)  # (dn, dn)
+        k_blocks.append(_sqrt_psd(sq * (v_spread / d)) if dn else sq)
+        v_blocks.append(_sqrt_psd(sum(o.T @ o for o in o_cols)))
 
     v_center = b_v is not None
     am = torch.empty(nk + nv, cov.shape[0] + 1, dtype=torch.float64)  # (W, C+1): M, then A M
@@ -307,7 +293,7 @@ def _attention_metric(w_k, w_v, w_q, b_q, b_v, w_o, moment, num_kv_heads) -> _Me
     am[:nk, -1] = -(w_k @ mean)  # keys always centred
     am[nk:, -1] = -(w_v @ mean) if v_center else 0.0  # values only if their bias absorbs the mean
     row = 0
-    for block in a_blocks:  # A M, block by block (A is block-diagonal)
+    for block in k_blocks + v_blocks:  # A M, block by block (A is block-diagonal)
         n = block.shape[0]
         am[row : row + n] = block @ am[row : row + n]
         row += n

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -14,8 +13,6 @@ from hf_attn.conversion.mla import rope_selection as rs
 from hf_attn.conversion.mla import shared_rope as sr
 from hf_attn.conversion.mla.ranks import MLAShape
 from hf_attn.conversion.specs import FACTORIZATIONS
-
-# --------------------------------------------------------------------------------------------- one layer
 
 
 @dataclass
@@ -41,12 +38,9 @@ class SpilledLayerStatistics:
         self.paths: dict[str, Path] = {}
         for name in self.FIELDS:
             value = getattr(stats, name)
-            if value is None:
-                continue
-            if name == "samples":
-                value = [torch.cat(value)]  # (N, C) float32, one tensor
-            self.paths[name] = directory / f"{name}-{layer}.pt"
-            torch.save(value, self.paths[name])
+            if value is not None:  # the samples as one (N, C) float32 tensor
+                self.paths[name] = directory / f"{name}-{layer}.pt"
+                torch.save([torch.cat(value)] if name == "samples" else value, self.paths[name])
 
     def has(self, name: str) -> bool:
         return name in self.paths
@@ -58,22 +52,6 @@ class SpilledLayerStatistics:
     moment = property(lambda self: self._load("moment"))
     shared_keys = property(lambda self: self._load("shared_keys"))
     samples = property(lambda self: self._load("samples"))
-
-
-class LayerMoments(Mapping):
-    """layer -> the input moment of `statistics[layer]`, read when asked for (never all at once)."""
-
-    def __init__(self, statistics: dict) -> None:
-        self.statistics = statistics
-
-    def __getitem__(self, layer: int) -> torch.Tensor:
-        return self.statistics[layer].moment
-
-    def __iter__(self):
-        return iter(self.statistics)
-
-    def __len__(self) -> int:
-        return len(self.statistics)
 
 
 def mla_shapes(
@@ -92,14 +70,8 @@ def mla_shapes(
         "o_proj.weight": (c, hq * d),
     }
     if qkv_bias:
-        out.update(
-            {
-                "q_proj.bias": (hq * d,),
-                "k_rope_proj.bias": (rope_rows,),
-                "k_up_proj.bias": (shape.num_key_rows,),
-                "v_up_proj.bias": (hkv * d,),
-            }
-        )
+        out.update({"q_proj.bias": (hq * d,), "k_rope_proj.bias": (rope_rows,)})
+        out.update({"k_up_proj.bias": (shape.num_key_rows,), "v_up_proj.bias": (hkv * d,)})
     if o_bias:
         out["o_proj.bias"] = (c,)
     if shape.shared_rope and latent_norm:  # the DeepSeek layout's latent RMSNorm
@@ -134,12 +106,8 @@ def convert_layer(
     qkv_bias, o_bias = weights.get("q_proj.bias") is not None, weights.get("o_proj.bias") is not None
     w_q, b_q = weights["q_proj.weight"], weights.get("q_proj.bias")
     if query_fit is not None:
-        half = geo.head_dim // 2
-        dropped = [[i for i in range(half) if i not in set(p)] for p in pairs]
-        w_q, b_q = rs.apply_query_fit(w_q, b_q, query_fit, dropped, geo.group_size)
-    out: dict[str, torch.Tensor] = {}
-    out["q_proj.weight"] = w_q[rows["q"]]
-    out["k_rope_proj.weight"] = weights["k_proj.weight"][rows["k_rope"]]
+        w_q, b_q = rs.apply_query_fit(w_q, b_q, query_fit, pairs, geo.group_size)
+    out = {"q_proj.weight": w_q[rows["q"]], "k_rope_proj.weight": weights["k_proj.weight"][rows["k_rope"]]}
     stack_w = torch.cat([weights["k_proj.weight"][rows["k_nope"]], weights["v_proj.weight"]])  # (W, C)
     stack_b = None
     if qkv_bias:
@@ -157,24 +125,20 @@ def convert_layer(
         q_bias=out.get("q_proj.bias"),
         w_o=weights["o_proj.weight"],
     )
-    nk = shape.num_key_rows
     if shape.shared_rope:
-        _deepseek_layer(
+        low = _deepseek_layer(
             out, low, stack_w, stack_b, shape, shared_key, statistics, norm_eps, norm_refine_steps
         )
-        low = fac.LowRank(out.pop("kv_down_proj.weight"), out.pop("up"), out.pop("up_bias", None))
-    out["kv_down_proj.weight"] = low.down.to(dtype).contiguous()
-    out["k_up_proj.weight"] = low.up[:nk].to(dtype).contiguous()
-    out["v_up_proj.weight"] = low.up[nk:].to(dtype).contiguous()
+    nk = shape.num_key_rows
+    out.update({"kv_down_proj.weight": low.down, "k_up_proj.weight": low.up[:nk]})
+    out["v_up_proj.weight"] = low.up[nk:]
     if qkv_bias:
         assert low.up_bias is not None
-        out["k_up_proj.bias"] = low.up_bias[:nk].to(dtype).contiguous()
-        out["v_up_proj.bias"] = low.up_bias[nk:].to(dtype).contiguous()
+        out.update({"k_up_proj.bias": low.up_bias[:nk], "v_up_proj.bias": low.up_bias[nk:]})
+    out = {k: v.to(dtype).contiguous() for k, v in out.items()}
     out["o_proj.weight"] = weights["o_proj.weight"]
     if o_bias:
         out["o_proj.bias"] = weights["o_proj.bias"]
-    for key in [k for k in out if k.startswith(("q_proj.", "k_rope_proj.", "latent_norm."))]:
-        out[key] = out[key].to(dtype).contiguous()
     expected = mla_shapes(shape, qkv_bias=qkv_bias, o_bias=o_bias, latent_norm=norm_eps is not None)
     assert set(out) == set(expected), (sorted(out), sorted(expected))
     for key, tensor in out.items():
@@ -240,16 +204,15 @@ def _factorize(
         )
     elif factorization == "attention":
         assert statistics is not None and statistics.moment is not None, "attention needs calibration"
-        nk, rd = shape.num_key_rows, 2 * shape.rope_pairs
-        q_nope = q.view(geo.num_heads, geo.head_dim, -1)[:, rd:]  # (Hq, d - 2r, C)
-        qb_nope = None if q_bias is None else q_bias.view(geo.num_heads, geo.head_dim)[:, rd:]
+        nk = shape.num_key_rows
+        w_q, b_q = rs.nope_queries(q, q_bias, geo, shape.rope_pairs)  # (Hq (d - 2r), C), (Hq (d - 2r),)
         return fac.attention_pca(
             w_k=stack_w[:nk],
             b_k=None if stack_b is None else stack_b[:nk],
             w_v=stack_w[nk:],
             b_v=None if stack_b is None else stack_b[nk:],
-            w_q=q_nope.reshape(-1, q_nope.shape[-1]),
-            b_q=None if qb_nope is None else qb_nope.reshape(-1),
+            w_q=w_q,
+            b_q=b_q,
             w_o=w_o,
             moment=statistics.moment,
             num_kv_heads=geo.num_kv_heads,
@@ -261,11 +224,12 @@ def _factorize(
         )
 
 
-def _deepseek_layer(out, low, stack_w, stack_b, shape, shared_key, statistics, norm_eps, refine=0) -> None:
-    """The DeepSeek layout's two fits (conversion.mla.shared_rope), in place on `out` (float64): the shared
-    RoPE key (k_rope_proj (2r, C); the query rope rows scaled per group) and the latent norm
-    (latent_norm.weight; the encoder rescaled and the decoders refitted, as "kv_down_proj.weight", "up",
-    "up_bias")."""
+def _deepseek_layer(
+    out, low, stack_w, stack_b, shape, shared_key, statistics, norm_eps, refine=0
+) -> fac.LowRank:
+    """The DeepSeek layout's two fits (conversion.mla.shared_rope), in float64: the shared RoPE key, in place
+    on `out` (k_rope_proj (2r, C); the query rope rows scaled per group), and the latent norm (its weight in
+    `out`; the encoder rescaled and the decoders refitted: the LowRank returned)."""
     geo, r = shape.geometry, shape.rope_pairs
     hq, hkv, d, rd = geo.num_heads, geo.num_kv_heads, geo.head_dim, 2 * shape.rope_pairs
     q = out["q_proj.weight"].double().view(hq, d, -1)  # (Hq, d, C) rope-first rows per head
@@ -287,10 +251,7 @@ def _deepseek_layer(out, low, stack_w, stack_b, shape, shared_key, statistics, n
         out["q_proj.bias"] = q[..., -1].reshape(hq * d)
         out["k_rope_proj.bias"] = k_shared[:, -1]
     if norm_eps is None:  # no latent norm (an experiment's control; DeepSeek-V3 always has one)
-        out["kv_down_proj.weight"], out["up"] = low.down, low.up
-        if low.up_bias is not None:
-            out["up_bias"] = low.up_bias
-        return
+        return low
     assert statistics is not None and statistics.samples, "the latent norm needs calibration samples"
     nk = shape.num_key_rows
     norm = sr.fit_latent_norm(
@@ -304,7 +265,5 @@ def _deepseek_layer(out, low, stack_w, stack_b, shape, shared_key, statistics, n
         refine_steps=refine,
     )
     out["latent_norm.weight"] = norm.gain
-    out["kv_down_proj.weight"] = norm.down
-    out["up"] = torch.cat([norm.up_k, norm.up_v])
-    if qkv_bias:
-        out["up_bias"] = torch.cat([norm.bias_k, norm.bias_v])
+    bias = torch.cat([norm.bias_k, norm.bias_v]) if qkv_bias else None
+    return fac.LowRank(norm.down, torch.cat([norm.up_k, norm.up_v]), bias)

@@ -54,9 +54,6 @@ SHARED_MAX_ROPE_FRACTION = 0.5
 SHARED_ROPE_SHARE = 1 / 6  # ... and of a --kv-budget's numbers (one key: 2r numbers, not Hkv 2r)
 
 
-# --------------------------------------------------------------------------------------------- shapes
-
-
 @dataclass(frozen=True)
 class MLAShape:
     """Ranks of an MLA conversion; everything else derives from the source geometry."""
@@ -67,14 +64,9 @@ class MLAShape:
     shared_rope: bool = False  # the DeepSeek layout: one RoPE key (2r) per layer instead of Hkv
 
     @property
-    def nope_dim(self) -> int:
-        """d - 2r: the non-RoPE key dims of one head."""
-        return self.geometry.head_dim - 2 * self.rope_pairs
-
-    @property
     def num_key_rows(self) -> int:
-        """Rows of the stacked k_nope block: Hkv (d - 2r)."""
-        return self.geometry.num_kv_heads * self.nope_dim
+        """Rows of the stacked k_nope block: Hkv (d - 2r), d - 2r the non-RoPE key dims of one head."""
+        return self.geometry.num_kv_heads * (self.geometry.head_dim - 2 * self.rope_pairs)
 
     @property
     def full_rank(self) -> int:
@@ -122,7 +114,7 @@ def default_rope_pairs(
     half = geometry.head_dim // 2
     if kv_budget is None:
         return half
-    numbers = budget_numbers(kv_budget, geometry)
+    numbers = KVBudget(kv_budget).numbers(geometry.kv_dim)
     if numbers >= 2 * geometry.kv_dim:  # the whole source cache: the exact conversion fits
         return half
     cap = half if share is not None else math.ceil(MAX_ROPE_FRACTION.get(selection, 1.0) * half)
@@ -145,11 +137,6 @@ def shared_rope_pairs(half: int, kv_dim: int, kv_budget: float | None) -> int:
     return max(1, min(shared, int(SHARED_MAX_ROPE_FRACTION * half), numbers // 4))
 
 
-def budget_numbers(kv_budget: float, geometry: AttentionGeometry) -> int:
-    """Numbers per token and layer a KV budget allows (`specs.KVBudget`, validated there)."""
-    return KVBudget(kv_budget).numbers(geometry.kv_dim)
-
-
 def plan_shape(
     geometry: AttentionGeometry,
     *,
@@ -165,14 +152,16 @@ def plan_shape(
     shared = layout == "deepseek"
     if rope_pairs is None and shared:
         rope_pairs = shared_rope_pairs(geometry.head_dim // 2, geometry.kv_dim, kv_budget)
-    if rope_pairs is None:
-        rope_pairs = default_rope_pairs(geometry, kv_budget, selection=rope_selection)
-    r = rope_pairs
+    r = (
+        default_rope_pairs(geometry, kv_budget, selection=rope_selection)
+        if rope_pairs is None
+        else rope_pairs
+    )
     rs.check_rope_pairs(r, geometry.head_dim)
     full = MLAShape(geometry, r, 1).full_rank
     hkv = 1 if shared else geometry.num_kv_heads  # RoPE keys cached per token
     if kv_budget is not None:
-        numbers = budget_numbers(kv_budget, geometry)  # (validates the fraction)
+        numbers = KVBudget(kv_budget).numbers(geometry.kv_dim)  # (validates the fraction)
         rank = min(numbers - hkv * 2 * r, full)
         if rank < 1:
             fits = (numbers - 1) // (2 * hkv)  # RoPE pairs that leave the latent one number
@@ -228,10 +217,6 @@ class Allocation:
     kv_lora_ranks: list[int]  # [L]
     pairs: list[list[list[int]]]  # [L][Hkv][r_i]
 
-    def cache_numbers(self, num_rope_keys: int) -> list[int]:
-        """Numbers cached per token in each layer: d_c,i + Hr 2 r_i."""
-        return [c + num_rope_keys * 2 * r for c, r in zip(self.kv_lora_ranks, self.rope_pairs)]
-
 
 def greedy_allocate(gains: list[torch.Tensor], *, minimum: list[int], budget: int) -> list[int]:
     """Units per layer maximising the summed gain: layer i gets minimum[i] + k_i units, where unit j of layer
@@ -281,19 +266,12 @@ def relative_gains(eigenvalues: torch.Tensor, normalization: str = DEFAULT_NORMA
 
 
 def allocate_ranks(
-    spectra: list[torch.Tensor],
-    *,
-    total_rank: int,
-    normalization: str = DEFAULT_NORMALIZATION,
-    minimum: int = 1,
+    spectra: list[torch.Tensor], *, total_rank: int, normalization: str = DEFAULT_NORMALIZATION
 ) -> list[int]:
-    """d_c,i per layer with sum d_c,i <= total_rank, each in [minimum, len(spectra[i])]: the greedy optimum
-    of the summed (normalised) truncation errors. spectra[i]: (W_i,) descending eigenvalues of layer i."""
-    gains = [relative_gains(ev, normalization)[minimum:] for ev in spectra]
-    return greedy_allocate(gains, minimum=[minimum] * len(spectra), budget=total_rank)
-
-
-# --------------------------------------------------------------------------------------------- planner
+    """d_c,i per layer with sum d_c,i <= total_rank, each in [1, len(spectra[i])]: the greedy optimum of
+    the summed (normalised) truncation errors. spectra[i]: (W_i,) descending eigenvalues of layer i."""
+    gains = [relative_gains(ev, normalization)[1:] for ev in spectra]
+    return greedy_allocate(gains, minimum=[1] * len(spectra), budget=total_rank)
 
 
 def greedy_rope_pairs(geometry: AttentionGeometry, kv_budget: float) -> int:
@@ -304,28 +282,24 @@ def greedy_rope_pairs(geometry: AttentionGeometry, kv_budget: float) -> int:
     return min(shared, default_rope_pairs(geometry, kv_budget))
 
 
-def layer_spectrum(*, weights: dict, pairs: list[list[int]], geometry, query_fit) -> tuple:
-    """(stack inputs of `fac.attention_spectrum`) for one layer at its kept `pairs`, prepared exactly as
-    `mla.convert_layer` prepares the `attention` factorization (query refit of the dropped pairs, rows
-    permuted to [rope | nope])."""
-    geo = geometry
-    rows = rs.layer_rows(pairs, geo)
+def layer_spectrum(*, weights: dict, pairs: list[list[int]], geometry, query_fit) -> dict:
+    """The inputs of `fac.attention_spectrum` (but the moment) for one layer at its kept `pairs`, prepared
+    exactly as `mla.convert_layer` prepares the `attention` factorization (query refit of the dropped pairs,
+    rows permuted to [rope | nope])."""
+    rows = rs.layer_rows(pairs, geometry)
     w_q, b_q = weights["q_proj.weight"], weights.get("q_proj.bias")
     if query_fit is not None:
-        half = geo.head_dim // 2
-        dropped = [[i for i in range(half) if i not in set(p)] for p in pairs]
-        w_q, b_q = rs.apply_query_fit(w_q, b_q, query_fit, dropped, geo.group_size)
-    rd = 2 * len(pairs[0])
-    q = w_q[rows["q"]].view(geo.num_heads, geo.head_dim, -1)[:, rd:]  # (Hq, d - 2r, C)
-    qb = None if b_q is None else b_q[rows["q"]].view(geo.num_heads, geo.head_dim)[:, rd:]  # (Hq, d - 2r)
+        w_q, b_q = rs.apply_query_fit(w_q, b_q, query_fit, pairs, geometry.group_size)
+    w_q, b_q = w_q[rows["q"]], None if b_q is None else b_q[rows["q"]]  # permuted: [rope | nope] per head
+    w_q, b_q = rs.nope_queries(w_q, b_q, geometry, len(pairs[0]))
     return dict(
         w_k=weights["k_proj.weight"][rows["k_nope"]],
         w_v=weights["v_proj.weight"],
         b_v=weights.get("v_proj.bias"),
-        w_q=q.reshape(-1, q.shape[-1]),
-        b_q=None if qb is None else qb.reshape(-1),
+        w_q=w_q,
+        b_q=b_q,
         w_o=weights["o_proj.weight"],
-        num_kv_heads=geo.num_kv_heads,
+        num_kv_heads=geometry.num_kv_heads,
     )
 
 
@@ -335,44 +309,40 @@ def plan_allocation(
     read_layer,
     pair_scores: dict[int, torch.Tensor],
     query_fit: dict[int, torch.Tensor] | None,
-    moments: dict[int, torch.Tensor],
+    moment,
     rope_pairs: int,
     kv_lora_rank: int,
-    normalization: str = DEFAULT_NORMALIZATION,
-    allocate_rope: bool = True,
     allocate_latent: bool = True,
-    min_pairs: int = 1,
-    progress: bool = True,
 ) -> tuple[Allocation, dict]:
     """Greedy per-layer (r_i, d_c,i) with the totals of the uniform plan (r, d_c) in every layer.
 
     read_layer(i) -> the source's float64 attention weights of layer i ("q_proj.weight", ... as in
-    `mla.convert_layer`); pair_scores / query_fit / moments: the calibration's `attention` pair scores,
-    query refit and input moments per layer. Returns the allocation and its record (per-layer lists, the
-    normalisation and, with `allocate_latent`, each layer's relative metric error at its rank: without it
-    no spectrum is computed, d_c being every layer's)."""
+    `mla.convert_layer`); moment(i) -> its calibration input moment (read when asked for, never all at
+    once); pair_scores / query_fit: the calibration's `attention` pair scores and query refit per layer.
+    Returns the allocation and its record (per-layer lists, the normalisation and, with `allocate_latent`,
+    each layer's relative metric error at its rank: without it no spectrum is computed, d_c being every
+    layer's)."""
     L, d = geometry.num_layers, geometry.head_dim
     scores = [pair_scores[i] for i in range(L)]
-    if allocate_rope and 0 < rope_pairs < d // 2:
-        r_layers = allocate_pairs(scores, total_pairs=L * rope_pairs, minimum=min(min_pairs, rope_pairs))
+    if 0 < rope_pairs < d // 2:
+        r_layers = allocate_pairs(scores, total_pairs=L * rope_pairs)
     else:
         r_layers = [rope_pairs] * L
     pairs = [rs.top_pairs(scores[i], r_layers[i]) for i in range(L)]
-    record = {"method": "greedy-ranks" if allocate_latent else "greedy", "normalization": normalization}
+    record = {
+        "method": "greedy-ranks" if allocate_latent else "greedy",
+        "normalization": DEFAULT_NORMALIZATION,
+    }
     if not allocate_latent:  # d_c in every layer, at most the rows of its [k_nope; v] stack: no spectrum
         ranks = [min(kv_lora_rank, geometry.num_kv_heads * (2 * d - 2 * r)) for r in r_layers]
         record.update(layer_rope_pairs=r_layers, layer_kv_lora_ranks=ranks)
         return Allocation(r_layers, ranks, pairs), record
     spectra = []
-    for i in tqdm(range(L), desc="allocation", unit="layer", disable=not progress):
-        inputs = layer_spectrum(
-            weights=read_layer(i),
-            pairs=pairs[i],
-            geometry=geometry,
-            query_fit=None if query_fit is None else query_fit[i],
-        )
-        spectra.append(fac.attention_spectrum(**inputs, moment=moments[i]))
-    ranks = allocate_ranks(spectra, total_rank=L * kv_lora_rank, normalization=normalization)
+    for i in tqdm(range(L), desc="allocation", unit="layer"):
+        fit = None if query_fit is None else query_fit[i]
+        inputs = layer_spectrum(weights=read_layer(i), pairs=pairs[i], geometry=geometry, query_fit=fit)
+        spectra.append(fac.attention_spectrum(**inputs, moment=moment(i)))
+    ranks = allocate_ranks(spectra, total_rank=L * kv_lora_rank)
     kept = [float(1 - ev[:c].sum() / ev.sum().clamp_min(1e-300)) for ev, c in zip(spectra, ranks)]
     record.update(layer_rope_pairs=r_layers, layer_kv_lora_ranks=ranks)
     record["layer_relative_metric_error"] = [round(e, 6) for e in kept]

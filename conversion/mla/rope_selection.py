@@ -31,8 +31,6 @@ from hf_attn.models.llama_mla.modeling_llama_mla import rope_dim_indices
 
 QUERY_STRIDE = 32  # `attention` statistics use every 32nd query of each calibration window (all keys)
 
-PairIndices = list[list[list[int]]]  # [num_layers][Hkv][r], each list strictly ascending
-
 
 def check_rope_pairs(rope_pairs: int, head_dim: int) -> None:
     """ValueError unless 0 <= r <= d/2."""
@@ -44,21 +42,9 @@ def check_rope_pairs(rope_pairs: int, head_dim: int) -> None:
         )
 
 
-def high_pairs(half: int, rope_pairs: int) -> list[int]:
-    """The r highest-frequency pairs: [0, 1, ..., r - 1]."""
-    return list(range(rope_pairs))
-
-
-def uniform_pairs(half: int, rope_pairs: int) -> list[int]:
-    """r pairs evenly spaced over [0, half): j * half // r (distinct because r <= half)."""
-    return [j * half // rope_pairs for j in range(rope_pairs)]
-
-
 def top_pairs(scores: torch.Tensor, rope_pairs: int) -> list[list[int]]:
     """Per KV head the r pairs of largest score, sorted ascending. scores (Hkv, d/2) -> [Hkv][r]."""
     assert scores.dim() == 2 and rope_pairs <= scores.shape[1], (tuple(scores.shape), rope_pairs)
-    if rope_pairs == 0:
-        return [[] for _ in range(scores.shape[0])]
     # stable tie-break towards high frequencies: sort by (-score, index)
     order = torch.argsort(-scores.double(), dim=1, stable=True)  # (Hkv, d/2)
     return [sorted(row[:rope_pairs].tolist()) for row in order]
@@ -66,20 +52,18 @@ def top_pairs(scores: torch.Tensor, rope_pairs: int) -> list[list[int]]:
 
 def select_rope_pairs(
     selection: str,
-    *,
-    num_layers: int,
-    num_kv_heads: int,
-    head_dim: int,
+    geometry: AttentionGeometry,
     rope_pairs: int,
     scores: dict[int, torch.Tensor] | None = None,
-) -> PairIndices:
-    """`[num_layers][Hkv][r]` kept pairs. `scores` (layer -> (Hkv, d/2), larger = keep) is required by
-    the calibrated selections (`2norm`: `PairNormScores.scores()`, `attention`: `AttentionPairStats`)."""
-    check_rope_pairs(rope_pairs, head_dim)
-    half = head_dim // 2
+) -> list[list[list[int]]]:
+    """`[num_layers][Hkv][r]` kept pairs, each list strictly ascending. `scores` (layer -> (Hkv, d/2), larger
+    = keep) is required by the calibrated selections (`2norm`: `PairNormScores.scores()`, `attention`:
+    `AttentionPairStats`); r is checked by the caller (`ranks.plan_shape`)."""
+    half, num_layers = geometry.head_dim // 2, geometry.num_layers
     if selection in ("high", "uniform"):
-        pairs = (high_pairs if selection == "high" else uniform_pairs)(half, rope_pairs)
-        return [[list(pairs) for _ in range(num_kv_heads)] for _ in range(num_layers)]
+        uniform = [j * half // rope_pairs for j in range(rope_pairs)]  # distinct because r <= half
+        pairs = range(rope_pairs) if selection == "high" else uniform
+        return [[list(pairs) for _ in range(geometry.num_kv_heads)] for _ in range(num_layers)]
     if selection in CALIBRATED_SELECTIONS:
         if scores is None or sorted(scores) != list(range(num_layers)):
             raise ValueError(f"rope selection {selection!r} needs calibration scores for every layer.")
@@ -96,9 +80,7 @@ class PairNormScores:
 
     def __init__(self, *, num_heads: int, num_kv_heads: int, head_dim: int):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.q_sum: dict[int, torch.Tensor] = {}
-        self.k_sum: dict[int, torch.Tensor] = {}
-        self.count: dict[int, int] = {}
+        self.q_sum, self.k_sum, self.count = {}, {}, {}  # layer -> summed (Hq, d/2), (Hkv, d/2) norms; tokens
 
     def _pair_norms(self, proj: torch.Tensor, heads: int) -> torch.Tensor:
         half = self.head_dim // 2
@@ -112,12 +94,9 @@ class PairNormScores:
         q = torch.nn.functional.linear(x, w_q, b_q)  # (N, Hq*d)
         k = torch.nn.functional.linear(x, w_k, b_k)  # (N, Hkv*d)
         q_norms, k_norms = self._pair_norms(q, self.num_heads), self._pair_norms(k, self.num_kv_heads)
-        if layer in self.count:
-            self.q_sum[layer] += q_norms
-            self.k_sum[layer] += k_norms
-            self.count[layer] += x.shape[0]
-        else:
-            self.q_sum[layer], self.k_sum[layer], self.count[layer] = q_norms, k_norms, x.shape[0]
+        self.q_sum[layer] = self.q_sum[layer] + q_norms if layer in self.count else q_norms
+        self.k_sum[layer] = self.k_sum[layer] + k_norms if layer in self.count else k_norms
+        self.count[layer] = self.count.get(layer, 0) + x.shape[0]
 
     def scores(self) -> dict[int, torch.Tensor]:
         out = {}
@@ -179,29 +158,11 @@ class AttentionPairStats:
         p = causal_probabilities(qr, kr, tq, window=window)  # (Hkv, G, Tq, T)
 
         # per-key features of every pair, averaged under p: k, k' and the products the variances need
-        feats = torch.stack(
-            (
-                k1,
-                k2,
-                r1,
-                r2,
-                k1 * k1,
-                k1 * k2,
-                k2 * k2,
-                r1 * r1,
-                r1 * r2,
-                r2 * r2,
-                k1 * r1,
-                k1 * r2,
-                k2 * r1,
-                k2 * r2,
-            ),
-            -1,
-        )  # (T, Hkv, d/2, 14)
-        e = (
-            torch.einsum("gjts,sgif->gjtif", p, feats).reshape(hq, Tq, half, 14).unbind(-1)
-        )  # 14 x (Hq, Tq, d/2)
-        m1, m2, n1, n2, a11, a12, a22, b11, b12, b22, c11, c12, c21, c22 = e
+        squares = [k1 * k1, k1 * k2, k2 * k2, r1 * r1, r1 * r2, r2 * r2]
+        cross = [a * b for a in (k1, k2) for b in (r1, r2)]  # k1 r1, k1 r2, k2 r1, k2 r2
+        feats = torch.stack((k1, k2, r1, r2, *squares, *cross), -1)  # (T, Hkv, d/2, 14)
+        e = torch.einsum("gjts,sgif->gjtif", p, feats).reshape(hq, Tq, half, 14).unbind(-1)
+        m1, m2, n1, n2, a11, a12, a22, b11, b12, b22, c11, c12, c21, c22 = e  # each (Hq, Tq, d/2)
         # queries as (Hq, Tq, d/2); f1 = q . k, f2 = q . J k = q1 k2 - q2 k1 = u . k, u = (-q2, q1); y = q'.k'
         q1, q2 = q1.transpose(0, 1), q2.transpose(0, 1)
         p1, p2 = p1.transpose(0, 1), p2.transpose(0, 1)
@@ -252,30 +213,36 @@ class AttentionPairStats:
 
 
 def apply_query_fit(
-    weight: torch.Tensor, bias: torch.Tensor | None, alpha: torch.Tensor, dropped: list[list[int]], group: int
+    weight: torch.Tensor, bias: torch.Tensor | None, alpha: torch.Tensor, kept: list[list[int]], group: int
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Mix rows (i, i + d/2) of every query head h by [[a, -b], [b, a]], alpha[h, i] = a + jb, for the pairs
-    i in dropped[h // group] (the pairs its KV head no longer rotates). weight (Hq*d, C), bias (Hq*d,)."""
+    i its KV head no longer rotates (not in kept[h // group]). weight (Hq*d, C), bias (Hq*d,)."""
     hq, half = alpha.shape
     d = 2 * half
     w = weight.clone().view(hq, 2, half, -1)  # (Hq, 2, d/2, C): rows i and i + d/2 of each head
     b = None if bias is None else bias.clone().view(hq, 2, half, 1)
+    dropped = [[i for i in range(half) if i not in set(p)] for p in kept]
     for h in range(hq):
         idx = torch.tensor(dropped[h // group], dtype=torch.long)
         if idx.numel() == 0:
             continue
         a = alpha[h, idx].real.to(weight.dtype)[:, None]  # (n, 1)
         c = alpha[h, idx].imag.to(weight.dtype)[:, None]
-        for t in (w, b):
-            if t is None:
-                continue
+        for t in [t for t in (w, b) if t is not None]:
             r1, r2 = t[h, 0, idx].clone(), t[h, 1, idx].clone()  # (n, C)
             t[h, 0, idx] = a * r1 - c * r2
             t[h, 1, idx] = c * r1 + a * r2
     return w.view(hq * d, -1), None if b is None else b.view(hq * d)
 
 
-# ----------------------------------------------------------------------------- the row permutation
+def nope_queries(
+    w_q: torch.Tensor, b_q: torch.Tensor | None, geometry: AttentionGeometry, rope_pairs: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The non-RoPE rows of permuted (rope-first) query rows: w_q (Hq d, C) -> (Hq (d - 2r), C), b_q
+    (Hq d,) -> (Hq (d - 2r),) or None."""
+    hq, d, rd = geometry.num_heads, geometry.head_dim, 2 * rope_pairs
+    q = w_q.view(hq, d, -1)[:, rd:]  # (Hq, d - 2r, C)
+    return q.reshape(-1, q.shape[-1]), None if b_q is None else b_q.view(hq, d)[:, rd:].reshape(-1)
 
 
 def head_row_order(pairs: list[int], head_dim: int) -> tuple[list[int], list[int]]:

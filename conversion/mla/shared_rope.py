@@ -16,10 +16,10 @@ pair i is Re(conj(q_i) z_i) (both rotated).
    (q_{h,i} <- conj(a_{g,i}) q_{h,i}, so Re(conj(q') z') = Re(conj(q) a z)). Fitted as calibrated GQA
    pooling fits a group (`conversion.gqa.pooling.fit_keys`): minimise sum_g sum_t w_{g,t,i} |z_{g,t,i} -
    a_{g,i} z_{t,i}|^2, w_{g,t,i} the query power that attention sends to token t through the heads reading
-   g (`SharedKeyStatistics`). Exact when the heads'
-   keys of a pair are complex multiples of each other (Hkv = 1, identical heads). What the shared key misses
-   (the residual z_g - a_g z) is dropped: carrying it in the latent would need the un-rotated query rows of
-   the kept pairs as extra query dims (qk_nope_head_dim = d), which this layout does not have.
+   g (`SharedKeyStatistics`). Exact when the heads' keys of a pair are complex multiples of each other (Hkv =
+   1, identical heads). What the shared key misses (the residual z_g - a_g z) is dropped: carrying it in the
+   latent would need the un-rotated query rows of the kept pairs as extra query dims (qk_nope_head_dim = d),
+   which this layout does not have.
 2. The pairs (`progression_pairs`, `choose_stride`): DeepSeek's k_pe rotates by the standard frequency
    sequence of a RoPE base; the source's pairs {0, s, 2s, ..., (r-1)s} are exactly such a sequence (base
    theta^(s r / (d/2)) over 2r dims), so an export needs no padding. The stride s maximises the calibrated
@@ -53,9 +53,6 @@ LBFGS_HISTORY = 10  # steps of L-BFGS history in the encoder refinement ...
 LBFGS_HISTORY_BYTES = 512 * 1024**2  # ... at most this much memory of it
 
 
-# --------------------------------------------------------------------------------------------- pairs
-
-
 def progression_pairs(rope_pairs: int, stride: int) -> list[int]:
     """[0, s, 2s, ..., (r - 1) s]."""
     return [j * stride for j in range(rope_pairs)]
@@ -72,15 +69,8 @@ def choose_stride(scores: torch.Tensor | None, *, half: int, rope_pairs: int) ->
     if scores is None or rope_pairs in (0, half):
         return 1
     assert scores.shape == (half,), (tuple(scores.shape), half)
-    best, best_s = None, 1
-    for s in range(1, max_stride(half, rope_pairs) + 1):
-        total = float(scores[progression_pairs(rope_pairs, s)].sum())
-        if best is None or total > best:
-            best, best_s = total, s
-    return best_s
-
-
-# --------------------------------------------------------------------------------------------- shared key
+    strides = range(1, max_stride(half, rope_pairs) + 1)  # max: the first (smallest) of equal totals
+    return max(strides, key=lambda s: float(scores[progression_pairs(rope_pairs, s)].sum()))
 
 
 class SharedKeyStatistics:
@@ -101,19 +91,18 @@ class SharedKeyStatistics:
         x = x.reshape(-1, x.shape[-1]).to(w_q.dtype)  # (T, C)
         T = x.shape[0]
         tq = torch.arange(0, T, self.query_stride)
-        q = torch.nn.functional.linear(x[tq], w_q, b_q).view(len(tq), hq, d)  # (Tq, Hq, d)
+        Tq = len(tq)
+        q = torch.nn.functional.linear(x[tq], w_q, b_q).view(Tq, hq, d)  # (Tq, Hq, d)
         k = torch.nn.functional.linear(x, w_k, b_k).view(T, hkv, d)  # (T, Hkv, d)
         cos, sin = cos.reshape(T, 1, d).to(q.dtype), sin.reshape(T, 1, d).to(q.dtype)
 
         def rot(v, c, s):  # rotate-half RoPE, v (N, H, d)
             return v * c + torch.cat([-v[..., half:], v[..., :half]], -1) * s
 
-        qr = rot(q, cos[tq], sin[tq]).view(len(tq), hkv, group, d)  # (Tq, Hkv, G, d)
+        qr = rot(q, cos[tq], sin[tq]).view(Tq, hkv, group, d)  # (Tq, Hkv, G, d)
         kr = rot(k, cos, sin)  # (T, Hkv, d)
         p = causal_probabilities(qr, kr, tq, window=window)  # (Hkv, G, Tq, T)
-        q_power = (q[..., :half] ** 2 + q[..., half:] ** 2).view(
-            len(tq), hkv, group, half
-        )  # (Tq, Hkv, G, d/2)
+        q_power = (q[..., :half] ** 2 + q[..., half:] ** 2).view(Tq, hkv, group, half)  # (Tq, Hkv, G, d/2)
         w = torch.einsum("gjts,tgji->gsi", p, q_power).double()  # (Hkv, T, d/2)
         z = torch.complex(k[..., :half].double(), k[..., half:].double())  # (T, Hkv, d/2)
         s = torch.einsum("gti,tai,tbi->giab", w.to(torch.complex128), z, z.conj())  # (Hkv, d/2, Hkv, Hkv)
@@ -180,9 +169,6 @@ def share_rope_rows(
     return q_out, real_rows(shared)
 
 
-# --------------------------------------------------------------------------------------------- latent norm
-
-
 def rms_normalize(c: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
     """gain * c / sqrt(mean(c^2) + eps) over the last dim (an RMSNorm, in float64)."""
     c = c.double()
@@ -208,10 +194,22 @@ class LatentNorm:
 def _lstsq(y: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """B (W, d_c) minimising sum_t |y_t - B c_t|^2; y (N, W), c (N, d_c), relative ridge."""
     gram = c.T @ c  # (d_c, d_c)
-    gram = gram + _RIDGE * torch.diagonal(gram).mean().clamp_min(1e-300) * torch.eye(
-        gram.shape[0], dtype=c.dtype
-    )
-    return torch.linalg.solve(gram, c.T @ y).T
+    eye = torch.eye(gram.shape[0], dtype=c.dtype)
+    return torch.linalg.solve(gram + _RIDGE * torch.diagonal(gram).mean().clamp_min(1e-300) * eye, c.T @ y).T
+
+
+def _decoders(x, down, gain, eps, y_k, y_v, pk, pv, biased: bool) -> tuple:
+    """The least-squares decoders of the normalised latent of `down` (keys from the centred latent, values
+    with a bias column when `biased`): (key error, value error, relative to pk / pv; the latent (N, d_c);
+    up_k (nk, d_c); up_v (nv, d_c); the value bias (nv,) or None)."""
+    cn = rms_normalize(x @ down.T, gain, eps)  # (N, d_c)
+    design_v = torch.cat([cn, torch.ones_like(cn[:, :1])], 1) if biased else cn
+    ck = cn - cn.mean(0)
+    up_k, dec_v = _lstsq(y_k, ck), _lstsq(y_v, design_v)  # (nk, d_c), (nv, d_c [+1])
+    ek = (y_k - ck @ up_k.T).pow(2).sum() / pk
+    ev = (y_v - design_v @ dec_v.T).pow(2).sum() / pv
+    up_v, bias_v = (dec_v[:, :-1], dec_v[:, -1]) if biased else (dec_v, None)
+    return ek, ev, cn, up_k, up_v, bias_v
 
 
 def fit_latent_norm(
@@ -225,12 +223,11 @@ def fit_latent_norm(
     eps: float,
     refine_steps: int = 0,
 ) -> LatentNorm:
-    """Decoders for the normalised latent. down (d_c, C) the factorization's encoder; w_k (nk, C) and
-    w_v (nv, C)
-    the source's non-RoPE key rows and value rows (biases (out,) or None: with biases the decoders get one);
-    samples (N, C) calibration inputs of the layer. See the module docstring. The encoder's refinement
-    (`refine_steps`) runs only with more samples than inputs (N > C); below that it is underdetermined, and
-    at 7B it would hold several (d_c, C) float64 copies for nothing."""
+    """Decoders for the normalised latent. down (d_c, C) the factorization's encoder; w_k (nk, C) and w_v
+    (nv, C) the source's non-RoPE key rows and value rows (biases (out,) or None: with biases the decoders
+    get one); samples (N, C) calibration inputs of the layer. See the module docstring. The encoder's
+    refinement (`refine_steps`) runs only with more samples than inputs (N > C); below that it is
+    underdetermined, and at 7B it would hold several (d_c, C) float64 copies for nothing."""
     x = samples.double()
     down = down.double()
     w_k, w_v = w_k.double(), w_v.double()
@@ -239,30 +236,22 @@ def fit_latent_norm(
     y_v = x @ w_v.T + (b_v.double() if b_v is not None else 0.0)  # (N, nv)
     y_k = y_k - y_k.mean(0)  # keys centred: a common offset cancels in softmax
     pk, pv = y_k.pow(2).sum().clamp_min(1e-300), y_v.pow(2).sum().clamp_min(1e-300)
-    c0 = x @ down.T  # (N, d_c)
     candidates = {"factorization": torch.ones(down.shape[0], dtype=torch.float64)}
-    candidates["equal-power"] = c0.pow(2).mean(0).clamp_min(1e-300).rsqrt()
+    candidates["equal-power"] = (x @ down.T).pow(2).mean(0).clamp_min(1e-300).rsqrt()  # of c (N, d_c)
     best = None
     for name, dim_scale in candidates.items():
         d_s = dim_scale[:, None] * down  # (d_c, C)
         c = x @ d_s.T  # (N, d_c)
         d_s = d_s / c.pow(2).mean(-1).mean().sqrt().clamp_min(1e-300)  # mean rms(c) ~ 1 (mean square)
         gain = torch.ones(down.shape[0], dtype=torch.float64)
-        cn = rms_normalize(x @ d_s.T, gain, eps)  # (N, d_c)
-        design_v = torch.cat([cn, torch.ones_like(cn[:, :1])], 1) if biased else cn
-        up_k = _lstsq(y_k, cn - cn.mean(0))  # (nk, d_c)
-        dec_v = _lstsq(y_v, design_v)  # (nv, d_c [+1])
-        up_v, bias_v = (dec_v[:, :-1], dec_v[:, -1]) if biased else (dec_v, None)
+        ek, ev, cn, up_k, up_v, bias_v = _decoders(x, d_s, gain, eps, y_k, y_v, pk, pv, biased)
         bias_k = None
         if biased:  # keys: reproduce the source's mean too (harmless, and exact where the rest is)
             mean_k = (x @ w_k.T).mean(0) + (b_k.double() if b_k is not None else 0.0)
             bias_k = mean_k - up_k @ cn.mean(0)
-        ek = float((y_k - (cn - cn.mean(0)) @ up_k.T).pow(2).sum() / pk)
-        ev = float((y_v - design_v @ dec_v.T).pow(2).sum() / pv)
-        fit = LatentNorm(d_s, gain, up_k, up_v, bias_k, bias_v, ek, ev, name)
-        if best is None or ek + ev < best.key_error + best.value_error:
+        fit = LatentNorm(d_s, gain, up_k, up_v, bias_k, bias_v, float(ek), float(ev), name)
+        if best is None or fit.key_error + fit.value_error < best.key_error + best.value_error:
             best = fit
-    assert best is not None
     if refine_steps and x.shape[0] > x.shape[1]:  # fewer samples than inputs: the encoder is underdetermined
         best = _refine(best, x, y_k, y_v, pk, pv, eps, biased, refine_steps)
     return best
@@ -272,44 +261,31 @@ def _refine(fit: LatentNorm, x, y_k, y_v, pk, pv, eps, biased, steps: int) -> La
     """L-BFGS on the encoder (the decoders re-solved by least squares inside the objective): minimise the
     relative key + value error through the norm."""
     with torch.inference_mode(False):  # convert_layer runs in inference mode; autograd needs normal tensors
-        return _refine_impl(fit, *(t.clone() for t in (x, y_k, y_v, pk, pv)), eps, biased, steps)
+        x, y_k, y_v, pk, pv = (t.clone() for t in (x, y_k, y_v, pk, pv))
+        down = fit.down.clone().requires_grad_(True)
+        gain = fit.gain.clone()
+        # L-BFGS keeps 2 vectors the size of `down` per step of history: capped by bytes (a 7B layer's `down`
+        # is ~128 MB in float64), so SmolLM2 keeps all 10 steps and a 7B layer a few
+        history = max(1, min(LBFGS_HISTORY, LBFGS_HISTORY_BYTES // (2 * down.numel() * down.element_size())))
+        opt = torch.optim.LBFGS([down], max_iter=steps, history_size=history, line_search_fn="strong_wolfe")
 
+        def closure():
+            opt.zero_grad()
+            ek, ev, *_ = _decoders(x, down, gain, eps, y_k, y_v, pk, pv, biased)
+            loss = ek + ev
+            loss.backward()
+            return loss
 
-def _refine_impl(fit: LatentNorm, x, y_k, y_v, pk, pv, eps, biased, steps: int) -> LatentNorm:
-    down = fit.down.clone().requires_grad_(True)
-    gain = fit.gain.clone()
-
-    def solve(d):
-        cn = rms_normalize(x @ d.T, gain, eps)
-        design_v = torch.cat([cn, torch.ones_like(cn[:, :1])], 1) if biased else cn
-        ck = cn - cn.mean(0)
-        up_k, dec_v = _lstsq(y_k, ck), _lstsq(y_v, design_v)
-        ek = (y_k - ck @ up_k.T).pow(2).sum() / pk
-        ev = (y_v - design_v @ dec_v.T).pow(2).sum() / pv
-        return ek, ev, cn, up_k, dec_v
-
-    # L-BFGS keeps 2 vectors the size of `down` per step of history: capped by bytes (a 7B layer's `down` is
-    # ~128 MB in float64), so SmolLM2 keeps all 10 steps and a 7B layer a few
-    history = max(1, min(LBFGS_HISTORY, LBFGS_HISTORY_BYTES // (2 * down.numel() * down.element_size())))
-    opt = torch.optim.LBFGS([down], max_iter=steps, history_size=history, line_search_fn="strong_wolfe")
-
-    def closure():
-        opt.zero_grad()
-        ek, ev, *_ = solve(down)
-        loss = ek + ev
-        loss.backward()
-        return loss
-
-    with torch.enable_grad():
-        opt.step(closure)
-    with torch.no_grad():
-        d = down.detach()
-        d = d / (x @ d.T).pow(2).mean(-1).mean().sqrt().clamp_min(1e-300)
-        ek, ev, cn, up_k, dec_v = solve(d)
-    if float(ek + ev) >= fit.key_error + fit.value_error:
-        return fit
-    up_v, bias_v = (dec_v[:, :-1], dec_v[:, -1]) if biased else (dec_v, None)
-    bias_k = None
-    if biased:  # the same mean key as the unrefined fit
-        bias_k = fit.bias_k + fit.up_k @ rms_normalize(x @ fit.down.T, gain, eps).mean(0) - up_k @ cn.mean(0)
-    return LatentNorm(d, gain, up_k, up_v, bias_k, bias_v, float(ek), float(ev), fit.scaling + "+refined")
+        with torch.enable_grad():
+            opt.step(closure)
+        with torch.no_grad():
+            d = down.detach()
+            d = d / (x @ d.T).pow(2).mean(-1).mean().sqrt().clamp_min(1e-300)
+            ek, ev, cn, up_k, up_v, bias_v = _decoders(x, d, gain, eps, y_k, y_v, pk, pv, biased)
+        if float(ek + ev) >= fit.key_error + fit.value_error:
+            return fit
+        bias_k = None
+        if biased:  # the same mean key as the unrefined fit
+            mean_c = rms_normalize(x @ fit.down.T, gain, eps).mean(0)
+            bias_k = fit.bias_k + fit.up_k @ mean_c - up_k @ cn.mean(0)
+        return LatentNorm(d, gain, up_k, up_v, bias_k, bias_v, float(ek), float(ev), fit.scaling + "+refined")

@@ -11,9 +11,9 @@ tokenized training chunks and held-out evaluation text (`load_data`) and the rec
 - `chunk_tokens`: the token stream cut into `(N, seq_len)` chunks; the ragged tail is dropped.
 - `ChunkOrder`: an endless sampler over chunk indices, epoch e being a permutation seeded by (seed, e). It
   starts at any global position, so a resumed run sees exactly the chunks an uninterrupted one would.
-- `make_loader`: a plain `DataLoader` over the chunks in that order; `Accelerator.prepare` shards it across
-  processes (process p of P takes every P-th batch), so the global batch of a step is the same chunks
-  whatever the number of processes, as long as batch_size x processes is the same.
+- the loader (in `state`): a plain `DataLoader` over the chunks in that order; `Accelerator.prepare` shards
+  it across processes (process p of P takes every P-th batch), so the global batch of a step is the same
+  chunks whatever the number of processes, as long as batch_size x processes is the same.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import Sampler
 
 from hf_attn.conversion.training.recipe import (
     CLOCKS,
@@ -54,9 +54,6 @@ from hf_attn.tooling.files import sha256_file
 from hf_attn.tooling.perplexity import check_window
 
 MIN_PARAGRAPH_CHARS = 200  # shorter shared passages (chapter titles, "by Jane Austen") are not overlap
-
-
-# --------------------------------------------------------------------------------------------- text
 
 
 def load_train_corpus(
@@ -120,9 +117,8 @@ def check_disjoint(
             f"Training text {train.name} and evaluation text {held_out.name} are identical "
             f"(sha256 {train.sha256[:12]}); train and evaluate on different text"
         )
-    shared = (
-        _paragraph_hashes(train.text).keys() & (eval_paragraphs := _paragraph_hashes(held_out.text)).keys()
-    )
+    eval_paragraphs = _paragraph_hashes(held_out.text)
+    shared = _paragraph_hashes(train.text).keys() & eval_paragraphs.keys()
     if shared:
         example = eval_paragraphs[next(iter(sorted(shared)))]
         raise ValueError(
@@ -139,20 +135,15 @@ def check_not_embedded_eval(train: Corpus, train_files: Sequence[Path]) -> None:
         check_disjoint(train, train_files, held_out, [path])
 
 
-# --------------------------------------------------------------------------------------------- chunks
-
-
-def chunk_tokens(
-    ids: torch.Tensor, seq_len: int, *, min_chunks: int = 1, name: str = "training text"
-) -> torch.Tensor:
+def chunk_tokens(ids: torch.Tensor, seq_len: int, *, min_chunks: int = 1) -> torch.Tensor:
     """(N,) token ids -> (N // seq_len, seq_len) chunks; ValueError if fewer than `min_chunks` fit."""
     if seq_len < 2:
         raise ValueError(f"--seq-len must be at least 2 (got {seq_len})")
     n = ids.numel() // seq_len
     if n < min_chunks:
         raise ValueError(
-            f"The {name} is too short: {ids.numel()} tokens make {n} chunk(s) of --seq-len {seq_len}, but "
-            f"one optimizer step needs {min_chunks}; give more text or lower --seq-len / --batch-size / "
+            f"The training text is too short: {ids.numel()} tokens make {n} chunk(s) of --seq-len {seq_len}, "
+            f"but one optimizer step needs {min_chunks}; give more text or lower --seq-len / --batch-size / "
             "--grad-accum"
         )
     return ids[: n * seq_len].view(n, seq_len)  # (N, L)
@@ -181,14 +172,6 @@ class ChunkOrder(Sampler[int]):
 
     def __len__(self) -> int:  # endless; DataLoader only asks when someone calls len() on it
         return 2**62
-
-
-def make_loader(chunks: torch.Tensor, *, batch_size: int, seed: int, start: int = 0) -> DataLoader:
-    """Batches of `batch_size` chunks (B, L) in `ChunkOrder`, from global chunk position `start`."""
-    return DataLoader(chunks, batch_size=batch_size, sampler=ChunkOrder(len(chunks), seed=seed, start=start))
-
-
-# --------------------------------------------------------------------------------------------- settings
 
 
 @dataclass(frozen=True)
@@ -347,9 +330,6 @@ def _jsonable(value):
     return str(value) if isinstance(value, os.PathLike) else value
 
 
-# --------------------------------------------------------------------------------------------- data
-
-
 @dataclass(frozen=True)
 class HealData:
     """The tokenized training chunks and held-out ids (None: no evaluation), with their corpora."""
@@ -392,12 +372,12 @@ def load_data(settings: HealSettings, source: Path, *, num_processes: int) -> He
     eval_ids = tokenize(tokenizer, eval_corpus)[: s.eval_tokens] if s.eval_tokens else None
     if eval_ids is not None:
         loading.check_token_ids(eval_ids, rows, tokenizer=tokenizer)
-    if eval_ids is not None and eval_ids.numel() < s.eval_context:
-        raise ValueError(
-            f"The evaluation text {eval_corpus.name} has {eval_ids.numel()} tokens (--eval-tokens "
-            f"{s.eval_tokens}), fewer than one window of {s.eval_context}; give a longer --eval-text or "
-            "lower --eval-tokens / --eval-context"
-        )
+        if eval_ids.numel() < s.eval_context:
+            raise ValueError(
+                f"The evaluation text {eval_corpus.name} has {eval_ids.numel()} tokens (--eval-tokens "
+                f"{s.eval_tokens}), fewer than one window of {s.eval_context}; give a longer --eval-text or "
+                "lower --eval-tokens / --eval-context"
+            )
     return HealData(train_corpus, int(train_ids.numel()), chunks, eval_corpus, eval_ids)
 
 
@@ -413,28 +393,22 @@ def make_recipe(
     """The recipe of a run; `teacher_hash`: the resolved teacher's weights (None: labels only);
     `lora_targets`: the resolved names of the modules LoRA adapts (with `lora_rank`)."""
     s = settings
-    teacher = teacher_hash is not None
     total_steps = plan_budget(
         max_steps=s.max_steps,
         max_tokens=s.max_tokens,
         max_minutes=s.max_minutes,
         tokens_per_step=s.batch_size * num_processes * s.grad_accum * s.seq_len,
     )
+    teacher = teacher_hash is not None
+    same = (
+        "seq_len batch_size grad_accum lr relative_lr warmup_steps weight_decay trainable autocast_dtype seed"
+    )
     return HealRecipe(
-        seq_len=s.seq_len,
-        batch_size=s.batch_size,
-        grad_accum=s.grad_accum,
+        **{name: getattr(s, name) for name in same.split()},  # the settings' own values
         num_processes=num_processes,
-        lr=s.lr,
-        relative_lr=s.relative_lr,
-        warmup_steps=s.warmup_steps,
         schedule=resolve_schedule(s.schedule, total_steps),
         total_steps=total_steps,
-        weight_decay=s.weight_decay,
         max_grad_norm=s.max_grad_norm or None,
-        trainable=s.trainable,
-        autocast_dtype=s.autocast_dtype,
-        seed=s.seed,
         train_sha256=data.train_corpus.sha256,
         source_hash=source_hash,
         teacher_hash=teacher_hash,

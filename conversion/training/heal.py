@@ -13,14 +13,7 @@ Code (`conversion/training/`): `HealSettings` (every option; the command line is
 (with the `held_out_evaluation` hook) -> `write_output`; `heal()` here strings them together.
 
     hf-attn heal --model SRC --output DST [--train-text FILE ... | --train-corpus mix | --dataset NAME ...]
-        [--max-steps N | --max-tokens N | --max-minutes M [--budget-clock wall|cpu]] [--seq-len 512]
-        [--batch-size 1] [--grad-accum 1]
-        [--lr 3e-5 | --relative-lr R] [--warmup-steps 0] [--schedule cosine|constant]
-        [--trainable all|attention | --lora-rank R [--lora-targets NAME ...]]
-        [--teacher auto|DIR|none [--distill-temperature 1] [--distill-weight 0.5]]
-        [--autocast-dtype float32|bfloat16|float16] [--eval-text FILE ...] [--eval-every S]
-        [--eval-tokens 8192] [--checkpoint-every N] [--resume] [--seed 0] [--gradient-checkpointing]
-        [--overwrite]
+        [--max-steps N | --max-tokens N | --max-minutes M] [--teacher auto|DIR|none] ...   # all flags: --help
     accelerate launch --multi_gpu --num_processes 2 -m conversion.training ...   # data parallel (CPU: gloo)
     accelerate launch --config_file FSDP_CONFIG --num_processes N -m hf_attn.conversion.training ...   # FSDP2
 
@@ -37,7 +30,6 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import hf_attn  # noqa: F401  (registers the hf-attn attention implementations and the llama_mla model type)
 from hf_attn.conversion.checkpoint.io import conversion_record
 from hf_attn.conversion.training.data import HealData, HealSettings, load_data, make_recipe
 from hf_attn.conversion.training.loop import held_out_evaluation, train_steps, write_output
@@ -115,9 +107,6 @@ __all__ = [  # the public names of healing, wherever they live (conversion/train
 PROG = "hf-attn heal"
 
 
-# --------------------------------------------------------------------------------------------- heal
-
-
 def heal(settings: HealSettings, *, progress: bool = True) -> dict:
     """Heal `settings.model` into `settings.output`; returns the run record (also stored in the output's
     config.json) with the output path, the log path, the losses and the evaluations.
@@ -131,10 +120,10 @@ def heal(settings: HealSettings, *, progress: bool = True) -> dict:
     s = settings
     output, state_dir, source, extras = _check_inputs(s)
     accelerator = make_accelerator(s.autocast_dtype, s.grad_accum, s.device)
-    main, num_processes = accelerator.is_main_process, accelerator.num_processes
+    main = accelerator.is_main_process
     set_seed(s.seed)
 
-    data, recipe = _data_and_recipe(s, source, num_processes, extras)
+    data, recipe = _data_and_recipe(s, source, accelerator.num_processes, extras)
     saved, ckpt_dir, checkpoints = find_resume_point(
         state_dir, recipe, resume=s.resume, overwrite=s.overwrite
     )
@@ -143,7 +132,8 @@ def heal(settings: HealSettings, *, progress: bool = True) -> dict:
     if main:
         prepare_state_dir(state_dir, log, saved=saved, checkpoints=checkpoints)
         announce_device(accelerator.device)  # every input checked: the command's one line saying where
-        _say(extras.note)  # (--teacher auto without a teacher: one line saying so)
+        if extras.note:  # (--teacher auto without a teacher: one line saying so)
+            print(extras.note, flush=True)
     accelerator.wait_for_everyone()
 
     start, teacher = ckpt_dir if saved else source, extras.teacher
@@ -157,8 +147,7 @@ def heal(settings: HealSettings, *, progress: bool = True) -> dict:
         state.save(state_dir, recipe=recipe, source=source, accelerator=accelerator, log=log)
 
     if saved is None:
-        _log_start(log, state, source=source, recipe=recipe, data=data, accelerator=accelerator)
-        state.eval_before = _evaluate(evaluate, unwrapped, state, log, before=True)
+        _start(log, state, data, recipe, evaluate, unwrapped, source=source, accelerator=accelerator)
     else:
         log.write(event="resume", step=state.step, checkpoint=str(ckpt_dir))
 
@@ -166,7 +155,9 @@ def heal(settings: HealSettings, *, progress: bool = True) -> dict:
         state, s, recipe, accelerator, log, evaluate=evaluate, checkpoint=checkpoint, progress=progress
     )
 
-    eval_after = _evaluate(evaluate, unwrapped, state, log, before=False)
+    eval_after = evaluate(unwrapped)
+    if eval_after is not None:
+        state.add_eval(eval_after, log)
     if s.keep_checkpoints:  # a final checkpoint: a later --resume with a larger budget continues from here
         checkpoint()
     record = _heal_record(
@@ -175,11 +166,10 @@ def heal(settings: HealSettings, *, progress: bool = True) -> dict:
         recipe,
         data,
         source=source,
-        num_processes=num_processes,
+        accelerator=accelerator,
         final_loss=final_loss,
         eval_after=eval_after,
         state_dir=state_dir,
-        device=accelerator.device.type,
         teacher=extras.teacher,
     )
     full = accelerator.get_state_dict(state.net) if is_sharded(accelerator) else None  # collective
@@ -278,15 +268,11 @@ def _lora_record(recipe: HealRecipe) -> dict | None:
     return {"rank": recipe.lora_rank, "targets": recipe.lora_targets.split(",")} if recipe.lora_rank else None
 
 
-def _say(note: str | None) -> None:
-    if note:
-        print(note, flush=True)
-
-
-def _log_start(
-    log: JsonLog, state: TrainState, *, source: Path, recipe: HealRecipe, data: HealData, accelerator
+def _start(
+    log, state: TrainState, data: HealData, recipe: HealRecipe, evaluate, model, *, source: Path, accelerator
 ) -> None:
-    """The `start` line of a fresh run's log: source, recipe, data and how the run is distributed."""
+    """A fresh run: the `start` line of its log (source, recipe, data and how the run is distributed),
+    then the held-out evaluation of `model` before training (`state.eval_before`, logged at step 0)."""
     log.write(
         event="start",
         step=0,
@@ -298,20 +284,9 @@ def _log_start(
         trainable_parameters=state.trainable_parameters,
         distributed=str(accelerator.distributed_type.value),  # NO | MULTI_CPU | MULTI_GPU | FSDP | ...
     )
-
-
-def _evaluate(evaluate, model, state: TrainState, log: JsonLog, *, before: bool) -> dict | None:
-    """Held-out evaluation of `model` before training (logged at step 0) or after it (logged and kept in
-    `state.evals` with the step, tokens and clocks); None when the evaluation is off (`eval_tokens=0`)."""
-    result = evaluate(model)
-    if result is None:
-        return None
-    if before:
-        log.write(event="eval", step=0, **result)
-    else:
-        state.evals.append({"step": state.step, "tokens": state.tokens, **state.clocks(), **result})
-        log.write(event="eval", **state.evals[-1])
-    return result
+    state.eval_before = evaluate(model)
+    if state.eval_before is not None:
+        log.write(event="eval", step=0, **state.eval_before)
 
 
 def _heal_record(
@@ -321,12 +296,11 @@ def _heal_record(
     data: HealData,
     *,
     source: Path,
-    num_processes: int,
+    accelerator,
     final_loss: float,
     eval_after: dict | None,
     state_dir: Path,
-    device: str,
-    teacher: Path | None = None,
+    teacher: Path | None,
 ) -> dict:
     """The run's conversion record (kind `heal`): settings (`device`: where it trained, "cpu" or "cuda"),
     progress, data, losses, evaluations, clocks; the teacher's path and weights hash (None: labels only)
@@ -335,13 +309,13 @@ def _heal_record(
         kind="heal",
         source=source,
         source_hash=recipe.source_hash,
-        settings={**s.record(), "device": device},
+        settings={**s.record(), "device": accelerator.device.type},
         steps=state.step,
         tokens=state.tokens,
         schedule=recipe.schedule,
         global_batch=recipe.global_batch,
         trainable_parameters=state.trainable_parameters,
-        num_processes=num_processes,
+        num_processes=accelerator.num_processes,
         train_data=data.record(),
         final_loss=final_loss,
         eval_before=state.eval_before,
@@ -352,9 +326,6 @@ def _heal_record(
         teacher_hash=recipe.teacher_hash,
         lora=_lora_record(recipe),
     )
-
-
-# --------------------------------------------------------------------------------------------- CLI
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -373,11 +344,9 @@ def main(argv: list[str] | None = None) -> int:
 
         if PartialState().is_main_process:
             before, after = result["eval_before"], result["eval_after"]
-            ppl = (
-                f" | held-out ppl {before['perplexity']:.3f} -> {after['perplexity']:.3f}"
-                if before and after
-                else ""
-            )
+            ppl = ""
+            if before and after:
+                ppl = f" | held-out ppl {before['perplexity']:.3f} -> {after['perplexity']:.3f}"
             print(
                 f"healed {result['source']} -> {result['output']}: {result['steps']} steps, "
                 f"{result['tokens']} tokens, final loss {result['final_loss']:.4f}{ppl} | "

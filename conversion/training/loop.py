@@ -17,8 +17,6 @@ from hf_attn.conversion.training.teacher import training_loss
 from hf_attn.tooling.files import atomic_directory
 from hf_attn.tooling.perplexity import evaluate_perplexity
 
-# --------------------------------------------------------------------------------------------- evaluation
-
 
 def held_out_evaluation(data: HealData, *, context_length: int, accelerator, progress: bool):
     """The evaluation hook: a function of the model giving the held-out perplexity record (None: no eval)."""
@@ -35,31 +33,22 @@ def held_out_evaluation(data: HealData, *, context_length: int, accelerator, pro
         if split is None and accelerator.is_fsdp2:
             reshard(model)
         model.train()
-        return {
-            "perplexity": res.perplexity,
-            "nll_sum": res.nll_sum,
-            "tokens_scored": res.tokens_scored,
-            "context_length": res.context_length,
-            "stride": res.stride,
-            "corpus": data.eval_corpus.name,
-            "corpus_sha256": data.eval_corpus.sha256,
-        }
+        names = ("perplexity", "nll_sum", "tokens_scored", "context_length", "stride")
+        corpus = {"corpus": data.eval_corpus.name, "corpus_sha256": data.eval_corpus.sha256}
+        return {**{k: getattr(res, k) for k in names}, **corpus}
 
     return evaluate
 
 
-# --------------------------------------------------------------------------------------------- step loop
-
-
-def _budget_spent(state: TrainState, s: HealSettings, total_steps, max_seconds, accelerator) -> bool:
+def _budget_spent(state: TrainState, s: HealSettings, recipe: HealRecipe, accelerator) -> bool:
     """Whether the step or time budget is spent (the main process decides the time budget for all)."""
     from accelerate.utils import broadcast
 
-    done = total_steps is not None and state.step >= total_steps
-    if max_seconds is None:
+    done = recipe.total_steps is not None and state.step >= recipe.total_steps
+    if s.max_minutes is None:
         return done
     spent = state.train_cpu_seconds if s.budget_clock == "cpu" else state.train_seconds
-    flag = torch.tensor([float(done or spent >= max_seconds)], device=accelerator.device)
+    flag = torch.tensor([float(done or spent >= s.max_minutes * 60)], device=accelerator.device)
     return bool(broadcast(flag).item()) if accelerator.num_processes > 1 else bool(flag.item())
 
 
@@ -97,7 +86,6 @@ def train_steps(
     from tqdm.auto import tqdm
 
     s, main, total_steps = settings, accelerator.is_main_process, recipe.total_steps
-    max_seconds = s.max_minutes * 60 if s.max_minutes is not None else None
     unwrapped = accelerator.unwrap_model(state.net)
     losses: list[tuple[int, float]] = []
     bar = tqdm(
@@ -105,7 +93,7 @@ def train_steps(
     )
     batches = iter(state.loader)
     loss_value = float("nan")
-    while not _budget_spent(state, s, total_steps, max_seconds, accelerator):
+    while not _budget_spent(state, s, recipe, accelerator):
         start, cpu_start = time.perf_counter(), time.process_time()
         step_loss = _optimizer_step(state, recipe, accelerator, batches, s.grad_accum)
         lr_now = recipe.lr_factor(state.step) * (recipe.relative_lr or recipe.lr)  # relative: x each RMS
@@ -137,17 +125,13 @@ def train_steps(
         last = total_steps is not None and state.step >= total_steps
         if s.eval_every and state.step % s.eval_every == 0 and not last:
             result = evaluate(unwrapped)
-            state.evals.append({"step": state.step, "tokens": state.tokens, **state.clocks(), **result})
-            log.write(event="eval", **state.evals[-1])
+            state.add_eval(result, log)
             if main:
                 bar.write(f"step {state.step}: held-out perplexity {result['perplexity']:.3f}")
         if s.checkpoint_every and state.step % s.checkpoint_every == 0 and not last:
             checkpoint()
     bar.close()
     return losses, loss_value
-
-
-# --------------------------------------------------------------------------------------------- output
 
 
 def write_output(

@@ -21,34 +21,30 @@ from pathlib import Path
 import torch
 
 from hf_attn.conversion.checkpoint.io import tensor_index
+from hf_attn.conversion.training.recipe import ATTENTION_MARKER
 from hf_attn.tooling.errors import UserError
 
 ADAPTER_FILE = "adapter_model.safetensors"
-ATTENTION = ".self_attn."
 
 
 def resolve_targets(source: Path, names: list[str] | None) -> tuple[str, ...]:
     """The leaf names of the modules to adapt, sorted: `names` (each may hold several, comma-separated), each
     of which must name a 2-D weight `*.<name>.weight` of `source`; None -> every attention projection."""
-    matrices = {
-        key[: -len(".weight")]: info.shape
-        for key, info in tensor_index(source).items()
-        if key.endswith(".weight") and len(info.shape) == 2
-    }
+    index = tensor_index(source)
+    matrices = [
+        key[: -len(".weight")] for key in index if key.endswith(".weight") and len(index[key].shape) == 2
+    ]
     leaves = {name.rsplit(".", 1)[-1] for name in matrices}
+    attention = sorted({n.rsplit(".", 1)[-1] for n in matrices if ATTENTION_MARKER in f".{n}."})
     if names is None:
-        found = sorted(
-            {name.rsplit(".", 1)[-1] for name, shape in matrices.items() if ATTENTION in f".{name}."}
-        )
-        if not found:
+        if not attention:
             raise UserError(
                 f"{source} has no *.self_attn.* projection for LoRA; name modules with --lora-targets"
             )
-        return tuple(found)
+        return tuple(attention)
     wanted = sorted({part.strip() for name in names for part in name.split(",") if part.strip()})
     unknown = [name for name in wanted if name not in leaves]
     if unknown or not wanted:
-        attention = sorted({n.rsplit(".", 1)[-1] for n in matrices if ATTENTION in f".{n}."})
         raise UserError(
             f"--lora-targets {' '.join(unknown) or '(empty)'}: no such linear module in {source} (attention "
             f"projections: {', '.join(attention) or 'none'})"
@@ -84,10 +80,6 @@ def wrap(net: torch.nn.Module, *, rank: int, targets: str, adapter_dir: Path | N
     return model
 
 
-def is_lora(model) -> bool:
-    return hasattr(model, "peft_config")
-
-
 def merged(model):
     """The plain model with every adapter merged into its weights (W + B A alpha / R); others as they are."""
-    return model.merge_and_unload() if is_lora(model) else model
+    return model.merge_and_unload() if hasattr(model, "peft_config") else model

@@ -16,8 +16,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import hf_attn  # noqa: F401  (registers the hf-attn attention implementations and the llama_mla model type)
-from hf_attn.conversion.checkpoint.io import read_config
 from hf_attn.tooling import loading
 
 TRAINABLE = ("all", "attention")
@@ -39,9 +37,6 @@ STATE_FILE = "trainer_state.pt"
 LOG_FILE = "log.jsonl"
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 FSDP_CONFIG = Path(__file__).parent / "heal_fsdp.yaml"  # accelerate launch --config_file FSDP_CONFIG ...
-
-
-# --------------------------------------------------------------------------------------------- recipe
 
 
 @dataclass(frozen=True)
@@ -132,8 +127,6 @@ def plan_budget(
 def resolve_schedule(schedule: str | None, total_steps: int | None) -> str:
     if schedule is None:
         return "cosine" if total_steps is not None else "constant"
-    if schedule not in SCHEDULES:
-        raise ValueError(f"Unknown --schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
     if schedule == "cosine" and total_steps is None:
         raise ValueError(
             "--schedule cosine needs a step budget (--max-steps or --max-tokens); with only --max-minutes "
@@ -145,7 +138,6 @@ def resolve_schedule(schedule: str | None, total_steps: int | None) -> str:
 def select_trainable(model: torch.nn.Module, trainable: str) -> list[str]:
     """requires_grad on every parameter (`all`) or on `*.self_attn.*` ones (`attention`); returns names.
     (`trainable` is validated with the settings: `HealSettings.validate`.)"""
-    assert trainable in TRAINABLE, trainable
     names = []
     for name, p in model.named_parameters():
         p.requires_grad_(trainable == "all" or ATTENTION_MARKER in f".{name}")
@@ -157,9 +149,6 @@ def select_trainable(model: torch.nn.Module, trainable: str) -> list[str]:
             "parameters); use --trainable all"
         )
     return names
-
-
-# --------------------------------------------------------------------------------------------- paths
 
 
 def default_state_dir(output: Path) -> Path:
@@ -181,17 +170,9 @@ def check_writable(directory: Path, what: str) -> None:
 
 def find_checkpoints(state_dir: Path) -> list[tuple[int, Path]]:
     """Complete checkpoints (step, dir), oldest first; temp directories of interrupted writes are ignored."""
-    if not state_dir.is_dir():
-        return []
-    found = []
-    for path in state_dir.iterdir():
-        m = _CHECKPOINT_RE.match(path.name)
-        if m and (path / STATE_FILE).is_file():
-            found.append((int(m.group(1)), path))
-    return sorted(found)
-
-
-# --------------------------------------------------------------------------------------------- RNG + log
+    paths = state_dir.iterdir() if state_dir.is_dir() else ()
+    matches = ((_CHECKPOINT_RE.match(p.name), p) for p in paths)
+    return sorted((int(m.group(1)), p) for m, p in matches if m and (p / STATE_FILE).is_file())
 
 
 def rng_state() -> dict:
@@ -236,19 +217,17 @@ def read_log(path: str | os.PathLike) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-# --------------------------------------------------------------------------------------------- model
-
-
 def load_model(
-    path: Path, *, attn_implementation: str | None, trust_remote_code: bool, gradient_checkpointing: bool
+    path: Path,
+    *,
+    attn_implementation: str | None,
+    trust_remote_code: bool,
+    gradient_checkpointing: bool,
+    dtype: torch.dtype = torch.float32,
 ):
-    """The checkpoint as float32 master weights, in train mode."""
-    model = loading.load_causal_lm(
-        path,
-        attn_implementation=attn_implementation,
-        dtype=torch.float32,
-        trust_remote_code=trust_remote_code,
-    )
+    """The checkpoint in train mode, as float32 master weights (or `dtype`)."""
+    options = {"attn_implementation": attn_implementation, "trust_remote_code": trust_remote_code}
+    model = loading.load_causal_lm(path, dtype=dtype, **options)
     if gradient_checkpointing:
         if not model.supports_gradient_checkpointing:
             raise ValueError(f"{type(model).__name__} does not support --gradient-checkpointing")
@@ -258,7 +237,7 @@ def load_model(
 
 def stored_dtype(model_dir: Path) -> torch.dtype:
     """The dtype a checkpoint's config.json declares (the output is written in it); float32 if none."""
-    config = read_config(model_dir)
+    config = loading.read_config(model_dir)
     name = config.get("dtype") or config.get("torch_dtype") or "float32"
     dtype = getattr(torch, str(name), None)
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32

@@ -9,11 +9,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from torch.utils.data import DataLoader
 
 from hf_attn.conversion.checkpoint.io import copy_side_files
 from hf_attn.conversion.refine_fit import param_groups
 from hf_attn.conversion.training import lora
-from hf_attn.conversion.training.data import HealData, HealSettings, make_loader
+from hf_attn.conversion.training.data import ChunkOrder, HealData, HealSettings
 from hf_attn.conversion.training.recipe import (
     FSDP_CONFIG,
     LOG_FILE,
@@ -29,13 +30,9 @@ from hf_attn.conversion.training.recipe import (
     set_rng_state,
 )
 from hf_attn.conversion.training.teacher import load_teacher
-from hf_attn.tooling.cli import (
-    one_line,
-)
 from hf_attn.tooling.devices import DEFAULT_DEVICE, resolve_device
+from hf_attn.tooling.errors import one_line
 from hf_attn.tooling.files import atomic_directory
-
-# --------------------------------------------------------------------------------------------- train state
 
 
 def make_accelerator(autocast_dtype: str, grad_accum: int, device: str = DEFAULT_DEVICE):
@@ -166,17 +163,22 @@ class TrainState:
     def clocks(self) -> dict:
         return {"train_seconds": self.train_seconds, "train_cpu_seconds": self.train_cpu_seconds}
 
-    def restore(self, saved: dict, *, process_index: int, num_processes: int, optimizer: bool = True) -> None:
+    def add_eval(self, result: dict, log: JsonLog) -> None:
+        """Keep a held-out evaluation in `evals` with the step, tokens and clocks, and log it."""
+        self.evals.append({"step": self.step, "tokens": self.tokens, **self.clocks(), **result})
+        log.write(event="eval", **self.evals[-1])
+
+    def restore(self, saved: dict, accelerator, *, optimizer: bool = True) -> None:
         """Counters, optimizer (unless `optimizer=False`: sharded runs load it after `prepare`, see
-        `restore_sharded_optimizer`), scheduler and this process's RNG from a saved trainer state."""
+        `restore_sharded_optimizer`), scheduler and this process's RNG (of `accelerator`'s process index) from
+        a saved trainer state."""
         if optimizer:
             self.optimizer.load_state_dict(saved["optimizer"])
         self.scheduler.load_state_dict(saved["scheduler"])
-        self.step, self.tokens, self.train_seconds = saved["step"], saved["tokens"], saved["train_seconds"]
-        self.train_cpu_seconds = saved["train_cpu_seconds"]
-        self.eval_before, self.evals = saved["eval_before"], saved["evals"]
-        if len(saved["rng"]) == num_processes:
-            set_rng_state(saved["rng"][process_index])
+        for name in ("step", "tokens", "train_seconds", "train_cpu_seconds", "eval_before", "evals"):
+            setattr(self, name, saved[name])
+        if len(saved["rng"]) == accelerator.num_processes:
+            set_rng_state(saved["rng"][accelerator.process_index])
 
     def save(self, state_dir: Path, *, recipe: HealRecipe, source: Path, accelerator, log: JsonLog) -> None:
         """An atomic `checkpoint-NNNNNN/` (loadable model + trainer_state.pt); older ones go."""
@@ -247,18 +249,9 @@ def build_train_state(
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, recipe.lr_factor)
     state = TrainState(net, optimizer, scheduler, params, loader=None)
     if saved is not None:
-        state.restore(
-            saved,
-            process_index=accelerator.process_index,
-            num_processes=accelerator.num_processes,
-            optimizer=not sharded,
-        )
-    loader = make_loader(
-        data.chunks,
-        batch_size=settings.batch_size,
-        seed=settings.seed,
-        start=state.step * recipe.global_batch,
-    )
+        state.restore(saved, accelerator, optimizer=not sharded)
+    order = ChunkOrder(len(data.chunks), seed=settings.seed, start=state.step * recipe.global_batch)
+    loader = DataLoader(data.chunks, batch_size=settings.batch_size, sampler=order)  # batches (B, L)
     # The scheduler is stepped by hand once per optimizer step (accelerate would step it once per process).
     # (FSDP2 needs the model and its optimizer in one call: it re-points the optimizer at the sharded params.)
     state.net, state.optimizer, state.loader = accelerator.prepare(net, optimizer, loader)
@@ -275,12 +268,7 @@ def build_train_state(
         if saved is not None:
             restore_sharded_optimizer(state.net, state.optimizer, saved["optimizer"])
     if teacher is not None:
-        state.teacher = load_teacher(
-            teacher,
-            device=accelerator.device,
-            attn_implementation=settings.attn_implementation,
-            trust_remote_code=settings.trust_remote_code,
-        )
+        state.teacher = load_teacher(teacher, settings, device=accelerator.device)
     return state
 
 

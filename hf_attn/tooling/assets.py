@@ -63,9 +63,6 @@ def cache_dir() -> Path:
     return root
 
 
-# --------------------------------------------------------------------------------------------- model
-
-
 def smollm2_dir() -> Path:
     """Directory of SmolLM2-135M-Instruct as fp32 safetensors plus tokenizer; built on first use."""
     final = cache_dir() / SMOLLM2_DIRNAME
@@ -94,14 +91,10 @@ def smollm2_dir() -> Path:
             dtype=torch.float32,
         )
         model.config.quantization_config = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
+        del model.config.quantization_config
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
     return final
-
-
-# --------------------------------------------------------------------------------------------- text
 
 
 def austen_dir() -> Path:
@@ -146,8 +139,6 @@ def train_text_files() -> list[Path]:
     return [austen_file(n) for n in TRAIN_NOVELS]
 
 
-# ------------------------------------------------- second corpus: the Python docs (cross-domain checks)
-
 CORPORA = ("austen", "python-docs", "mix")  # the names of `--calibration-corpus`
 CORPUS_TEXTS = {  # what each calibration corpus is, in words (reports)
     "austen": "the five novels other than Persuasion",
@@ -163,10 +154,7 @@ def python_docs_dir() -> Path:
     if (final / "SHA256SUMS").exists():
         _verify(final)
         return final
-    return python_docs.fetch(
-        final, download_deb=_download_deb, atomic_directory=atomic_directory, sha256_file=sha256_file,
-        verify=_verify,
-    )  # fmt: skip
+    return python_docs.fetch(final, download_deb=_download_deb, verify=_verify)
 
 
 def python_docs_calibration_files() -> list[Path]:
@@ -183,13 +171,10 @@ def python_docs_eval_file() -> Path:
 def calibration_corpus_files(name: str) -> list[Path]:
     """The files of a named calibration corpus: `austen` (five novels), `python-docs` (five sections) or `mix`
     (both lists: five files each, so equal token shares of both)."""
-    if name == "austen":
-        return train_text_files()
-    if name == "python-docs":
-        return python_docs_calibration_files()
-    if name == "mix":
-        return train_text_files() + python_docs_calibration_files()
-    raise ValueError(f"Unknown calibration corpus {name!r}; choose one of {list(CORPORA)}")
+    if name not in CORPORA:
+        raise ValueError(f"Unknown calibration corpus {name!r}; choose one of {list(CORPORA)}")
+    novels = train_text_files() if name != "python-docs" else []
+    return novels + (python_docs_calibration_files() if name != "austen" else [])
 
 
 def embedded_eval_files(*, fetch: bool = True) -> list[Path]:
@@ -244,9 +229,6 @@ def _last_line(text: str) -> str:
     return lines[-1][-300:] if lines else ""
 
 
-# --------------------------------------------------------------- R lazy-load database (.rdx/.rdb)
-
-
 def read_rdata(stem: Path) -> dict[str, list[str]]:
     """Read every character vector of an R lazy-load database `stem.rdx` / `stem.rdb`.
 
@@ -254,18 +236,13 @@ def read_rdata(stem: Path) -> dict[str, list[str]]:
     (offset, length) pair in the .rdb; each .rdb block is a 4-byte big-endian size and a zlib stream of
     one XDR-serialized object.
     """
-    index = _RReader(zlib_or_gzip(Path(f"{stem}.rdx").read_bytes())).read_top()
-    variables = index["variables"]
+    rdx = Path(f"{stem}.rdx").read_bytes()  # gzip, or a 4-byte size and a zlib stream
+    index = _RReader(gzip.decompress(rdx) if rdx[:2] == b"\x1f\x8b" else zlib.decompress(rdx[4:])).read_top()
     blob = Path(f"{stem}.rdb").read_bytes()
-    out = {}
-    for name, (offset, length) in variables.items():
-        block = blob[offset : offset + length]
-        out[name] = _RReader(zlib.decompress(block[4:])).read_top()
-    return out
-
-
-def zlib_or_gzip(data: bytes) -> bytes:
-    return gzip.decompress(data) if data[:2] == b"\x1f\x8b" else zlib.decompress(data[4:])
+    variables = index["variables"].items()
+    return {
+        name: _RReader(zlib.decompress(blob[at + 4 : at + size])).read_top() for name, (at, size) in variables
+    }
 
 
 class _RReader:
@@ -302,9 +279,8 @@ class _RReader:
             idx = flags >> 8 or self._int()
             return self.refs[idx - 1]
         if kind == self.SYMSXP:
-            sym = self._item()
-            self.refs.append(sym)
-            return sym
+            self.refs.append(self._item())
+            return self.refs[-1]
         if kind == self.CHARSXP:
             n = self._int()
             if n == -1:

@@ -29,8 +29,6 @@ from hf_attn.tooling.devices import announcing
 from hf_attn.tooling.errors import UserError, one_line, user_message
 from hf_attn.tooling.files import sweep_leftovers
 
-# Old spelling kept for callers that classify by type; new code raises UserError and lets run_command decide.
-USER_ERRORS = (UserError, OSError)
 INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 
 
@@ -97,9 +95,6 @@ def run_command(prog: str, fn: Callable[[], Any]) -> int:
     return status if isinstance(status, int) and not isinstance(status, bool) else 0
 
 
-# ------------------------------------------------------------------------------------- settings -> parser
-
-
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """--help that states every option's default: "(default: X)" after any help that does not say it
     already; on/off flags (store_true / store_false) are off / on unless given, and say nothing more."""
@@ -107,9 +102,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         help_text = action.help or ""
         flag = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
-        if flag or "default" in help_text.lower() or action.default is argparse.SUPPRESS:
-            return help_text
-        if not action.option_strings or action.required:
+        stated = "default" in help_text.lower() or action.default is argparse.SUPPRESS
+        if flag or stated or not action.option_strings or action.required:
             return help_text
         default = "none" if action.default is None else "%(default)s"
         return f"{help_text} (default: {default})".lstrip()
@@ -125,9 +119,7 @@ class ArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):
-        _close_progress_bars()
-        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
-        raise SystemExit(2)
+        raise SystemExit(error(self.prog, f"{message} (see {self.prog} --help)"))
 
 
 def parse_with_quick(parser: argparse.ArgumentParser, argv: list[str] | None, quick: dict):
@@ -188,34 +180,22 @@ def add_settings_arguments(parser: argparse.ArgumentParser, settings: type, *, s
             if f.metadata["exclusive"] not in groups:
                 groups[f.metadata["exclusive"]] = parser.add_mutually_exclusive_group()
             target = groups[f.metadata["exclusive"]]
-        flag = _flag(f)
-        if f.default is not dataclasses.MISSING:
-            default = f.default
-        elif f.default_factory is not dataclasses.MISSING:
+        default = f.default  # MISSING (neither a default nor a factory): a required flag
+        if f.default_factory is not dataclasses.MISSING:
             default = f.default_factory()
-        else:
-            default = dataclasses.MISSING  # a required flag
         kwargs: dict[str, Any] = {"dest": f.name, "help": f.metadata.get("help")}
         tp, is_list = _field_type(hints[f.name])
         if tp is bool:
-            if default:
-                flag = f.metadata.get("flag", "--no-" + f.name.replace("_", "-"))
-                target.add_argument(flag, action="store_false", **kwargs)
-            else:
-                target.add_argument(flag, action="store_true", **kwargs)
+            flag = f.metadata.get("flag", "--no-" + f.name.replace("_", "-")) if default else _flag(f)
+            target.add_argument(flag, action="store_false" if default else "store_true", **kwargs)
             continue
-        kwargs["type"] = tp
+        flag = _flag(f)
+        kwargs.update(type=tp, **({"nargs": "+"} if is_list else {}))
+        kwargs.update({k: f.metadata[k] for k in ("choices", "metavar", "required") if k in f.metadata})
         if default is dataclasses.MISSING:
-            kwargs["required"] = True
-        else:
+            kwargs.setdefault("required", True)
+        elif not kwargs.get("required"):
             kwargs["default"] = default
-        if is_list:
-            kwargs["nargs"] = "+"
-        for key in ("choices", "metavar", "required"):
-            if key in f.metadata:
-                kwargs[key] = f.metadata[key]
-        if kwargs.get("required"):
-            kwargs.pop("default", None)
         target.add_argument(flag, **kwargs)
         for old in f.metadata.get("deprecated_flags", ()):
             add_deprecated_alias(target, old, new_flag=flag, **kwargs)

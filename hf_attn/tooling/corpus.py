@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from hf_attn.tooling import assets
+from hf_attn.tooling.errors import one_line
 
 SEPARATOR = "\n\n"
 
@@ -71,9 +72,8 @@ def _read_dataset(name: str, config: str | None, split: str, text_column: str) -
     try:
         ds = load_dataset(name, config, split=split)
     except Exception as err:  # hub / offline / missing split errors come in many types
-        msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(
-            f"Could not load dataset {name!r} (config {config!r}, split {split!r}): {msg}"
+            f"Could not load dataset {name!r} (config {config!r}, split {split!r}): {one_line(err)}"
         ) from err
     if text_column not in ds.column_names:
         raise ValueError(f"Dataset {name!r} has no column {text_column!r}; its columns are {ds.column_names}")

@@ -86,12 +86,8 @@ def announcing(prog: str) -> Iterator[None]:
 def announce_device(device) -> None:
     """Say where the running command computes (`prog: device cuda (NAME)`), the first time it uses a device
     of this kind; nothing outside a command (`announcing`)."""
-    scope = _SCOPE.get()
-    if scope is None:
+    scope, kind = _SCOPE.get(), getattr(device, "type", str(device).partition(":")[0])
+    if scope is None or kind in scope[1]:
         return
-    prog, seen = scope
-    kind = getattr(device, "type", str(device).partition(":")[0])
-    if kind in seen:
-        return
-    seen.add(kind)
-    print(f"{prog}: device {describe_device(device)}", file=sys.stderr, flush=True)
+    scope[1].add(kind)
+    print(f"{scope[0]}: device {describe_device(device)}", file=sys.stderr, flush=True)

@@ -38,21 +38,15 @@ def user_input() -> Iterator[None]:
         raise UserError(one_line(err)) from err
 
 
-def os_error_line(err: OSError) -> str:
-    """'cannot read PATH: No such file or directory', or the error's own message when it names no path."""
-    if err.filename is None:
+def user_message(err: BaseException) -> str | None:
+    """The one line for a user mistake (UserError) or a file-system error (OSError: 'PATH: No such file or
+    directory', or its own message when it names no path); None for a bug."""
+    if isinstance(err, UserError) or (isinstance(err, OSError) and err.filename is None):
         return one_line(err)
+    if not isinstance(err, OSError):
+        return None
     what = f"{err.filename} -> {err.filename2}" if err.filename2 is not None else str(err.filename)
     return f"{what}: {err.strerror or one_line(err)}"
-
-
-def user_message(err: BaseException) -> str | None:
-    """The one line for a user mistake (UserError) or a file-system error (OSError); None for a bug."""
-    if isinstance(err, UserError):
-        return one_line(err)
-    if isinstance(err, OSError):
-        return os_error_line(err)
-    return None
 
 
 def check_number(flag: str, value, *, minimum: float = 0, inclusive: bool = False, integer: bool = False):
@@ -62,14 +56,9 @@ def check_number(flag: str, value, *, minimum: float = 0, inclusive: bool = Fals
         return value
     kind = "integer" if integer else "number"
     bound = f"{'>=' if inclusive else '>'} {minimum:g}"
-    numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if (
-        not numeric
-        or not math.isfinite(value)
-        or (integer and not float(value).is_integer())
-        or value < minimum
-        or (value == minimum and not inclusive)
-    ):
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value > minimum or (inclusive and value == minimum))
+    if not ok or (integer and not float(value).is_integer()):
         raise UserError(f"{flag} must be a finite {kind} {bound}, got {value!r}")
     return value
 

@@ -69,11 +69,10 @@ def _owner_tag(pid: int | None = None) -> str:
 
 def _running(pid: int) -> bool:
     try:
-        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+        with contextlib.suppress(PermissionError):  # another user's process: it exists
+            os.kill(pid, 0)  # signal 0: only asks whether the process exists
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's process: it exists
-        pass
     return True
 
 
@@ -85,13 +84,12 @@ def _remove(path: Path) -> None:
             path.unlink()
 
 
-# ------------------------------------------------------------------------------------- leftovers registry
-# Every scratch directory and half-written output is named with its writer's HOST-PID and listed in
-# CACHE/running/HOST-PID (one path a line; where the cache cannot be written, in a directory of this user in
-# the system's temporary directory). A clean exit removes both; after SIGKILL they stay, and the next project
-# command on this host (any of them: `run_command` calls `sweep_leftovers`) settles what a process that no
-# longer runs listed, wherever it was written. Only paths whose name carries the dead process's tag are
-# touched, so nothing a user made ever is.
+# The leftovers registry. Every scratch directory and half-written output is named with its writer's HOST-PID
+# and listed in CACHE/running/HOST-PID (one path a line; where the cache cannot be written, in a directory of
+# this user in the system's temporary directory). A clean exit removes both; after SIGKILL they stay, and the
+# next project command on this host (any of them: `run_command` calls `sweep_leftovers`) settles what a
+# process that no longer runs listed, wherever it was written. Only paths whose name carries the dead
+# process's tag are touched, so nothing a user made ever is.
 #
 # An output NAME is replaced through tagged siblings: .NAME.HOST-PID-XXXX.tmp (being written), renamed .new
 # once complete; the old NAME is then moved to .old, the .new renamed NAME, and the .old renamed .tmp and
@@ -181,14 +179,12 @@ def _forget_own_registry(owner: int = os.getpid()) -> None:
 atexit.register(_forget_own_registry)
 
 
-def sweep_stale(directory: str | os.PathLike, prefix: str, suffix: str = "") -> list[Path]:
-    """Settle the entries in `directory` named PREFIX + HOST-PID- ... + SUFFIX that a process of this
+def sweep_stale(directory: str | os.PathLike, prefix: str) -> list[Path]:
+    """Settle the entries in `directory` named PREFIX + HOST-PID- ... that a process of this
     host, no longer running, left behind (SIGKILL skips every cleanup): removed, or put back in place where
     they are the complete copy of a missing output (`_settle`). Other hosts' and running processes'
     entries, and names without the tag, are kept. Returns what was settled."""
-    pattern = re.compile(
-        re.escape(prefix) + re.escape(socket.gethostname()) + r"-(\d+)-.*" + re.escape(suffix)
-    )
+    pattern = re.compile(re.escape(prefix) + re.escape(socket.gethostname()) + r"-(\d+)-.*")
     try:
         entries = list(Path(directory).iterdir())
     except OSError:
@@ -274,8 +270,7 @@ def _renamed(partial: Path, suffix: str) -> Path:
 
 def _swap(new: Path, final: Path, *, overwrite: bool, kind: str | None) -> None:
     """Put the complete `new` at `final`. An existing `final` (allowed by `overwrite`, and of `kind` if
-    given) is replaced by renames that leave a complete output at every instant (see COMPLETE): `new`
-    becomes .new, `final` moves to .old, the .new becomes `final`, and the .old is removed."""
+    given) is replaced by the renames that leave a complete output at every instant (see COMPLETE)."""
     if not (final.exists() or final.is_symlink()):
         new.rename(final)
         return
@@ -354,10 +349,8 @@ def check_text_files(paths, flag: str = "--text") -> list[Path]:
     return out
 
 
-# ------------------------------------------------------------------------------------- the output guard
-
-# What `--overwrite` may replace: a checkpoint whose config.json carries the conversion record, or a JSON
-# record carrying WRITTEN_BY (every JSON a command writes has it: `json_record`).
+# The output guard. What `--overwrite` may replace: a checkpoint whose config.json carries the conversion
+# record, or a JSON record carrying WRITTEN_BY (every JSON a command writes has it: `json_record`).
 WRITTEN_BY = "written_by"
 OUTPUT_KINDS = ("checkpoint", "json", "directory")
 # In a checkpoint directory hf-attn wrote: the files it wrote there (relative paths, one a line). A checkpoint
@@ -469,10 +462,6 @@ def _check_writable(path: Path, flag: str) -> None:
         raise UserError(f"{flag} {path} is not writable ({parent} is not); choose another {flag}")
 
 
-def _dangling(path: Path) -> bool:
-    return path.is_symlink() and not path.exists()
-
-
 def check_output(
     source: str | os.PathLike | None,
     output: str | os.PathLike,
@@ -488,8 +477,9 @@ def check_output(
     only the source and existence checks. A dangling link on the way to `output`, and a trailing slash on
     a "json" output, are refused. Returns `output` as an absolute path."""
     given = Path(output).expanduser()
-    link = next((p for p in (*reversed(given.absolute().parents), given.absolute()) if _dangling(p)), None)
-    if link is not None:  # (as GNU cp: never create a link's target)
+    on_the_way = (*reversed(given.absolute().parents), given.absolute())
+    link = next((p for p in on_the_way if p.is_symlink() and not p.exists()), None)
+    if link is not None:  # a dangling link (as GNU cp: never create a link's target)
         where = "is" if link == given.absolute() else f"goes through {link},"
         raise UserError(
             f"{flag} {given} {where} a dangling link (to {os.readlink(link)}); hf-attn does not write "

@@ -11,6 +11,7 @@ from the files before any work, reading them as transformers does (`hf_attn.tool
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -36,6 +37,10 @@ from hf_attn.tooling.weights import (
 CONFIG_NAME = "config.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16"}
+_UNTIED_HINT = (  # a checkpoint without its output layer whose config says it has one
+    " (config.json sets tie_word_embeddings false, yet no lm_head.weight is stored: set it true if the "
+    "output layer is the input embedding)"
+)
 _VERSIONED = ("torch", "transformers", "accelerate", "datasets", "tokenizers", "safetensors", "hf-attn")
 
 
@@ -55,27 +60,21 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def attention_implementations() -> list[str]:
-    """Attention implementation names usable here: eager, sdpa, flex_attention, every registered `hf_attn_*`
-    one, and the flash-attention ones whose package is installed."""
+def check_attn_implementation(name: str | None) -> None:
+    """UserError listing the available names for an unknown one (None = transformers' default; a hub kernel
+    id containing '/' is passed on to transformers unchecked). Available: eager, sdpa, flex_attention, every
+    registered `hf_attn_*` one, and the flash-attention ones whose package is installed."""
+    if name is None or "/" in name:
+        return
     from transformers import AttentionInterface
     from transformers.utils import import_utils
 
-    names = ["eager", "sdpa", "flex_attention"]
-    names += sorted(k for k in AttentionInterface._global_mapping if k.startswith("hf_attn_"))
+    available = ["eager", "sdpa", "flex_attention"]
+    available += sorted(k for k in AttentionInterface._global_mapping if k.startswith("hf_attn_"))
     for version in (2, 3, 4):
         check = getattr(import_utils, f"is_flash_attn_{version}_available", None)
         if check is not None and check():
-            names.append(f"flash_attention_{version}")
-    return names
-
-
-def check_attn_implementation(name: str | None) -> None:
-    """UserError listing the available names for an unknown one (None = transformers' default; a hub kernel
-    id containing '/' is passed on to transformers unchecked)."""
-    if name is None or "/" in name:
-        return
-    available = attention_implementations()
+            available.append(f"flash_attention_{version}")
     if name not in available:
         raise UserError(f"Unknown attention implementation {name!r}; registered: {', '.join(available)}")
 
@@ -119,23 +118,17 @@ def read_config(model_dir: str | os.PathLike) -> dict:
     return config
 
 
-def check_config_file(model: str | Path) -> None:
-    """UserError naming config.json of a local checkpoint when it is missing, not a JSON object or has no
-    model_type."""
-    if not Path(model).is_dir():
-        return  # a hub id: transformers reads it from the cache
-    if not (Path(model) / CONFIG_NAME).is_file():
-        raise UserError(f"{model} has no config.json; it is not a Hugging Face checkpoint directory")
-    if "model_type" not in read_config(model):
-        raise UserError(f"{Path(model) / CONFIG_NAME} has no model_type; it is not a transformers config")
-
-
 def load_config(model: str | Path, *, trust_remote_code: bool = False):
-    """AutoConfig of a causal LM, or UserError if the path/id is not one."""
+    """AutoConfig of a causal LM, or UserError if the path/id is not one (for a local checkpoint, naming
+    config.json when it is missing, not a JSON object or has no model_type)."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    check_config_file(model)
+    if Path(model).is_dir():  # (a hub id: transformers reads it from the cache)
+        if not (Path(model) / CONFIG_NAME).is_file():
+            raise UserError(f"{model} has no config.json; it is not a Hugging Face checkpoint directory")
+        if "model_type" not in read_config(model):
+            raise UserError(f"{Path(model) / CONFIG_NAME} has no model_type; it is not a transformers config")
     try:
         config = AutoConfig.from_pretrained(str(model), trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as err:
@@ -281,13 +274,7 @@ def checkpoint_weights(model: str | Path) -> CheckedWeights:
     dropped = frozenset(n for n in unexpected if drop is not None and drop.search(n))
     missing = [n for n in expected if n not in index]
     tied = getattr(config.get_text_config(), "tie_word_embeddings", True)
-    untied = "lm_head.weight" in missing and not tied
-    hint = (
-        " (config.json sets tie_word_embeddings false, yet no lm_head.weight is stored: set it true if the "
-        "output layer is the input embedding)"
-        if untied
-        else ""
-    )
+    hint = _UNTIED_HINT if "lm_head.weight" in missing and not tied else ""
     info = {
         "missing_keys": missing,
         "unexpected_keys": [n for n in unexpected if n not in dropped],
@@ -320,10 +307,8 @@ def load_causal_lm(
     load_config(model, trust_remote_code=trust_remote_code)
     check_weight_files(model)
     kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code, "output_loading_info": True}
-    if attn_implementation is not None:
-        kwargs["attn_implementation"] = attn_implementation
-    if device_map is not None:
-        kwargs["device_map"] = device_map
+    given = {"attn_implementation": attn_implementation, "device_map": device_map}
+    kwargs.update({key: value for key, value in given.items() if value is not None})
     try:
         lm, info = AutoModelForCausalLM.from_pretrained(str(model), **kwargs)
     except (OSError, ValueError) as err:
@@ -366,10 +351,8 @@ def model_hash(model: str | Path) -> str | None:
 def library_versions() -> dict[str, str]:
     out = {"python": platform.python_version()}
     for name in _VERSIONED:
-        try:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            pass
     out["torch_threads"] = str(torch.get_num_threads())
     return out
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import inspect
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -51,9 +51,6 @@ class PerplexityResult:
     seconds: float
     tokens_per_second: float  # tokens fed through the model (all window tokens) per wall second
     tokens_forwarded: int = 0
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def check_window(context_length: int, stride: int | None) -> int:
@@ -94,19 +91,14 @@ def plan_batches(windows: list[Window], batch_size: int) -> list[list[Window]]:
     return batches
 
 
-def _accepts_logits_to_keep(model) -> bool:
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
-
-
 def batch_nll(
-    model, input_ids: torch.Tensor, batch: list[Window], device, *, keep_logits: bool | None = None
+    model, input_ids: torch.Tensor, batch: list[Window], device, *, keep_logits: bool
 ) -> tuple[float, int]:
-    """(sum of NLL in float64, tokens scored) of one batch of equally shaped windows."""
+    """(sum of NLL in float64, tokens scored) of one batch of equally shaped windows; `keep_logits`: the model
+    takes `logits_to_keep`."""
     ids = torch.stack([input_ids[w.begin : w.end] for w in batch]).to(device)  # (B, T)
     offset = batch[0].score_from - batch[0].begin  # first scored position inside the window
     targets = ids[:, offset:]  # (B, K) with K = T - offset
-    if keep_logits is None:
-        keep_logits = _accepts_logits_to_keep(model)
     if keep_logits:
         keep = torch.arange(offset - 1, ids.shape[1] - 1, device=device)  # positions predicting the targets
         logits = model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits  # (B, K, V)
@@ -186,7 +178,7 @@ def evaluate_perplexity(
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
     mine = batches[rank::world]
     device = loading.model_device(model)
-    keep_logits = _accepts_logits_to_keep(model)
+    keep_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
     show = progress and (accelerator is None or accelerator.is_main_process)
 
     from tqdm.auto import tqdm

@@ -18,9 +18,10 @@ import re
 import shutil
 from pathlib import Path
 
+from hf_attn.tooling.files import atomic_directory, sha256_file
+
 DEB_PACKAGE = "python3.11-doc"
 DEB_VERSION = "3.11.2-6+deb12u8"  # the build the pinned checksums were made from
-LICENSE = "PSF License Version 2 (Python documentation)"
 SOURCES = "usr/share/doc/python3.11/html/_sources"
 CALIBRATION_SECTIONS = ("tutorial", "reference", "howto", "using", "extending")
 EVAL_SECTION = "faq"
@@ -105,9 +106,9 @@ def build_texts(sources: Path) -> dict[str, str]:
     return texts
 
 
-def fetch(final: Path, *, download_deb, atomic_directory, sha256_file, verify) -> Path:
+def fetch(final: Path, *, download_deb, verify) -> Path:
     """Download the .deb, write one text per section and SHA256SUMS into `final` (atomically); refuse texts
-    whose checksums differ from PINNED_SHA256. The helpers come from `assets` (no import cycle)."""
+    whose checksums differ from PINNED_SHA256. `download_deb` and `verify` come from `assets` (no cycle)."""
     with atomic_directory(final, overwrite=True) as tmp:
         deb_root = download_deb(tmp, DEB_PACKAGE)
         texts = build_texts(deb_root / SOURCES)

@@ -81,9 +81,6 @@ class Paragraph:
     sentences: tuple[str, ...]
 
 
-# --------------------------------------------------------------------------------------------- text
-
-
 def paragraphs(text: str) -> list[Paragraph]:
     """Blank-line separated blocks, whitespace collapsed, split in sentences; chapter headings dropped (they
     start a new chapter)."""
@@ -98,11 +95,8 @@ def paragraphs(text: str) -> list[Paragraph]:
 
 
 def split_sentences(paragraph: str) -> list[str]:
-    pieces, start = [], 0
-    for match in _SENTENCE_END.finditer(paragraph):
-        pieces.append(paragraph[start : match.end()])
-        start = match.end()
-    pieces.append(paragraph[start:])
+    ends = [match.end() for match in _SENTENCE_END.finditer(paragraph)]
+    pieces = [paragraph[start:end] for start, end in zip([0, *ends], [*ends, None])]
     merged: list[str] = []
     for piece in pieces:
         if merged and merged[-1].endswith(_ABBREVIATIONS):
@@ -116,34 +110,26 @@ def _words(text: str) -> list[str]:
     return _WORD.findall(text.lower())
 
 
-# ------------------------------------------------------------------------------------------ overlap
-
-
-def _ngram_hashes(text: str, n: int) -> set[bytes]:
-    words = _words(text)
-    return {
+def _ngram_hashes(words: list[str], n: int) -> list[bytes]:
+    """The hash of each `n`-word sequence of `words`, in order."""
+    return [
         hashlib.blake2b(" ".join(words[i : i + n]).encode(), digest_size=8).digest()
         for i in range(len(words) - n + 1)
-    }
+    ]
 
 
 def check_no_overlap(source: str, forbidden: str, *, n: int = OVERLAP_NGRAM) -> None:
     """ValueError if `source` shares any `n`-word sequence (lower-cased words) with `forbidden`."""
-    shared = _ngram_hashes(source, n) & _ngram_hashes(forbidden, n)
+    words = _words(source)
+    hashes = _ngram_hashes(words, n)
+    shared = set(hashes) & set(_ngram_hashes(_words(forbidden), n))
     if shared:
-        words = _words(source)
-        example = next(
-            " ".join(words[i : i + n])
-            for i in range(len(words) - n + 1)
-            if hashlib.blake2b(" ".join(words[i : i + n]).encode(), digest_size=8).digest() in shared
-        )
+        first = next(i for i, h in enumerate(hashes) if h in shared)
+        example = " ".join(words[first : first + n])
         raise ValueError(
             f"The task source shares {len(shared)} {n}-word sequence(s) with the calibration/healing text "
             f"(e.g. {example!r}); build the tasks from text that is never used for calibration or healing"
         )
-
-
-# -------------------------------------------------------------------------------------------- tasks
 
 
 def build_lastword(paras: list[Paragraph], *, n_items: int = N_ITEMS, seed: int = SEED) -> list[dict]:
@@ -173,7 +159,7 @@ def build_lastword(paras: list[Paragraph], *, n_items: int = N_ITEMS, seed: int 
         context = " ".join(words[begin:end])
         if target.lower() in set(_words(context)):
             candidates.append((context, target))
-    return _draw(candidates, n_items, seed, lambda c: {"context": c[0], "target": c[1]}, "lastword")
+    return _draw(candidates, n_items, seed, ("context", "target"), "lastword")
 
 
 def build_nextsent(paras: list[Paragraph], *, n_items: int = N_ITEMS, seed: int = SEED) -> list[dict]:
@@ -181,9 +167,8 @@ def build_nextsent(paras: list[Paragraph], *, n_items: int = N_ITEMS, seed: int 
     rng = random.Random(seed)
     slo, shi = SENTENCE_WORDS
     clo, chi = NEXTSENT_CONTEXT_WORDS
-    pool = [
-        (p.index, s) for p in paras for s in p.sentences if slo <= len(s.split()) <= shi
-    ]  # distractor pool, in book order
+    # the distractor pool, in book order
+    pool = [(p.index, s) for p in paras for s in p.sentences if slo <= len(s.split()) <= shi]
     candidates = []
     for para in paras:
         options = []
@@ -201,34 +186,26 @@ def build_nextsent(paras: list[Paragraph], *, n_items: int = N_ITEMS, seed: int 
             continue
         context, true = options[rng.randrange(len(options))]
         n = len(true.split())
-        eligible = [
+        eligible = [  # unique, book order
             s
-            for i, s in pool
-            if abs(i - para.index) >= DISTRACTOR_MIN_PARAGRAPHS
-            and n / DISTRACTOR_LENGTH_RATIO <= len(s.split()) <= n * DISTRACTOR_LENGTH_RATIO
-            and s != true
+            for s in dict.fromkeys(s for i, s in pool if abs(i - para.index) >= DISTRACTOR_MIN_PARAGRAPHS)
+            if n / DISTRACTOR_LENGTH_RATIO <= len(s.split()) <= n * DISTRACTOR_LENGTH_RATIO and s != true
         ]
-        eligible = list(dict.fromkeys(eligible))  # unique, book order
         if len(eligible) < N_CHOICES - 1:
             continue
         choices = rng.sample(eligible, N_CHOICES - 1)
         label = rng.randrange(N_CHOICES)
         choices.insert(label, true)
         candidates.append((context, choices, label))
-    return _draw(
-        candidates,
-        n_items,
-        seed,
-        lambda c: {"context": c[0], "choices": c[1], "label": c[2]},
-        "nextsent",
-    )
+    return _draw(candidates, n_items, seed, ("context", "choices", "label"), "nextsent")
 
 
-def _draw(candidates: list, n_items: int, seed: int, to_item, name: str) -> list[dict]:
+def _draw(candidates: list[tuple], n_items: int, seed: int, keys: tuple[str, ...], name: str) -> list[dict]:
+    """`n_items` of the `candidates` drawn with `random.Random(seed)`, in book order, as {"id", *keys}."""
     if len(candidates) < n_items:
         raise ValueError(f"Only {len(candidates)} {name} candidates in the source, fewer than {n_items}")
     chosen = sorted(random.Random(seed).sample(range(len(candidates)), n_items))  # book order
-    return [{"id": i, **to_item(candidates[c])} for i, c in enumerate(chosen)]
+    return [{"id": i, **dict(zip(keys, candidates[c]))} for i, c in enumerate(chosen)]
 
 
 def build_tasks(
@@ -245,9 +222,6 @@ def build_tasks(
 
 def to_jsonl(items: list[dict]) -> bytes:
     return "".join(json.dumps(it, ensure_ascii=False, sort_keys=True) + "\n" for it in items).encode("utf-8")
-
-
-# ------------------------------------------------------------------------------------------- files
 
 
 def build_from_assets(source_novel: str = SOURCE_NOVEL) -> dict[str, bytes]:

@@ -30,9 +30,8 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 BIN_FILE = "pytorch_model.bin"
 BIN_INDEX_FILE = "pytorch_model.bin.index.json"
-NAMED_FILE_KEY = (
-    "transformers_weights"  # config.json: the weights file transformers loads, whatever else is there
-)
+# config.json: the weights file transformers loads, whatever else is there
+NAMED_FILE_KEY = "transformers_weights"
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64,
@@ -49,6 +48,8 @@ SAFETENSORS_DTYPES = {
     "F8_E5M2": torch.float8_e5m2,
 }
 _CHECK_CHUNK = 1 << 24  # elements tested for finiteness at once (bounds the temporary mask)
+# tested for finiteness as stored; other dtypes as float32
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @dataclass(frozen=True)
@@ -60,9 +61,6 @@ class TensorInfo:
     shape: tuple[int, ...]
     begin: int
     end: int
-
-
-# --------------------------------------------------------------------------------------------- which files
 
 
 def _named_file(directory: Path) -> str | None:
@@ -102,36 +100,23 @@ def weight_files(model_dir: str | os.PathLike) -> list[Path]:
                 f"{directory}; copy it in or remove the key"
             )
         return _shards(path) if named.endswith(".index.json") else [path]
-    for name, sharded in (
-        (SINGLE_FILE, False),
-        (INDEX_FILE, True),
-        (BIN_FILE, False),
-        (BIN_INDEX_FILE, True),
-    ):
+    for name in (SINGLE_FILE, INDEX_FILE, BIN_FILE, BIN_INDEX_FILE):
         if (directory / name).is_file():
-            return _shards(directory / name) if sharded else [directory / name]
+            return _shards(directory / name) if name.endswith(".index.json") else [directory / name]
     raise UserError(
         f"{directory} has no weights transformers can load (none of {SINGLE_FILE}, {INDEX_FILE}, {BIN_FILE}, "
         f"{BIN_INDEX_FILE}); save it with `save_pretrained`"
     )
 
 
-def safetensors_files(model_dir: str | os.PathLike) -> list[Path]:
-    """`weight_files`, which must be safetensors: UserError for a `.bin` checkpoint."""
-    files = weight_files(model_dir)
-    if any(f.suffix != ".safetensors" for f in files):
-        raise UserError(
-            f"{model_dir} holds its weights as {files[0].name}; this reads safetensors only: re-save it with "
-            "`save_pretrained(safe_serialization=True)`"
-        )
-    return files
-
-
-# --------------------------------------------------------------------------------------------- reading
-
-
 def check_safetensors_file(path: Path) -> None:
     """UserError naming `path` unless its safetensors header parses and its tensors lie within the file."""
+    _read_header(path)
+
+
+def _read_header(path: Path) -> tuple[dict, int]:
+    """The JSON header of a safetensors file and where its data starts; UserError naming a damaged file
+    (`check_safetensors_file`)."""
     size = path.stat().st_size
     fix = "the file is damaged or truncated; copy it again"
     try:
@@ -146,22 +131,20 @@ def check_safetensors_file(path: Path) -> None:
     need = 8 + n + max(ends, default=0)
     if need > size:
         raise UserError(f"{path} holds {size} bytes but its tensors need {need}; {fix}")
-
-
-def _read_header(path: Path) -> tuple[dict, int]:
-    """The JSON header of a safetensors file and where its data starts; UserError naming a damaged file."""
-    check_safetensors_file(path)  # the header parses, the data lies within the file
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
     return header, 8 + n
 
 
 def tensor_index(model_dir: str | os.PathLike) -> dict[str, TensorInfo]:
     """Name -> TensorInfo for every tensor of the checkpoint transformers would load (`weight_files`), from
-    the headers only (nothing is loaded)."""
+    the headers only (nothing is loaded); UserError for a `.bin` checkpoint."""
+    files = weight_files(model_dir)
+    if any(f.suffix != ".safetensors" for f in files):
+        raise UserError(
+            f"{model_dir} holds its weights as {files[0].name}; this reads safetensors only: re-save it with "
+            "`save_pretrained(safe_serialization=True)`"
+        )
     out = {}
-    for path in safetensors_files(model_dir):
+    for path in files:
         header, data_start = _read_header(path)
         header.pop("__metadata__", None)
         for name, h in header.items():
@@ -190,19 +173,12 @@ def names_in_file_order(index: dict[str, TensorInfo]) -> list[str]:
     return sorted(index, key=lambda n: (str(index[n].file), index[n].begin))
 
 
-# --------------------------------------------------------------------------------------------- finiteness
-
-
 def _non_finite(tensor: torch.Tensor) -> tuple[int, str] | None:
     """(how many values are not finite, the first kind met: NaN / inf / -inf), or None when all are."""
     flat = tensor.detach().reshape(-1)
     count, kind = 0, None
     for chunk in flat.split(_CHECK_CHUNK):
-        chunk = (
-            chunk
-            if chunk.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-            else chunk.float()
-        )
+        chunk = chunk if chunk.dtype in _FLOATS else chunk.float()
         if not chunk.numel():
             continue
         lo, hi = torch.aminmax(chunk)  # a NaN or an infinity reaches one of them: one pass, no mask
@@ -221,14 +197,11 @@ def check_finite(tensors: Iterable[tuple[str, torch.Tensor]], *, where: str | os
     """UserError naming the first floating tensor of `tensors` ((name, tensor) pairs, in order) that holds a
     NaN or an infinity: every number computed from such weights would be meaningless."""
     for name, tensor in tensors:
-        if not tensor.is_floating_point():
-            continue
-        bad = _non_finite(tensor)
+        bad = _non_finite(tensor) if tensor.is_floating_point() else None
         if bad is not None:
-            count, kind = bad
             raise UserError(
-                f"{where}: {name} holds {kind} ({count} of {tensor.numel()} values not finite): weights that "
-                "are not finite make every result meaningless; repair or re-export the checkpoint"
+                f"{where}: {name} holds {bad[1]} ({bad[0]} of {tensor.numel()} values not finite): weights "
+                "that are not finite make every result meaningless; repair or re-export the checkpoint"
             )
 
 
@@ -238,22 +211,3 @@ def check_finite_weights(model_dir: str | os.PathLike, index: dict[str, TensorIn
     index = tensor_index(model_dir) if index is None else index
     floating = (n for n in names_in_file_order(index) if index[n].dtype.is_floating_point)
     check_finite(((n, read_tensor(index[n])) for n in floating), where=model_dir)
-
-
-__all__ = [
-    "BIN_FILE",
-    "BIN_INDEX_FILE",
-    "INDEX_FILE",
-    "NAMED_FILE_KEY",
-    "SAFETENSORS_DTYPES",
-    "SINGLE_FILE",
-    "TensorInfo",
-    "check_finite",
-    "check_finite_weights",
-    "check_safetensors_file",
-    "names_in_file_order",
-    "read_tensor",
-    "safetensors_files",
-    "tensor_index",
-    "weight_files",
-]
