@@ -19,7 +19,6 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 from hf_attn.conversion import cli as convert_cli
 from hf_attn.conversion import gqa
 from hf_attn.conversion.checkpoint import layerwise
-from hf_attn.conversion.checkpoint.calibration import for_each_attention_input
 from hf_attn.conversion.checkpoint.io import AttentionGeometry
 from hf_attn.conversion.checkpoint.layerwise import LayerwiseModel
 
@@ -159,7 +158,7 @@ def test_bfloat16_forward_matches_the_bfloat16_model_and_hands_over_float32(tmp_
         torch.testing.assert_close(attn.k_proj.bias, fp32.model.layers[layer].self_attn.k_proj.bias)
         torch.testing.assert_close(attn.o_proj.weight, fp32.model.layers[layer].self_attn.o_proj.weight)
 
-    for_each_attention_input(lw, IDS, check, window=WINDOW, progress=False)
+    lw.for_each_attention_input(IDS, check, window=WINDOW, progress=False)
     assert seen == [i for i in layers for _ in range(3)]
 
 
@@ -170,7 +169,7 @@ def test_one_layer_in_memory_and_later_layers_never_read(tmp_path):
     load = lw.load_layer
     lw.load_layer = lambda i: loaded.append(i) or load(i)
     calls = []
-    for_each_attention_input(lw, IDS, lambda i, x, pe: calls.append(i), window=WINDOW, layers=[1, 3])
+    lw.for_each_attention_input(IDS, lambda i, x, pe: calls.append(i), window=WINDOW, layers=[1, 3])
     assert loaded == [0, 1, 2, 3] and calls == [1, 1, 1, 3, 3, 3]
     assert lw.max_layers_loaded == 1
     assert all(p.is_meta for p in lw.model.parameters()), "every layer is freed afterwards"

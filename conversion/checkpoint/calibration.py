@@ -7,11 +7,8 @@
   same with a checkpoint's tokenizer: how the converters and the refinement read their calibration text.
 - `corpus_record(files, tokens)`, `calibration_record(calibration, tokens)`: what a conversion record says
   about the calibration text.
-- `for_each_attention_input(model, ids, fn, window=...)`: runs the model over disjoint windows and calls
-  `fn(layer, hidden_states, position_embeddings)` with the input of every `self_attn` (the post-norm hidden
-  states, (B, T, C), and RoPE's (cos, sin), each (B, T, D)). Nothing is kept: the caller accumulates what it
-  needs, so memory is one decoder layer of a `layerwise.LayerwiseModel` plus every window's hidden states.
-- `augmented_moment(x)`: the usual statistic to accumulate there, the float64 second moment of the augmented
+- `augmented_moment(x)`: the usual statistic to accumulate in a calibration pass
+  (`layerwise.LayerwiseModel.for_each_attention_input`), the float64 second moment of the augmented
   input [x; 1], M = sum_t [x_t; 1][x_t; 1]^T of shape (C + 1, C + 1). Every second moment of q, k and v (with
   biases) follows from it: E[k k^T] = [W_k | b_k] M [W_k | b_k]^T / N. Memory: (C + 1)^2 float64 per layer.
 """
@@ -24,8 +21,7 @@ from pathlib import Path
 
 import torch
 
-from hf_attn.conversion.checkpoint.layerwise import AttentionInputFn, LayerwiseModel
-from hf_attn.conversion.specs import DEFAULT_WINDOW, CalibrationSpec
+from hf_attn.conversion.specs import CalibrationSpec
 from hf_attn.tooling import assets, loading
 from hf_attn.tooling.errors import UserError
 from hf_attn.tooling.files import sha256_file
@@ -111,27 +107,6 @@ def corpus_record(files: Iterable[str | os.PathLike] | None, tokens: int) -> dic
 def calibration_record(calibration: CalibrationSpec, tokens: int) -> dict:
     """`corpus_record` of the spec's files and `tokens`, with its window."""
     return {**corpus_record(calibration.files(), tokens), "window": calibration.window}
-
-
-def for_each_attention_input(
-    model: LayerwiseModel,
-    input_ids: torch.Tensor,
-    fn: AttentionInputFn,
-    *,
-    window: int = DEFAULT_WINDOW,
-    layers: Iterable[int] | None = None,
-    progress: bool = True,
-) -> None:
-    """Run `model` over disjoint windows of `input_ids` (1-D) and call `fn(layer, x, position_embeddings)`.
-
-    Shapes:
-        x                     (1, T, C)  input of `layers[layer].self_attn` (after input_layernorm)
-        position_embeddings   (cos, sin), each (1, T, D), or None if the model passes none
-    T <= window (the last window may be shorter). Layers after the last wanted one are skipped.
-    `model`: a `layerwise.LayerwiseModel` (one decoder layer in memory at a time), or anything with its
-    `for_each_attention_input` (the tests' reference hooks a model loaded whole).
-    """
-    model.for_each_attention_input(input_ids, fn, window=window, layers=layers, progress=progress)
 
 
 def augmented_moment(x: torch.Tensor) -> torch.Tensor:

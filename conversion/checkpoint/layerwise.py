@@ -5,7 +5,7 @@ Shape notation used throughout this module:
     C    hidden size, D the RoPE width (head_dim)
 
 The calibrated converters need, for every layer, the input of its `self_attn` on the calibration windows
-(`calibration.for_each_attention_input`'s callback contract: `fn(layer, x, (cos, sin))`). Loading the whole
+(`LayerwiseModel.for_each_attention_input`'s callback contract: `fn(layer, x, (cos, sin))`). Loading the whole
 source in float32 costs 4 bytes per parameter (about 28 GB for a 7B model). `LayerwiseModel` instead builds
 the model skeleton on the `meta` device from config.json and runs the calibration layer after layer, the way
 GPTQ/AWQ-style tools calibrate large models on small devices:
@@ -89,8 +89,7 @@ class LayerwiseModel:
     """A Llama-family causal LM whose decoder layers are read from the safetensors shards one at a time.
 
     Quacks like the loaded model where the calibration code looks: `model.layers[i].self_attn` (materialised
-    while layer i's callbacks run, on the `meta` device otherwise) and `config`;
-    `calibration.for_each_attention_input(LayerwiseModel(...), ...)` runs `for_each_attention_input` here.
+    while layer i's callbacks run, on the `meta` device otherwise) and `config`.
     `max_layers_loaded` counts the most decoder layers ever materialised at once (1, whatever the depth).
     """
 
@@ -236,9 +235,11 @@ class LayerwiseModel:
         layers: Iterable[int] | None = None,
         progress: bool = True,
     ) -> None:
-        """`calibration.for_each_attention_input`'s contract, one layer at a time: fn(layer, x, (cos, sin))
-        for every wanted layer and window, x (1, T, C) and cos, sin (1, T, D) in float32 on the CPU.
-        Windows are visited in order within a layer; layers after the last wanted one are never read."""
+        """Run the model over disjoint windows of `input_ids` (N,), one decoder layer at a time, and call
+        fn(layer, x, (cos, sin)) for every wanted layer and window: x (1, T, C) the input of
+        `model.layers[layer].self_attn` (after input_layernorm), cos and sin (1, T, D), in float32 on the CPU,
+        T <= window. Nothing is kept: the caller accumulates what it needs. Windows are visited in order
+        within a layer; layers after the last wanted one are never read."""
         wanted = wanted_layers(layers, self.num_layers, input_ids)
         if window <= 0:
             raise ValueError(f"--calibration-window must be positive, got {window}")

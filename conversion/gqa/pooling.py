@@ -229,7 +229,7 @@ def collect_attention_statistics(
         if done is not None and out[idx].tokens == total:  # every window of this layer is in
             done(idx, out.pop(idx))
 
-    cal.for_each_attention_input(model, input_ids, accumulate, window=window, progress=progress)
+    model.for_each_attention_input(input_ids, accumulate, window=window, progress=progress)
     if done is not None:
         for idx in sorted(out):  # (not reached when every window reports its tokens)
             done(idx, out.pop(idx))

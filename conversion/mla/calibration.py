@@ -95,7 +95,7 @@ def calibrate(
         if seen[idx] == total:
             finish(idx)
 
-    cal.for_each_attention_input(model, ids, accumulate, window=c.window)
+    model.for_each_attention_input(ids, accumulate, window=c.window)
     del model
     for i in range(geometry.num_layers):  # (none left when every window reports its tokens)
         if isinstance(stats[i], LayerStatistics):
