@@ -48,6 +48,11 @@ from hf_attn.tooling.files import check_output, scratch_directory
 
 CLOSED_FORM_SOURCE = "the closed form of the record before (not kept)"  # the refinement record's `source`
 SPECS = {"gqa": GQASpec, "mla": MLASpec, "expand": ExpandSpec}  # a conversion kind -> its spec
+CLOSED_FORMS: dict[type, Callable[..., Path]] = {  # a spec -> fn(spec, src=, dst=, calibration=, write=)
+    GQASpec: convert_gqa,
+    MLASpec: convert_to_mla,
+    ExpandSpec: lambda spec, *, calibration, **kw: expand_checkpoint(spec, **kw),  # no calibration
+}
 
 
 @dataclass(frozen=True)
@@ -66,17 +71,6 @@ class Converted:
 def last_record(out: str | Path) -> dict:
     """The newest conversion record of the checkpoint at `out` (config.json["hf_attn"])."""
     return latest_record(loading.read_config(out))
-
-
-def closed_form_stage(spec: ConverterSpec) -> Callable[..., Path]:
-    """The closed-form converter of `spec`: fn(spec, src=, dst=, calibration=, write=) -> Path."""
-    if isinstance(spec, GQASpec):
-        return convert_gqa
-    if isinstance(spec, MLASpec):
-        return convert_to_mla
-    if isinstance(spec, ExpandSpec):
-        return lambda spec, *, calibration, **kw: expand_checkpoint(spec, **kw)  # no calibration
-    raise TypeError(f"not a converter spec: {spec!r}")
 
 
 def convert(
@@ -99,7 +93,7 @@ def convert(
     if export is not None and export not in EXPORT_TARGETS:
         raise UserError(f"unknown export {export!r}; choose one of {', '.join(EXPORT_TARGETS)}")
     extra = {"calibration_pass": calibration_pass} if calibration_pass is not None else {}
-    closed_form_to = partial(closed_form_stage(spec), spec, src=src, calibration=calibration, **extra)
+    closed_form_to = partial(CLOSED_FORMS[type(spec)], spec, src=src, calibration=calibration, **extra)
     output = check_output(loading.resolve_model(src), dst, overwrite=write.overwrite)
     steps = 0 if isinstance(spec, ExpandSpec) else refine.steps
     if steps == 0 and export is None:
@@ -127,11 +121,8 @@ def _refine(
         model=str(closed),
         output=str(dst),
         source=None if src is None else str(src),
-        steps=spec.steps,
         calibration_tokens=spec.tokens,
-        target=spec.target,
-        loss_stride=spec.loss_stride,
-        step_dtype=spec.step_dtype,
+        **{f.name: getattr(spec, f.name) for f in fields(spec) if f.name != "tokens"},  # steps, target, ...
         calibration_text=list(calibration.text) if calibration.text else None,
         calibration_corpus=calibration.corpus or DEFAULT_CORPUS,
         calibration_window=calibration.window,

@@ -217,26 +217,18 @@ def refine_layers(
     return fits
 
 
-def recorded_source(model_dir: Path) -> tuple[Path, str]:
-    """The source path and hash of the last gqa / mla conversion in the checkpoint's history."""
+def resolve_source(model_dir: Path, source: str | None) -> Path:
+    """The model `model_dir` was converted from: `source` if given, else the source of the last gqa / mla
+    conversion its record names. UserError when the recorded source is gone or changed, or when `source` is
+    not the recorded one (by the hash of its weights); without a record, `source` is taken as given."""
     history = (read_config(model_dir).get("hf_attn") or {}).get("history", [])
     records = [r for r in history if r.get("kind") in CONVERSION_KINDS]
-    if not records:
-        raise UserError(f"{model_dir} records no gqa/mla conversion; pass --source (the model it came from)")
-    return Path(records[-1]["source"]), records[-1]["source_hash"]
-
-
-def resolve_source(model_dir: Path, source: str | None) -> Path:
-    """The model `model_dir` was converted from: `source` if given, else the one its conversion record names.
-    UserError when the recorded source is gone or changed, or when `source` is not the recorded one (by the
-    hash of its weights); without a record, `source` is taken as given."""
-    recorded = None
-    try:
-        recorded = recorded_source(model_dir)
-    except UserError:
-        if source is None:
-            raise
+    recorded = (Path(records[-1]["source"]), records[-1]["source_hash"]) if records else None
     if source is None:
+        if recorded is None:
+            raise UserError(
+                f"{model_dir} records no gqa/mla conversion; pass --source (the model it came from)"
+            )
         source_dir, recorded_hash = recorded
         if not source_dir.is_dir():
             raise UserError(f"the recorded source {source_dir} is gone; pass --source")
@@ -260,7 +252,6 @@ def check_settings(s: RefineSettings, calibration: CalibrationSpec | None = None
     check_number("--loss-stride", s.loss_stride, minimum=1, inclusive=True, integer=True)
     check_number("--lr", s.lr)
     check_number("--relative-lr", s.relative_lr)
-    check_number("--calibration-tokens", s.calibration_tokens, minimum=1, inclusive=True, integer=True)
     return s.calibration() if calibration is None else calibration
 
 

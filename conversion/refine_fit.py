@@ -32,7 +32,7 @@ from transformers import AttentionInterface
 
 from hf_attn.attention.grouped import grouped_attention
 from hf_attn.conversion import stages
-from hf_attn.conversion.specs import REFINE_TARGETS, STEP_DTYPES
+from hf_attn.conversion.specs import STEP_DTYPES
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,8 @@ class LayerFit:
 @dataclass(frozen=True)
 class FitRule:
     """How a layer is fitted (the module docstring): Adam `steps` at `lr` (one rate) or `relative_lr` x each
-    tensor's RMS (`param_groups`), the `target`, each step's `loss_stride` and `step_dtype`."""
+    tensor's RMS (`param_groups`), the `target`, each step's `loss_stride` and `step_dtype` (the values
+    `refine.check_settings` checked)."""
 
     steps: int
     lr: float | None = None
@@ -61,16 +62,6 @@ class FitRule:
     def __post_init__(self):
         if (self.lr is None) == (self.relative_lr is None):
             raise ValueError(f"give exactly one of lr ({self.lr}) and relative_lr ({self.relative_lr})")
-        if self.target not in REFINE_TARGETS:
-            raise ValueError(f"target must be one of {REFINE_TARGETS}, got {self.target!r}")
-        if (
-            isinstance(self.loss_stride, bool)
-            or not isinstance(self.loss_stride, int)
-            or self.loss_stride < 1
-        ):
-            raise ValueError(f"loss_stride must be a positive integer, got {self.loss_stride!r}")
-        if self.step_dtype not in STEP_DTYPES:
-            raise ValueError(f"step_dtype must be one of {tuple(STEP_DTYPES)}, got {self.step_dtype!r}")
 
 
 def _rms(h: torch.Tensor) -> torch.Tensor:

@@ -406,9 +406,3 @@ def spec_from_args(spec: type, args: argparse.Namespace, *, prefix: str):
     names = [f.name for f in dataclasses.fields(spec)]
     values = {n: getattr(args, f"{prefix}.{n}") for n in names if hasattr(args, f"{prefix}.{n}")}
     return spec(**values)
-
-
-def add_write_arguments(parser: argparse.ArgumentParser) -> None:
-    """--save-dtype (the old `--dtype` still works) and --overwrite of `WriteSpec`, stored as `save_dtype` and
-    `overwrite` (for commands that write one checkpoint, e.g. `hf-attn export`)."""
-    add_settings_arguments(parser, WriteSpec)

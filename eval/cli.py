@@ -34,20 +34,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "assets": ("hf_attn.tooling.assets", "fetch the embedded default (SmolLM2, Austen, the Python docs)"),
     "bench decode": ("hf_attn.eval.bench.decode", "decode tokens/s and KV bytes of whole models"),
 }
-# the project's own benchmarks run from a checkout (benchmarks/, not installed): name -> its module there
-BENCHMARKS: dict[str, str] = {
-    "bench attention": "benchmarks.attention",
-    "bench heal": "benchmarks.heal",
-    "bench mla-decode": "benchmarks.mla_decode",
-    "bench perplexity": "benchmarks.perplexity",
-    "bench mla-kernel": "benchmarks.mla_kernel",
-    "bench mla-kernel-registers": "benchmarks.mla_kernel_registers",
-    "bench scale": "benchmarks.scale",
-    "bench engine": "benchmarks.engine",
-    "bench stream": "benchmarks.stream",
-    "bench stages": "benchmarks.stages",
-    "bench gpu": "benchmarks.gpu",
-}
+# the project's own benchmarks, run from a checkout (benchmarks/, not installed): "bench NAME" -> the module
+# there, benchmarks.NAME with dashes as underscores
+_BENCHMARK_NAMES = (
+    "attention heal mla-decode perplexity mla-kernel mla-kernel-registers scale engine stream stages gpu"
+).split()
+BENCHMARKS = {f"bench {n}": f"benchmarks.{n.replace('-', '_')}" for n in _BENCHMARK_NAMES}
 PROG = "hf-attn"
 
 

@@ -18,7 +18,6 @@ model hash and settings) to `--output`. Bad input and offline failures: one line
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import time
 from pathlib import Path
@@ -301,14 +300,10 @@ def summary_lines(record: dict) -> list[str]:
     return lines
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    add_settings_arguments(p, HarnessSettings)
-    return p
-
-
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    add_settings_arguments(parser, HarnessSettings)
+    args = parser.parse_args(argv)
     limit = args.limit
     if limit is not None and limit >= 1 and float(limit).is_integer():
         limit = int(limit)

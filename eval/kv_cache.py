@@ -95,11 +95,9 @@ def _numbers_per_layer(config) -> list[int | float]:
 def kv_bytes_per_token(config, dtype: torch.dtype = torch.float32) -> KVBytes:
     """KV-cache bytes per token from a config, for a cache stored in `dtype`."""
     text = config.get_text_config()
-    numbers = numbers_per_token_per_layer(text)
-    windows = _layer_windows(text)
-    layers = sum(1 for w in windows if w != 0)
-    size = torch.empty((), dtype=dtype).element_size()
-    total = sum(n for n, w in zip(_numbers_per_layer(text), windows) if w != 0) * size  # per-layer sum
+    numbers, size = numbers_per_token_per_layer(text), torch.empty((), dtype=dtype).element_size()
+    layers = sum(1 for w in _layer_windows(text) if w != 0)
+    total = kv_cache_bytes(text, 1, dtype=dtype)  # one token: held once by every layer that caches
     return KVBytes(numbers, numbers * size, total, layers, dtype_name(dtype))
 
 

@@ -33,7 +33,7 @@ from hf_attn.tooling.corpus import load_corpus, tokenize
 from hf_attn.tooling.devices import DEFAULT_DEVICE, DEVICE_HELP, DEVICES, announce_device, resolve_device
 from hf_attn.tooling.errors import UserError, check_number, user_input
 from hf_attn.tooling.files import check_output, check_text_files, sha256_file, write_json
-from hf_attn.tooling.perplexity import check_window, evaluate_perplexity
+from hf_attn.tooling.perplexity import evaluate_perplexity
 
 PROG = "hf-attn perplexity"
 
@@ -121,8 +121,6 @@ def run(settings: PerplexitySettings, *, accelerator=None) -> dict:
     process). The model must load completely (`loading.load_causal_lm`)."""
     s = settings
     model_path = validate(s)
-    context_length, max_tokens = s.context_length, s.max_tokens
-    stride = check_window(context_length, s.stride)
     torch_dtype = loading.parse_dtype(s.load_dtype)
     with user_input():  # a dataset that cannot be read, an empty text
         corpus = load_corpus(
@@ -138,10 +136,10 @@ def run(settings: PerplexitySettings, *, accelerator=None) -> dict:
     tokenizer = loading.load_tokenizer(model_path)
     input_ids = tokenize(tokenizer, corpus)
     loading.check_token_ids(input_ids, loading.vocab_size(config), tokenizer=tokenizer)
-    n_tokens = min(input_ids.numel(), max_tokens or input_ids.numel())
-    if n_tokens < context_length:  # fail before loading the weights (evaluate_perplexity checks again)
+    n_tokens = min(input_ids.numel(), s.max_tokens or input_ids.numel())
+    if n_tokens < s.context_length:  # fail before loading the weights (evaluate_perplexity checks again)
         raise UserError(
-            f"The corpus {corpus.name} has {n_tokens} tokens, fewer than one window of {context_length}; "
+            f"The corpus {corpus.name} has {n_tokens} tokens, fewer than one window of {s.context_length}; "
             "use a longer text, a larger --max-tokens or a smaller --context-length"
         )
 
@@ -162,10 +160,10 @@ def run(settings: PerplexitySettings, *, accelerator=None) -> dict:
     result = evaluate_perplexity(
         lm,
         input_ids,
-        context_length=context_length,
-        stride=stride,
+        context_length=s.context_length,
+        stride=s.stride,
         batch_size=s.batch_size,
-        max_tokens=max_tokens,
+        max_tokens=s.max_tokens,
         accelerator=accelerator,
         progress=s.progress,
     )
@@ -206,15 +204,9 @@ def _record(
         "corpus_sha256": corpus.sha256,
         "corpus_tokens": int(input_ids.numel()),
         "max_tokens": s.max_tokens,
-        "tokens_scored": result.tokens_scored,
-        "context_length": result.context_length,
-        "stride": result.stride,
-        "windows": result.windows,
+        **{key: getattr(result, key) for key in ("tokens_scored", "context_length", "stride", "windows")},
         "batch_size": s.batch_size,
-        "nll_sum": result.nll_sum,
-        "perplexity": result.perplexity,
-        "seconds": result.seconds,
-        "tokens_per_second": result.tokens_per_second,
+        **{key: getattr(result, key) for key in ("nll_sum", "perplexity", "seconds", "tokens_per_second")},
         "tokens_forwarded": result.tokens_forwarded,
         "processes": accelerator.num_processes,
         "device": str(accelerator.device) if s.device_map is None else f"device_map={s.device_map}",

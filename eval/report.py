@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import io
-import json
 import textwrap
 from pathlib import Path
 
@@ -13,23 +12,17 @@ from hf_attn.conversion.specs import DEFAULT_CORPUS as CALIBRATION_CORPUS
 from hf_attn.eval.study_config import Settings
 from hf_attn.tooling.assets import CORPUS_TEXTS
 from hf_attn.tooling.errors import UserError
-from hf_attn.tooling.files import WRITTEN_BY, write_json, write_text_atomic
+from hf_attn.tooling.files import WRITTEN_BY, read_json, write_json, write_text_atomic
 from hf_attn.tooling.tables import cell, markdown_table
 
 WRITER = "hf-attn study"
 HEADING = f"# {WRITER} ("  # report.md's first line
 
 COLUMNS = (
-    ("variant", "Variant"),
-    ("healed", "Healed"),
-    ("kv", "KV bytes/token"),
-    ("kv_fraction", "KV vs source"),
-    ("perplexity", "Perplexity"),
-    ("accuracy", "Last-word acc"),
-    ("decode", "Decode tok/s"),
-    ("convert", "Convert s"),
-    ("heal", "Heal s"),
-)
+    ("variant", "Variant"), ("healed", "Healed"), ("kv", "KV bytes/token"), ("kv_fraction", "KV vs source"),
+    ("perplexity", "Perplexity"), ("accuracy", "Last-word acc"), ("decode", "Decode tok/s"),
+    ("convert", "Convert s"), ("heal", "Heal s"),
+)  # fmt: skip
 
 
 SECOND_CORPUS = ("perplexity_python_faq", "PPL Python FAQ")  # a column only when the study measured it
@@ -214,22 +207,15 @@ def _written_by_study(path: Path) -> bool:
     if not path.is_file() or path.is_symlink():
         return False
     if path.parent.name == "rows":  # a row of the variant it is named after (`eval.rows.RowStore`)
-        row = _json(path)
+        row = read_json(path)
         return isinstance(row, dict) and "key" in row and row.get("name") == path.stem
     if path.suffix == ".json":
-        return isinstance(record := _json(path), dict) and record.get(WRITTEN_BY) == WRITER
+        return isinstance(record := read_json(path), dict) and record.get(WRITTEN_BY) == WRITER
     with open(path, "rb") as f:
         head = f.read(4096)
     if path.suffix == ".png":
         return head.startswith(b"\x89PNG") and b"Software\0" + WRITER.encode() in head
     return head.startswith(HEADING.encode())
-
-
-def _json(path: Path):
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
 
 
 def check_results_dir(results: Path, names: list[str]) -> None:

@@ -53,6 +53,7 @@ from hf_attn.eval.study_config import (
     check_variants,
     load_config,
 )
+from hf_attn.eval.tasks.accuracy import task_accuracy
 from hf_attn.tooling import assets, loading
 from hf_attn.tooling.cli import ArgumentParser, run_command
 from hf_attn.tooling.devices import DEFAULT_DEVICE, DEVICE_HELP, DEVICES, announce_device, resolve_device
@@ -65,16 +66,10 @@ PROG = "hf-attn study"
 # The code a checkpoint or a row depends on: editing it invalidates what it built (no `--fresh` needed).
 CONVERSION_CODE = ("hf_attn.conversion", "hf_attn")
 MEASUREMENT_CODE = (
-    "hf_attn.tooling.loading",
-    "hf_attn.tooling.corpus",
-    "hf_attn.tooling.perplexity",
-    "hf_attn.eval.perplexity",
-    "hf_attn.eval.kv_cache",
-    "hf_attn.eval.bench.decode",
-    "hf_attn.eval.tasks.accuracy",
-    "hf_attn.eval.bench.decoding",
-    "hf_attn.eval.bench.memory",
-)
+    "hf_attn.tooling.loading", "hf_attn.tooling.corpus", "hf_attn.tooling.perplexity",
+    "hf_attn.eval.perplexity", "hf_attn.eval.kv_cache", "hf_attn.eval.bench.decode",
+    "hf_attn.eval.tasks.accuracy", "hf_attn.eval.bench.decoding", "hf_attn.eval.bench.memory",
+)  # fmt: skip
 
 
 def code_hash(modules: tuple[str, ...]) -> str:
@@ -186,7 +181,9 @@ def measure(path: Path, settings: Settings, device: str = DEFAULT_DEVICE, *, dec
     if s.second_corpus_tokens:  # the cross-domain column: the Python FAQ, the same windows
         faq = [str(assets.python_docs_eval_file())]
         second = perplexity(dataclasses.replace(base, texts=faq, max_tokens=s.second_corpus_tokens))
-    accuracy = task_accuracy_of(path, s.task_items)
+    model, tokenizer = loading.load_causal_lm(path), loading.load_tokenizer(path)  # fp32
+    accuracy = task_accuracy(model, tokenizer, tasks=("persuasion_lastword",), limit=s.task_items)
+    del model  # (decode speed loads its own)
     speed = {}
     if decode:
         speed = bench_decode(path, prompt_tokens=s.decode_prompt_tokens, new_tokens=s.decode_new_tokens)
@@ -194,10 +191,7 @@ def measure(path: Path, settings: Settings, device: str = DEFAULT_DEVICE, *, dec
     # expanded per-head K/V, so their row states what an MLA engine (vLLM, SGLang) caches, from the config.
     kv = ppl["kv_bytes_per_token" if ppl["model_type"] == "deepseek_v3" else "kv_bytes_per_token_measured"]
     return {
-        "perplexity": ppl["perplexity"],
-        "tokens_scored": ppl["tokens_scored"],
-        "corpus_sha256": ppl["corpus_sha256"],
-        "model_type": ppl["model_type"],
+        **{key: ppl[key] for key in ("perplexity", "tokens_scored", "corpus_sha256", "model_type")},
         "kv_bytes_per_token": kv["total"],
         "kv_bytes_per_token_config": (ppl["kv_bytes_per_token"] or {}).get("total"),
         "kv_numbers_per_token_per_layer": kv["numbers_per_token_per_layer"],
@@ -207,14 +201,6 @@ def measure(path: Path, settings: Settings, device: str = DEFAULT_DEVICE, *, dec
         "eval_seconds": ppl["seconds"],
         **({"perplexity_python_faq": second["perplexity"]} if second else {}),
     }
-
-
-def task_accuracy_of(path: Path, items: int) -> dict:
-    """Last-word accuracy (the local Persuasion task) of the checkpoint at `path`, fp32."""
-    from hf_attn.eval.tasks.accuracy import task_accuracy  # lm-eval: loaded only when a study measures
-
-    model, tokenizer = loading.load_causal_lm(path), loading.load_tokenizer(path)
-    return task_accuracy(model, tokenizer, tasks=("persuasion_lastword",), limit=items)
 
 
 class Study:

@@ -20,16 +20,12 @@ _FORBIDDEN = ("flash", "sdpa", "flex_attention", "/")
 
 
 def register() -> None:
-    """Register every hf-attn attention implementation (and model type) with transformers."""
+    """Register every hf-attn attention implementation, and the `llama_mla` model type with AutoConfig /
+    AutoModelForCausalLM (skipped where already registered), with transformers."""
     for name, (fn, mask_fn) in IMPLEMENTATIONS.items():
         assert name.startswith("hf_attn_") and not any(s in name for s in _FORBIDDEN), name
         AttentionInterface.register(name, fn)
         AttentionMaskInterface.register(name, mask_fn)
-    _register_model_types()
-
-
-def _register_model_types() -> None:
-    """Register `llama_mla` with AutoConfig / AutoModelForCausalLM (skipped where already registered)."""
     model_type = LlamaMLAConfig.model_type
     if model_type not in CONFIG_MAPPING or CONFIG_MAPPING[model_type] is not LlamaMLAConfig:
         AutoConfig.register(model_type, LlamaMLAConfig)  # raises if transformers itself defines the name

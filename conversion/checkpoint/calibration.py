@@ -5,8 +5,7 @@
   `mix` corpus, the five Austen novels other than *Persuasion* and five sections of the Python 3.11
   documentation other than its FAQ; *Persuasion* and the FAQ are kept for evaluation). `source_ids` does the
   same with a checkpoint's tokenizer: how the converters and the refinement read their calibration text.
-- `corpus_record(files, tokens)`, `calibration_record(calibration, tokens)`: what a conversion record says
-  about the calibration text.
+- `calibration_record(calibration, tokens)`: what a conversion record says about the calibration text.
 - `augmented_moment(x)`: the usual statistic to accumulate in a calibration pass
   (`layerwise.LayerwiseModel.for_each_attention_input`), the float64 second moment of the augmented
   input [x; 1], M = sum_t [x_t; 1][x_t; 1]^T of shape (C + 1, C + 1). Every second moment of q, k and v (with
@@ -16,6 +15,7 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -40,11 +40,8 @@ def default_calibration_files() -> list[Path]:
 def file_shares(files: list[Path], tokens: int) -> dict[Path, int]:
     """How many of `tokens` each distinct file gives: shares proportional to how often the file is listed
     (equal shares for a list without repeats), the remainder one token each to the first files listed."""
-    counts: dict[Path, int] = {}
-    for f in files:
-        counts[f] = counts.get(f, 0) + 1
-    total = len(files)
-    shares = {f: tokens * c // total for f, c in counts.items()}
+    counts = Counter(files)
+    shares = {f: tokens * c // len(files) for f, c in counts.items()}
     for f in list(counts)[: tokens - sum(shares.values())]:
         shares[f] += 1
     return shares
@@ -98,15 +95,11 @@ def source_ids(model_dir: Path, calibration: CalibrationSpec, tokens: int | None
     return calibration_ids(loading.load_tokenizer(model_dir), calibration, tokens)
 
 
-def corpus_record(files: Iterable[str | os.PathLike] | None, tokens: int) -> dict:
-    """The calibration corpus as a conversion record states it: file names, sha256 and the token count."""
-    files = default_calibration_files() if files is None else [Path(f) for f in files]
-    return {"files": [{"name": Path(f).name, "sha256": sha256_file(f)} for f in files], "tokens": tokens}
-
-
 def calibration_record(calibration: CalibrationSpec, tokens: int) -> dict:
-    """`corpus_record` of the spec's files and `tokens`, with its window."""
-    return {**corpus_record(calibration.files(), tokens), "window": calibration.window}
+    """The calibration text as a conversion record states it: the spec's file names and sha256, `tokens` and
+    the window."""
+    files = [{"name": Path(f).name, "sha256": sha256_file(f)} for f in calibration.files()]
+    return {"files": files, "tokens": tokens, "window": calibration.window}
 
 
 def augmented_moment(x: torch.Tensor) -> torch.Tensor:

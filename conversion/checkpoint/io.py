@@ -1,17 +1,15 @@
 """Converter plumbing shared by every converter (GQA pooling, GQA expansion, MLA, healing).
 
 - `open_source` -> `Source`: every converter's prologue (resolve the model, read and check config.json and
-  the attention tensors, parse the dtype, refuse a bad output) before any slow work.
-- `read_config` (from `hf_attn.tooling.loading`) / `check_supported` / `AttentionGeometry`: what a
-  converter may rely on.
+  the attention tensors, parse the dtype, refuse a bad output) before any slow work; `check_supported` and
+  `AttentionGeometry`: what a converter may rely on.
 - `tensor_index` / `iter_tensors` / `read_tensor`: the one reader of a checkpoint's weights
-  (`hf_attn.tooling.weights`: the files transformers reads, in its precedence), with plain file reads (no
-  mmap), one tensor in memory at a time.
+  (`hf_attn.tooling.weights`: the files transformers reads, in its precedence), plain file reads (no mmap).
 - `save_streamed`: a complete checkpoint written atomically, its tensors streamed through
   `shards.ShardedWriter` (one tensor in memory at a time).
-- `copy_side_files`, `conversion_record`, `add_record`, `write_config`: everything that is not weights, and
-  the conversion record kept in `config.json["hf_attn"]` (`history`: every step so far, `last`: the newest
-  one; one schema for converters and healing: `conversion_record`).
+- `copy_side_files`, `write_config`, `conversion_record`, `add_record`, `latest_record`: everything that is
+  not weights, and the records of every step so far in `config.json["hf_attn"]["history"]` (one schema for
+  converters and healing: `conversion_record`).
 
 Writers are meant to be used inside `hf_attn.tooling.files.atomic_directory`, so a failure leaves no output.
 """
@@ -48,14 +46,10 @@ from hf_attn.tooling.weights import (
     names_in_file_order,
     read_tensor,
     tensor_index,
-    weight_files,
 )
 
 # A converter rewrites weights and config itself; every other file (not a TENSOR_SUFFIXES one) is a side file.
 _NOT_SIDE_FILES = (CONFIG_NAME, INDEX_FILE, "pytorch_model.bin.index.json")
-
-
-# --------------------------------------------------------------------------------------------- model
 
 
 def write_config(directory: str | os.PathLike, config: dict) -> Path:
@@ -98,10 +92,10 @@ _UNCOVERED_FIELDS = {
 }
 
 
-def check_supported(config: dict) -> None:
-    """Raise UserError (naming the feature) unless this is a Llama-family checkpoint whose math every
-    converter covers: model_type llama / mistral / qwen2, no norm or quantizer after the projections, RoPE on
-    every pair, valid head arithmetic. The one support check of expand, gqa, mla and export (config only)."""
+def check_supported(config: dict) -> AttentionGeometry:
+    """Its geometry, or UserError (naming the feature) unless this is a Llama-family checkpoint whose math
+    every converter covers: model_type llama / mistral / qwen2, no norm or quantizer after the projections,
+    RoPE on every pair, valid head arithmetic. The one support check of expand, gqa, mla and export."""
     model_type = config.get("model_type")
     supported = ", ".join(SOURCE_MODEL_TYPES)
     fix = f"supported model types: {supported} (see docs/variant-matrix.md)."
@@ -125,7 +119,7 @@ def check_supported(config: dict) -> None:
             f"Unsupported partial_rotary_factor={partial} (partial rotary: RoPE on part of each head) is not "
             "covered by the conversion math, which assumes RoPE on every pair; use a full-RoPE source."
         )
-    AttentionGeometry.from_config(config)  # validates the head arithmetic
+    return AttentionGeometry.from_config(config)  # validates the head arithmetic
 
 
 @dataclass(frozen=True)
@@ -177,17 +171,9 @@ def layer_attn_keys(layer: int) -> dict[str, str]:
 def parse_attn_key(name: str) -> tuple[int, str, str] | None:
     """Inverse of `attn_key`: (layer, proj, kind), or None for any other tensor."""
     parts = name.split(".")
-    if (
-        len(parts) == 6
-        and parts[:2] == ["model", "layers"]
-        and parts[3] == "self_attn"
-        and parts[2].isdigit()
-    ):
-        return int(parts[2]), parts[4], parts[5]
-    return None
-
-
-# --------------------------------------------------------------------------------------------- reading
+    if len(parts) != 6 or not name.startswith("model.layers.") or parts[3] != "self_attn":
+        return None
+    return (int(parts[2]), parts[4], parts[5]) if parts[2].isdigit() else None
 
 
 def iter_tensors(
@@ -195,28 +181,20 @@ def iter_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) one at a time in file order (or in the order of `names`)."""
     index = tensor_index(model_dir)
-    if names is None:
-        names = names_in_file_order(index)
+    names = names_in_file_order(index) if names is None else names
     for name in names:
         if name not in index:
             raise KeyError(f"Tensor {name!r} is missing from the checkpoint {model_dir}.")
         yield name, read_tensor(index[name])
 
 
-# --------------------------------------------------------------------------------------------- side files
-
-
 def copy_side_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
     """Copy everything that is not weights or config.json (tokenizer, generation config, chat template...)."""
     src, dst = Path(src), Path(dst)
-    copied = []
-    for path in sorted(src.iterdir()):
-        if not path.is_file() or path.name.startswith("."):
-            continue
-        if path.name in _NOT_SIDE_FILES or path.suffix in TENSOR_SUFFIXES:
-            continue
-        shutil.copy2(path, dst / path.name)
-        copied.append(path.name)
+    files = [p for p in sorted(src.iterdir()) if p.is_file() and not p.name.startswith(".")]
+    copied = [p.name for p in files if p.name not in _NOT_SIDE_FILES and p.suffix not in TENSOR_SUFFIXES]
+    for name in copied:
+        shutil.copy2(src / name, dst / name)
     return copied
 
 
@@ -227,20 +205,12 @@ def conversion_record(
     *, kind: str, source: str | os.PathLike, source_hash: str, settings: dict, **results
 ) -> dict:
     """One entry of `config.json["hf_attn"]["history"]`, the same schema for every step: `kind` (which
-    command: gqa | mla | expand | heal), `source` (the input checkpoint's path), `source_hash` (its
+    command: one of RECORD_KINDS), `source` (the input checkpoint's path), `source_hash` (its
     `checkpoint_hash`), `settings` (the options it ran with) and then the step's own results."""
     if kind not in RECORD_KINDS:
         raise ValueError(f"Unknown record kind {kind!r}; choose one of {', '.join(RECORD_KINDS)}")
-    reserved = {"kind", "source", "source_hash", "settings"} & results.keys()
-    if reserved:
-        raise ValueError(f"Results may not reuse the record keys {sorted(reserved)}")
-    return {
-        "kind": kind,
-        "source": str(source),
-        "source_hash": source_hash,
-        "settings": dict(settings),
-        **results,
-    }
+    record = {"kind": kind, "source": str(source), "source_hash": source_hash, "settings": dict(settings)}
+    return {**record, **results}
 
 
 def add_record(config: dict, record: dict) -> dict:
@@ -259,33 +229,18 @@ def latest_record(config: dict) -> dict:
     return history[-1] if history else {}
 
 
-# --------------------------------------------------------------------------------------------- validation
-
-
 def expected_attention_shapes(geometry: AttentionGeometry) -> dict[tuple[str, str], tuple[int, ...]]:
     """(proj, kind) -> shape of the attention tensors of one layer of a Llama-family checkpoint."""
     q, kv, c = geometry.num_heads * geometry.head_dim, geometry.kv_dim, geometry.hidden_size
-    return {
-        ("q_proj", "weight"): (q, c),
-        ("k_proj", "weight"): (kv, c),
-        ("v_proj", "weight"): (kv, c),
-        ("o_proj", "weight"): (c, q),
-        ("q_proj", "bias"): (q,),
-        ("k_proj", "bias"): (kv,),
-        ("v_proj", "bias"): (kv,),
-        ("o_proj", "bias"): (c,),
-    }
+    weights = {(p, "weight"): s for p, s in zip(ATTENTION_PROJECTIONS, [(q, c), (kv, c), (kv, c), (c, q)])}
+    return weights | {(p, "bias"): s[:1] for (p, _), s in weights.items()}  # a bias: (out,)
 
 
 def check_attention_tensors(index: dict[str, TensorInfo], geometry: AttentionGeometry) -> None:
     """UserError unless every layer has q/k/v/o weights (and any biases) of the shapes the config implies."""
     shapes = expected_attention_shapes(geometry)
-    missing = [
-        attn_key(layer, proj)
-        for layer in range(geometry.num_layers)
-        for proj in ATTENTION_PROJECTIONS
-        if attn_key(layer, proj) not in index
-    ]
+    keys = (attn_key(layer, proj) for layer in range(geometry.num_layers) for proj in ATTENTION_PROJECTIONS)
+    missing = [key for key in keys if key not in index]
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise UserError(f"Missing weights in the checkpoint: {', '.join(missing[:5])}{more}.")
@@ -293,10 +248,7 @@ def check_attention_tensors(index: dict[str, TensorInfo], geometry: AttentionGeo
     if norms:
         raise UserError(f"Unsupported checkpoint: query/key norms ({norms[0]}, ...) break linear pooling.")
     for name, info in index.items():
-        parsed = parse_attn_key(name)
-        if parsed is None:
-            continue
-        layer, proj, kind = parsed
+        layer, proj, kind = parse_attn_key(name) or (0, None, None)  # (proj None: not an attention tensor)
         if proj not in ATTENTION_PROJECTIONS:
             continue  # not a projection (an old rotary buffer...): `loading.checkpoint_weights` judges it
         want = shapes.get((proj, kind))
@@ -308,9 +260,6 @@ def check_attention_tensors(index: dict[str, TensorInfo], geometry: AttentionGeo
                 f"({geometry.num_heads} query / {geometry.num_kv_heads} KV heads of dim {geometry.head_dim}, "
                 f"hidden {geometry.hidden_size}); the weights do not match the config."
             )
-
-
-# --------------------------------------------------------------------------------------------- the source
 
 
 @dataclass(frozen=True)
@@ -333,15 +282,13 @@ def open_source(
 ) -> Source:
     """The converters' prologue: resolve `src` (None: the embedded SmolLM2), read and check config.json
     (`check_supported`) and the attention tensors (`check_attention_tensors`), parse `dtype`, (when `dst`
-    is given) refuse an output that is the source or exists without `overwrite`, and last refuse a source
-    that would not load completely or holds non-finite weights (`loading.checkpoint_weights`, the rule of
-    every reader). The index leaves out what transformers drops on load (old `rotary_emb.inv_freq`
-    buffers), so no output carries it."""
+    is given) refuse an output that is the source or exists without `overwrite`, and last `checked_index`
+    (a source that would not load completely or holds non-finite weights is refused; what transformers drops
+    on load is left out of the index, so no output carries it)."""
     dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     src_dir = resolve_model(src)
     config = read_config(src_dir)
-    check_supported(config)
-    geometry = AttentionGeometry.from_config(config)
+    geometry = check_supported(config)
     index = tensor_index(src_dir)
     check_attention_tensors(index, geometry)
     if dst is not None:
@@ -359,9 +306,6 @@ def checked_index(src_dir: Path, index: dict[str, TensorInfo] | None = None) -> 
     return {name: info for name, info in index.items() if name not in dropped}
 
 
-# --------------------------------------------------------------------------------------------- saving
-
-
 def save_streamed(
     *,
     src_dir: str | os.PathLike,
@@ -377,15 +321,6 @@ def save_streamed(
     if given), `config` as config.json (a callable is called once the weights are written), the side files
     of `src_dir`, then `extra_files(directory)` if given. Returns the final directory."""
     dst = check_output(src_dir, dst, overwrite=overwrite)
-
-    def final_config() -> dict:
-        out = config() if callable(config) else config
-        out = {k: v for k, v in out.items() if k != NAMED_FILE_KEY}  # names a file of the source
-        if dtype is not None:
-            out = {**out, "dtype": dtype_name(dtype)}
-            out.pop("torch_dtype", None)
-        return out
-
     with atomic_directory(dst, overwrite=overwrite, kind="checkpoint") as tmp:
         with ShardedWriter(tmp, max_shard_bytes=max_shard_bytes) as writer:
             for name, tensor in tensors:
@@ -393,36 +328,13 @@ def save_streamed(
                     tensor = tensor.to(dtype)
                 writer.add(name, tensor)
                 del tensor  # let it go before the next one is read
-        write_config(tmp, final_config())
+        out = config() if callable(config) else config
+        out = {k: v for k, v in out.items() if k != NAMED_FILE_KEY}  # names a file of the source
+        if dtype is not None:
+            out = {**out, "dtype": dtype_name(dtype)}
+            out.pop("torch_dtype", None)
+        write_config(tmp, out)
         copy_side_files(src_dir, tmp)
         if extra_files is not None:
             extra_files(tmp)
     return dst
-
-
-__all__ = [
-    "ATTENTION_PROJECTIONS",
-    "AttentionGeometry",
-    "Source",
-    "TensorInfo",
-    "add_record",
-    "conversion_record",
-    "attn_key",
-    "check_attention_tensors",
-    "check_supported",
-    "checked_index",
-    "copy_side_files",
-    "dtype_name",
-    "expected_attention_shapes",
-    "iter_tensors",
-    "layer_attn_keys",
-    "names_in_file_order",
-    "open_source",
-    "parse_attn_key",
-    "read_config",
-    "read_tensor",
-    "save_streamed",
-    "tensor_index",
-    "weight_files",
-    "write_config",
-]

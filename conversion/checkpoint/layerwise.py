@@ -13,8 +13,9 @@ GPTQ/AWQ-style tools calibrate large models on small devices:
     h = embed(ids)                                       W windows, each (1, T, C), in the forward dtype
     for i in 0 .. last wanted layer:
         load layer i from the safetensors shards         one layer on --device, in the forward dtype
-        for every window: h <- layer_i(h) (RoPE from the config's rotary embedding, the model's causal or
-                          sliding-window mask) and fn(i, x, (cos, sin)) with x the input of self_attn
+        for every window: fn(i, x, (cos, sin)) with x = input_layernorm(h), the input of self_attn, then
+                          h <- layer_i(h) (RoPE from the config's rotary embedding, the model's causal or
+                          sliding-window mask), except in the last wanted layer
         free layer i
 
 Peak memory: one decoder layer + the carried hidden states (N * C numbers in the forward dtype) + one window's
@@ -39,9 +40,11 @@ from pathlib import Path
 import torch
 from accelerate import init_empty_weights
 from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from hf_attn.conversion import stages
-from hf_attn.conversion.checkpoint.io import layer_attn_keys, read_tensor, tensor_index
+from hf_attn.conversion.checkpoint.io import TensorInfo, layer_attn_keys, read_tensor, tensor_index
 from hf_attn.conversion.checkpoint.threads import CoreShare
 from hf_attn.conversion.specs import DEFAULT_WINDOW, resolve_forward
 from hf_attn.models.llama_mla.modeling_llama_mla import CACHE_ARG  # the transformers version's name
@@ -53,21 +56,6 @@ EMBEDDING_BLOCK_BYTES = 64 * 1024**2  # the embedding matrix is read in blocks o
 
 # fn(layer, x, position_embeddings): what a calibration pass calls with every wanted layer's attention input
 AttentionInputFn = Callable[[int, torch.Tensor, "tuple[torch.Tensor, torch.Tensor] | None"], None]
-
-
-def wanted_layers(layers: Iterable[int] | None, num_layers: int, input_ids: torch.Tensor) -> list[int]:
-    """The sorted layers a calibration pass visits (None: all of `num_layers`); ValueError for a layer out of
-    range or `input_ids` that are not 1-D."""
-    wanted = sorted(set(range(num_layers) if layers is None else layers))
-    if not wanted or wanted[0] < 0 or wanted[-1] >= num_layers:
-        raise ValueError(f"layers must be in [0, {num_layers}), got {wanted}")
-    if input_ids.dim() != 1:
-        raise ValueError(f"input_ids must be 1-D token ids, got shape {tuple(input_ids.shape)}")
-    return wanted
-
-
-class StopForward(Exception):
-    """Raised by a hook once the last wanted layer has been seen, to skip the rest of the forward."""
 
 
 def forward_record(device: str, forward_dtype: str) -> dict:
@@ -96,8 +84,6 @@ class LayerwiseModel:
     def __init__(
         self, src_dir: str | os.PathLike, *, device: str = DEFAULT_DEVICE, forward_dtype: str = "float32"
     ) -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM
-
         self.device, self.dtype = resolve_forward(device, forward_dtype)
         self.src_dir = Path(src_dir)
         self.index = tensor_index(self.src_dir)
@@ -119,19 +105,17 @@ class LayerwiseModel:
         self.max_layers_loaded = 0
         self._loaded: set[int] = set()
 
-    # ----------------------------------------------------------------------------------------- weights
-
-    def _read(self, name: str) -> torch.Tensor:
+    def _info(self, name: str) -> TensorInfo:
         if name not in self.index:
             raise KeyError(f"Tensor {name!r} is missing from the checkpoint {self.src_dir}.")
-        return read_tensor(self.index[name])
+        return self.index[name]
 
     def _materialise(self, module: torch.nn.Module, prefix: str, *, device, dtype) -> None:
         """Load `module`'s weights `prefix + name` from the shards (floating ones cast to `dtype`)."""
         state = {}
         with stages.stage("read"):
             for name in module.state_dict():
-                tensor = self._read(prefix + name)
+                tensor = read_tensor(self._info(prefix + name))
                 state[name] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else None)
         module.load_state_dict(state, strict=True, assign=True)
         inside = prefix.removeprefix("model.")
@@ -157,16 +141,13 @@ class LayerwiseModel:
 
     def attention_weights(self, layer: int) -> dict[str, torch.Tensor | None]:
         """Layer's attention tensors in float32 (None: no bias)."""
-        return {
-            k: self._read(n).float() if n in self.index else None for k, n in layer_attn_keys(layer).items()
-        }
+        keys = layer_attn_keys(layer)
+        return {k: read_tensor(self.index[n]).float() if n in self.index else None for k, n in keys.items()}
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids (N,) -> (N, C) in the forward dtype on the forward device. The embedding matrix is read
         in blocks of rows of at most EMBEDDING_BLOCK_BYTES, so it is never in memory whole."""
-        if EMBEDDING_KEY not in self.index:
-            raise KeyError(f"Tensor {EMBEDDING_KEY!r} is missing from the checkpoint {self.src_dir}.")
-        info = self.index[EMBEDDING_KEY]
+        info = self._info(EMBEDDING_KEY)
         vocab, hidden = info.shape
         check_token_ids(input_ids, vocab)  # a tokenizer larger than the embedding: one line
         if input_ids.numel() and int(input_ids.min()) < 0:
@@ -186,12 +167,10 @@ class LayerwiseModel:
                 out[picked] = block[input_ids[picked] - start].to(self.dtype)
         return out.to(self.device)
 
-    # ----------------------------------------------------------------------------------------- forward
-
-    def _window_inputs(self, h: torch.Tensor, layer: int, cache: dict) -> tuple:
-        """(mask, position_ids, (cos, sin)) of a window h (1, T, C) for `layer`, as the model builds them."""
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
+    def layer_kwargs(self, h: torch.Tensor, layer: int, cache: dict) -> dict:
+        """The keyword arguments of decoder layer `layer` for a window h (1, T, C), as the model passes them:
+        its causal or sliding-window mask, position_ids (1, T) and (cos, sin) each (1, T, D) (`cache`: a dict
+        the caller keeps, one mask and RoPE table per window length and layer kind)."""
         t, sliding = h.shape[1], is_sliding_layer(self.config, layer)
         if (t, sliding) not in cache:
             position_ids = torch.arange(t, device=self.device).unsqueeze(0)  # (1, T)
@@ -203,20 +182,11 @@ class LayerwiseModel:
                 position_ids=position_ids,
                 **{CACHE_ARG: None},
             )
-            cos, sin = self.rotary(h, position_ids)  # each (1, T, D)
-            cache[t, sliding] = (mask, position_ids, (cos, sin))
-        return cache[t, sliding]
-
-    def layer_kwargs(self, h: torch.Tensor, layer: int, cache: dict) -> dict:
-        """The keyword arguments of decoder layer `layer` for a window h (1, T, C), as the model passes them
-        (`cache`: a dict the caller keeps, one mask and RoPE table per window length and layer kind)."""
-        mask, position_ids, position_embeddings = self._window_inputs(h, layer, cache)
-        return dict(
-            attention_mask=mask,
-            position_ids=position_ids,
-            position_embeddings=position_embeddings,
-            use_cache=False,
-        )
+            rope = self.rotary(h, position_ids)  # (cos, sin)
+            cache[t, sliding] = dict(
+                attention_mask=mask, position_ids=position_ids, position_embeddings=rope, use_cache=False
+            )
+        return dict(cache[t, sliding])
 
     def _statistics_attention(self, layer: int) -> torch.nn.Module | None:
         """A float32 CPU copy of layer's self_attn for the callback, or None when the forward one is that."""
@@ -240,14 +210,16 @@ class LayerwiseModel:
         `model.layers[layer].self_attn` (after input_layernorm), cos and sin (1, T, D), in float32 on the CPU,
         T <= window. Nothing is kept: the caller accumulates what it needs. Windows are visited in order
         within a layer; layers after the last wanted one are never read."""
-        wanted = wanted_layers(layers, self.num_layers, input_ids)
+        wanted = sorted(set(range(self.num_layers) if layers is None else layers))
+        if not wanted or wanted[0] < 0 or wanted[-1] >= self.num_layers:
+            raise ValueError(f"layers must be in [0, {self.num_layers}), got {wanted}")
+        if input_ids.dim() != 1:
+            raise ValueError(f"input_ids must be 1-D token ids, got shape {tuple(input_ids.shape)}")
         if window <= 0:
             raise ValueError(f"--calibration-window must be positive, got {window}")
         last, wanted = wanted[-1], set(wanted)
         with torch.inference_mode():
-            embedded = self.embed(input_ids)  # (N, C)
-            hidden = [w.unsqueeze(0) for w in embedded.split(window)]  # W windows, each (1, T, C)
-            del embedded
+            hidden = [w.unsqueeze(0) for w in self.embed(input_ids).split(window)]  # W x (1, T, C)
             cache: dict = {}
             bar = tqdm(
                 total=(last + 1) * len(hidden), desc="calibration", unit="window", disable=not progress
@@ -261,31 +233,19 @@ class LayerwiseModel:
             bar.close()
 
     def _run_layer(self, i: int, hidden: list, fn, *, stop: bool, cache: dict, bar) -> None:
-        """Carry every window through layer i (in place in `hidden`), calling fn on its attention inputs."""
+        """Carry every window through layer i (in place in `hidden`; not when `stop`: the last wanted layer's
+        output is never needed), calling fn on its attention inputs: input_layernorm(h), as the layer hands
+        its self_attn (`refine_fit`'s reading of a decoder layer too), and the window's (cos, sin)."""
         stats_attn = self._statistics_attention(i) if fn is not None else None  # (copied while on meta)
         block = self.load_layer(i)
         forward_attn = block.self_attn
-        seen: list = []
-
-        def grab(module, args, kwargs):
-            x = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            seen.append((x.detach(), kwargs.get("position_embeddings")))
-            if stop:  # the last wanted layer: its output is never needed
-                raise StopForward
-
-        handle = forward_attn.register_forward_pre_hook(grab, with_kwargs=True)
         try:
             for w, h in enumerate(hidden):
-                try:
-                    with stages.stage("calibration forward"):
-                        out = block(h, **self.layer_kwargs(h, i, cache))
-                    hidden[w] = out[0] if isinstance(out, tuple) else out  # (1, T, C)
-                except StopForward:
-                    pass
+                kwargs = self.layer_kwargs(h, i, cache)
                 if fn is not None:
-                    x, pe = seen.pop()
-                    x = x.to(device="cpu", dtype=torch.float32)  # (1, T, C)
-                    pe = None if pe is None else tuple(e.to(device="cpu", dtype=torch.float32) for e in pe)
+                    with stages.stage("calibration forward"):
+                        x = block.input_layernorm(h).to(device="cpu", dtype=torch.float32)  # (1, T, C)
+                    pe = tuple(e.to(device="cpu", dtype=torch.float32) for e in kwargs["position_embeddings"])
                     if stats_attn is not None:
                         block.self_attn = stats_attn  # what `model.layers[i].self_attn` shows the callback
                     try:
@@ -293,10 +253,12 @@ class LayerwiseModel:
                             fn(i, x, pe)
                     finally:
                         block.self_attn = forward_attn
-                seen.clear()
+                if not stop:
+                    with stages.stage("calibration forward"):
+                        out = block(h, **kwargs)
+                    hidden[w] = out[0] if isinstance(out, tuple) else out  # (1, T, C)
                 bar.update(1)
         finally:
-            handle.remove()
             self.free_layer(i)
             if stats_attn is not None:
                 stats_attn.to_empty(device="meta")

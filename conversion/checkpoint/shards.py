@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from hf_attn.conversion.specs import DEFAULT_MAX_SHARD_BYTES
 from hf_attn.tooling.weights import INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE  # the names readers share
@@ -181,8 +182,6 @@ class SpilledLayers(MutableMapping):
         return self.directory / f"layer-{layer}.safetensors"
 
     def __setitem__(self, layer: int, tensors: dict[str, torch.Tensor | None]) -> None:
-        from safetensors.torch import save_file
-
         kept = {}
         for key, tensor in tensors.items():
             if tensor is not None:
@@ -193,8 +192,6 @@ class SpilledLayers(MutableMapping):
         self._cached = None
 
     def __getitem__(self, layer: int) -> dict[str, torch.Tensor]:
-        from safetensors.torch import load_file
-
         if layer not in self._layers:
             raise KeyError(layer)
         if self._cached is None or self._cached[0] != layer:
@@ -212,12 +209,3 @@ class SpilledLayers(MutableMapping):
 
     def __len__(self) -> int:
         return len(self._layers)
-
-
-__all__ = [
-    "INDEX_FILE",
-    "SAFETENSORS_DTYPES",
-    "SINGLE_FILE",
-    "ShardedWriter",
-    "SpilledLayers",
-]

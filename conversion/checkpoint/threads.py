@@ -35,8 +35,9 @@ class _Sample:
     own: float  # CPU seconds of this process
 
 
-def _busy_seconds() -> float | None:
-    """Busy CPU seconds of every core since boot (the first line of /proc/stat), None where unreadable."""
+def _sample() -> _Sample | None:
+    """Now, with the busy CPU seconds of every core since boot (the first line of /proc/stat); None where
+    that is unreadable."""
     try:
         with open("/proc/stat") as f:
             fields = f.readline().split()
@@ -46,12 +47,8 @@ def _busy_seconds() -> float | None:
         return None
     ticks = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
     idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
-    return (sum(ticks) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def _sample() -> _Sample | None:
-    busy = _busy_seconds()
-    return None if busy is None else _Sample(time.perf_counter(), busy, time.process_time())
+    busy = (sum(ticks) - idle) / os.sysconf("SC_CLK_TCK")
+    return _Sample(time.perf_counter(), busy, time.process_time())
 
 
 def available_cores() -> int:

@@ -30,7 +30,6 @@ MoE fields of a dense model.
 from __future__ import annotations
 
 import itertools
-import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -47,11 +46,11 @@ from hf_attn.conversion.export.plan import (
     plan_export,
     refuse,
 )
-from hf_attn.conversion.specs import DEFAULT_MAX_SHARD_BYTES, ENGINE_DIMS, EXPORT_TARGETS, add_write_arguments
+from hf_attn.conversion.specs import DEFAULT_MAX_SHARD_BYTES, ENGINE_DIMS, EXPORT_TARGETS, WriteSpec
 from hf_attn.models.llama_mla import LlamaMLAConfig
-from hf_attn.tooling.cli import ArgumentParser, add_deprecated_alias, run_command
+from hf_attn.tooling.cli import ArgumentParser, add_deprecated_alias, add_settings_arguments, run_command
 from hf_attn.tooling.errors import UserError, user_input
-from hf_attn.tooling.files import atomic_directory, check_output, checkpoint_hash
+from hf_attn.tooling.files import atomic_directory, check_output, checkpoint_hash, write_json
 from hf_attn.tooling.loading import parse_dtype, resolve_model
 
 PROG = "hf-attn export"
@@ -144,7 +143,7 @@ def rope_rows_to_slots(rows: torch.Tensor, *, plan: ExportPlan, layer: int) -> t
     assert rows.shape[0] == 2 * r, (tuple(rows.shape), r)
     out = rows.new_zeros(plan.qk_rope_head_dim, *rows.shape[1:])  # (R, C)
     for j, p in enumerate(plan.pairs[layer]):
-        k = plan.slot_of_pair(layer)[p]
+        k = p // plan.rope_stride * plan.slots_per_stride  # source pair p -> RoPE slot (p / s) m
         out[2 * k] = rows[j]  # first of the pair (rotate-half: x1)
         out[2 * k + 1] = rows[r + j]  # second (x2)
     return out
@@ -156,7 +155,7 @@ def export_attention(
 ) -> dict[str, torch.Tensor]:
     """One layer's llama_mla attention weights (keys without the layer prefix, e.g. "q_proj.weight") ->
     DeepSeek's, computed in float64 and returned in the source dtype."""
-    Hq, Hkv, G, d, E = plan.num_heads, plan.num_kv_heads, plan.group_size, plan.head_dim, plan.hidden_size
+    Hq, Hkv, d, E = plan.num_heads, plan.num_kv_heads, plan.head_dim, plan.hidden_size
     dc, D, dn, rd = plan.latent_dim, plan.kv_lora_rank, plan.nope_dim, 2 * plan.rope_pairs
     dtype = tensors["q_proj.weight"].dtype
     t = {k: v.double() for k, v in tensors.items()}
@@ -175,7 +174,7 @@ def export_attention(
     k_up = t["k_up_proj.weight"].view(Hkv, dn, dc)  # (Hkv, dn, d_c)
     v_up = t["v_up_proj.weight"].view(Hkv, d, dc)  # (Hkv, d, d_c)
     per_group = torch.cat([k_up, v_up], dim=1)  # (Hkv, dn + d, d_c)
-    per_head = per_group.repeat_interleave(G, dim=0)  # (Hq, dn + d, d_c): head h reads group h // G
+    per_head = per_group.repeat_interleave(Hq // Hkv, dim=0)  # (Hq, dn + d, d_c): head h reads group h // G
     kv_b = torch.cat([per_head, per_head.new_zeros(Hq, dn + d, D - dc)], dim=2)  # (Hq, dn + d, D)
 
     out = {
@@ -309,9 +308,9 @@ def export_checkpoint(
             "slots": plan.rope_slots,
             "source_pairs": [list(p) for p in plan.pairs],
         },
-        cache_numbers_per_token_and_layer={
-            "source": plan.source_cache_numbers(),
-            "export": plan.cache_numbers(),
+        cache_numbers_per_token_and_layer={  # d_c + 2r; what DeepSeek caches: kv_lora_rank + qk_rope_head_dim
+            "source": plan.latent_dim + 2 * plan.rope_pairs,
+            "export": plan.kv_lora_rank + plan.qk_rope_head_dim,
         },
     )
     out_config = ckpt.add_record(out_config, record)
@@ -328,7 +327,7 @@ def export_checkpoint(
         if not (src_dir / GENERATION_CONFIG).exists():  # (else copied as a side file) a minimal one
             ids = {k: getattr(config, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
             generation = {k: v for k, v in ids.items() if v is not None}
-            (tmp / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
+            write_json(tmp / GENERATION_CONFIG, generation)
     return dst
 
 
@@ -357,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         "rms_norm_eps); identical when rms_norm_eps is 1e-6",
     )
     parser.add_argument("--max-position-embeddings", type=int, default=None, help="lower the context limit")
-    add_write_arguments(parser)
+    add_settings_arguments(parser, WriteSpec)  # --save-dtype (the old --dtype too) and --overwrite
     args = parser.parse_args(argv)
 
     def export_and_report() -> None:
@@ -372,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype=args.save_dtype,
             overwrite=args.overwrite,
         )
-        config = json.loads((dst / "config.json").read_text())
+        config = ckpt.read_config(dst)
         out = config["kv_lora_rank"] + config["qk_rope_head_dim"]
         src_n = ckpt.latest_record(config)["cache_numbers_per_token_and_layer"]["source"]
         pad = f" (+{out - src_n} zero-padded: {out / src_n:.2f}x the source's cache)" if out > src_n else ""

@@ -70,10 +70,7 @@ def conversion_ranks(engine_dims: str, *, head_dim: int, num_kv_heads: int) -> t
     no zero padding: the shared RoPE key keeps 32 pairs (64 dims) and the latent takes the rest. ValueError
     naming the fix when the source cannot carry them (fewer than 32 pairs per head, or a full rank
     Hkv (d - 64) + Hkv d below the latent width: then convert with --kv-budget and let the export pad)."""
-    dims = target_dims(engine_dims)
-    if dims is None:
-        raise ValueError("--engine-dims native keeps the conversion's own ranks: give --kv-budget or ranks.")
-    rank, rope = dims
+    rank, rope = target_dims(engine_dims)  # (never "native": `MLASpec.engine_dims` leaves it out)
     pairs = rope // 2
     full = num_kv_heads * (head_dim - rope) + num_kv_heads * head_dim if head_dim >= rope else 0
     if head_dim < rope or full < rank:

@@ -47,10 +47,6 @@ class ExportPlan:
         return 2 * self.rope_slots
 
     @property
-    def group_size(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-    @property
     def query_scale(self) -> float:
         """sqrt((dn + R) / d): folds DeepSeek's softmax scale (dn + R) ** -0.5 into llama_mla's d ** -0.5."""
         return math.sqrt((self.nope_dim + self.qk_rope_head_dim) / self.head_dim)
@@ -63,17 +59,6 @@ class ExportPlan:
     @property
     def gain_scale(self) -> float:
         return math.sqrt(self.latent_dim / self.kv_lora_rank)
-
-    def slot_of_pair(self, layer: int) -> dict[int, int]:
-        """Source pair p -> RoPE slot (p / s) m, for the pairs layer `layer` keeps."""
-        return {p: p // self.rope_stride * self.slots_per_stride for p in self.pairs[layer]}
-
-    def source_cache_numbers(self) -> int:
-        return self.latent_dim + 2 * self.rope_pairs
-
-    def cache_numbers(self) -> int:
-        """Numbers DeepSeek caches per token and layer: kv_lora_rank + qk_rope_head_dim."""
-        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 def refuse(reason: str, fix: str) -> ValueError:

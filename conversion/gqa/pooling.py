@@ -37,6 +37,7 @@ from hf_attn.tooling.errors import UserError
 _RIDGE = 1e-9  # relative ridge on the covariances that are inverted or square-rooted
 _RANGE_TOL = 1e-10  # value statistics: eigenvalues up to this fraction of the largest are never seen
 _CG_STEPS, _CG_TOL = 50, 1e-4  # conjugate-gradient budget of one value refit (relative residual)
+KEY_ITERATIONS, VALUE_ITERATIONS = 20, 10  # alternating least-squares rounds of `calibrated_pool_layer`
 
 
 @dataclass(frozen=True)
@@ -111,12 +112,6 @@ def _sym_sqrt(a: torch.Tensor) -> torch.Tensor:
     evals, evecs = torch.linalg.eigh(a)
     evals = evals.clamp_min(_RIDGE * evals.max().clamp_min(1e-300))
     return (evecs * evals.sqrt()) @ evecs.T
-
-
-def _ridge_inverse(a: torch.Tensor) -> torch.Tensor:
-    """Inverse of a PSD matrix with a relative ridge on the diagonal."""
-    ridge = _RIDGE * torch.diagonal(a).mean().clamp_min(1e-300)
-    return torch.linalg.inv(a + ridge * torch.eye(a.shape[0], dtype=a.dtype))
 
 
 @dataclass
@@ -309,7 +304,9 @@ def fit_values(
         dec = decoders(p)
         hess = dec.transpose(1, 2) @ grams @ dec  # (Q, d, d)
         rhs = (dec.transpose(1, 2) @ grams @ select @ y).sum(0)  # (d, r d)
-        h_inv = _ridge_inverse(hess.sum(0)) * nq  # (d, d)
+        h_sum = hess.sum(0)  # (d, d), PSD: inverted with a relative ridge on the diagonal
+        ridge = _RIDGE * torch.diagonal(h_sum).mean().clamp_min(1e-300)
+        h_inv = torch.linalg.inv(h_sum + ridge * torch.eye(d, dtype=h_sum.dtype)) * nq  # (d, d)
 
         def op(x, hess=hess):  # the normal operator of P (symmetric positive definite)
             return (hess @ x @ y).sum(0)
@@ -355,8 +352,6 @@ def calibrated_pool_layer(
     weights: dict[str, torch.Tensor | None],
     stats: AttentionStatistics,
     pooling: Pooling,
-    key_iterations: int = 20,
-    value_iterations: int = 10,
 ) -> dict[str, torch.Tensor | None]:
     """Pool one attention layer's K/V heads, refitting Q and O (see the module docstring for the math).
 
@@ -384,7 +379,7 @@ def calibrated_pool_layer(
     new_v = torch.empty(g_count * d, ca, dtype=torch.float64)  # (G*d, C+1)
     new_o = wo.clone()  # (C, Hq*d)
     for g, heads in enumerate(pooling.groups):
-        coef, u = fit_keys(stats.keys[g].to(torch.complex128), iterations=key_iterations)  # (d/2, r) each
+        coef, u = fit_keys(stats.keys[g].to(torch.complex128), iterations=KEY_ITERATIONS)  # (d/2, r) each
         new_kc[g] = torch.einsum("ih,hic->ic", coef, kc[heads])  # (d/2, C+1)
         for j, h in enumerate(heads):
             for hp in pooling.query_heads_of(h):
@@ -394,7 +389,7 @@ def calibrated_pool_layer(
         cols = torch.stack([wo[:, hp * d : (hp + 1) * d] for hp in qheads])  # (n*r, C, d)
         reads = [j for j in range(r) for _ in range(n)]
         p, dec = fit_values(
-            stats.values[g].double(), cols.transpose(1, 2) @ cols, reads, iterations=value_iterations
+            stats.values[g].double(), cols.transpose(1, 2) @ cols, reads, iterations=VALUE_ITERATIONS
         )
         new_v[g * d : (g + 1) * d] = p @ wv.reshape(geo.num_kv_heads, d, ca)[heads].reshape(r * d, ca)
         for q_local, hp in enumerate(qheads):

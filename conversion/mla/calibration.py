@@ -60,7 +60,8 @@ def calibrate(
     norms = rs.PairNormScores(**heads) if pair_norms else None
     scores = rs.AttentionPairStats(**heads) if attention_pairs else None
     shared = sr.SharedKeyStatistics(**heads) if shared_keys else None
-    windows = [_sliding_window(model.config, i) for i in range(geometry.num_layers)]
+    sliding = [layerwise.is_sliding_layer(model.config, i) for i in range(geometry.num_layers)]
+    windows = [model.config.sliding_window if s else None for s in sliding]  # None: full causal attention
     # a layer's statistics go to a scratch directory as soon as they cover every calibration token (with the
     # layer-by-layer model: when the pass leaves the layer), so one layer's are in memory at a time
     spill = moments or shared is not None or sample_stride > 0
@@ -106,11 +107,3 @@ def calibrate(
         pair_scores["attention"] = {i: scores.pair_scores(i) for i in range(geometry.num_layers)}
         query_fit = {i: scores.query_fit(i) for i in range(geometry.num_layers)}
     return Calibration(stats, pair_scores, query_fit, record, scratch=scratch)
-
-
-def _sliding_window(config, layer: int) -> int | None:
-    """The source's sliding-window size for `layer`, or None for full causal attention."""
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:
-        return config.sliding_window if layer_types[layer] == "sliding_attention" else None
-    return getattr(config, "sliding_window", None)

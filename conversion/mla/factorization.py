@@ -64,12 +64,6 @@ def weight_svd(weight: torch.Tensor, bias: torch.Tensor | None, rank: int) -> Lo
     return LowRank(basis.T @ w, basis, None if bias is None else bias.double().clone())
 
 
-def second_moment(moment: torch.Tensor) -> torch.Tensor:
-    """E[x x^T] (C, C) from the summed augmented moment sum [x;1][x;1]^T (C+1, C+1)."""
-    m = moment.double()
-    return m[:-1, :-1] / m[-1, -1]
-
-
 def balance_scales(weight: torch.Tensor, moment_x: torch.Tensor, num_key_rows: int) -> torch.Tensor:
     """Row scales s (W,): s_K on the first `num_key_rows` rows, s_V on the rest, so that the scaled keys and
     the scaled values have equal total mean-square activation, normalised so that s_K * s_V = 1."""
@@ -96,7 +90,8 @@ def activation_pca(
     """Balanced PCA of the activations W x. moment: summed [x;1][x;1]^T over calibration tokens (C+1, C+1)."""
     _check(weight, bias, rank)
     w = weight.double()
-    mx = second_moment(moment)  # (C, C)
+    m = moment.double()
+    mx = m[:-1, :-1] / m[-1, -1]  # (C, C): E[x x^T] from the summed sum [x;1][x;1]^T (C+1, C+1)
     scales = balance_scales(w, mx, num_key_rows)  # (W,)
     ws = scales[:, None] * w  # (W, C): D W
     cov = ws @ mx @ ws.T  # (W, W): E[D z z^T D]
@@ -113,7 +108,7 @@ def _sqrt_psd(a: torch.Tensor, ridge: float = 1e-6) -> torch.Tensor:
     return (evecs * evals.sqrt()) @ evecs.T
 
 
-def _lstsq_decoder(target_cov: torch.Tensor, latent_cov: torch.Tensor, ridge: float = 1e-9) -> torch.Tensor:
+def lstsq_decoder(target_cov: torch.Tensor, latent_cov: torch.Tensor, ridge: float = 1e-9) -> torch.Tensor:
     """B minimising E||y - B c||^2 given E[y c^T] (W, r) and E[c c^T] (r, r): B = E[y c^T] E[c c^T]^-1."""
     eye = torch.eye(latent_cov.shape[0], dtype=latent_cov.dtype)
     reg = latent_cov + ridge * torch.diagonal(latent_cov).mean().clamp_min(1e-300) * eye
@@ -166,12 +161,12 @@ def attention_pca(
     # least-squares decoders: keys from the centred latent, values from the latent (+1 if biased)
     cov_d = cov @ down.T  # (C, r): E[(x - mean) c^T] = Cov(x) D^T, shared by every decoder
     c_cov = down @ cov_d  # (r, r)
-    up_k = _lstsq_decoder(w_k @ cov_d, c_cov)  # (nk, r)
+    up_k = lstsq_decoder(w_k @ cov_d, c_cov)  # (nk, r)
     if v_center:
-        up_v = _lstsq_decoder(w_v @ cov_d, c_cov)  # (nv, r)
+        up_v = lstsq_decoder(w_v @ cov_d, c_cov)  # (nv, r)
     else:
         second_d = second @ down.T  # (C, r)
-        up_v = _lstsq_decoder(w_v @ second_d, down @ second_d)  # (nv, r)
+        up_v = lstsq_decoder(w_v @ second_d, down @ second_d)  # (nv, r)
     up = torch.cat([up_k, up_v])  # (W, r)
     up_bias = None
     if b_k is not None or b_v is not None:

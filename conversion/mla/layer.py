@@ -12,7 +12,7 @@ from hf_attn.conversion.mla import factorization as fac
 from hf_attn.conversion.mla import rope_selection as rs
 from hf_attn.conversion.mla import shared_rope as sr
 from hf_attn.conversion.mla.ranks import MLAShape
-from hf_attn.conversion.specs import FACTORIZATIONS
+from hf_attn.conversion.specs import CALIBRATED_FACTORIZATIONS, FACTORIZATIONS
 
 
 @dataclass
@@ -192,36 +192,31 @@ def _factorize(
         q: (Hq d, C) the permuted query rows, rope first in each head; q_bias: (Hq d,) or None.
         w_o: (C, Hq d) o_proj.
     """
-    geo = shape.geometry
+    geo, rank, nk = shape.geometry, shape.kv_lora_rank, shape.num_key_rows
     if shape.is_full_rank:
         return fac.full_rank(stack_w, stack_b)
-    elif factorization == "weight-svd":
-        return fac.weight_svd(stack_w, stack_b, shape.kv_lora_rank)
-    elif factorization == "activation":
-        assert statistics is not None and statistics.moment is not None, "activation needs calibration"
-        return fac.activation_pca(
-            stack_w, stack_b, shape.kv_lora_rank, moment=statistics.moment, num_key_rows=shape.num_key_rows
-        )
-    elif factorization == "attention":
-        assert statistics is not None and statistics.moment is not None, "attention needs calibration"
-        nk = shape.num_key_rows
-        w_q, b_q = rs.nope_queries(q, q_bias, geo, shape.rope_pairs)  # (Hq (d - 2r), C), (Hq (d - 2r),)
-        return fac.attention_pca(
-            w_k=stack_w[:nk],
-            b_k=None if stack_b is None else stack_b[:nk],
-            w_v=stack_w[nk:],
-            b_v=None if stack_b is None else stack_b[nk:],
-            w_q=w_q,
-            b_q=b_q,
-            w_o=w_o,
-            moment=statistics.moment,
-            num_kv_heads=geo.num_kv_heads,
-            rank=shape.kv_lora_rank,
-        )
-    else:
+    if factorization == "weight-svd":
+        return fac.weight_svd(stack_w, stack_b, rank)
+    if factorization not in CALIBRATED_FACTORIZATIONS:
         raise ValueError(
             f"Unknown --factorization {factorization!r}; choose one of {', '.join(FACTORIZATIONS)}."
         )
+    assert statistics is not None and statistics.moment is not None, f"{factorization} needs calibration"
+    if factorization == "activation":
+        return fac.activation_pca(stack_w, stack_b, rank, moment=statistics.moment, num_key_rows=nk)
+    w_q, b_q = rs.nope_queries(q, q_bias, geo, shape.rope_pairs)  # (Hq (d - 2r), C), (Hq (d - 2r),)
+    return fac.attention_pca(
+        w_k=stack_w[:nk],
+        b_k=None if stack_b is None else stack_b[:nk],
+        w_v=stack_w[nk:],
+        b_v=None if stack_b is None else stack_b[nk:],
+        w_q=w_q,
+        b_q=b_q,
+        w_o=w_o,
+        moment=statistics.moment,
+        num_kv_heads=geo.num_kv_heads,
+        rank=rank,
+    )
 
 
 def _deepseek_layer(

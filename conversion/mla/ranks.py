@@ -147,16 +147,12 @@ def plan_shape(
     layout: str = "per-head",
 ) -> MLAShape:
     """Validate / derive (r, d_c). Neither rank nor budget: full rank (exact with r = d/2)."""
-    if kv_lora_rank is not None and kv_budget is not None:
-        raise UserError("Give either --kv-lora-rank or --kv-budget, not both.")
     shared = layout == "deepseek"
-    if rope_pairs is None and shared:
-        rope_pairs = shared_rope_pairs(geometry.head_dim // 2, geometry.kv_dim, kv_budget)
-    r = (
-        default_rope_pairs(geometry, kv_budget, selection=rope_selection)
-        if rope_pairs is None
-        else rope_pairs
-    )
+    r = rope_pairs
+    if r is None and shared:
+        r = shared_rope_pairs(geometry.head_dim // 2, geometry.kv_dim, kv_budget)
+    elif r is None:
+        r = default_rope_pairs(geometry, kv_budget, selection=rope_selection)
     rs.check_rope_pairs(r, geometry.head_dim)
     full = MLAShape(geometry, r, 1).full_rank
     hkv = 1 if shared else geometry.num_kv_heads  # RoPE keys cached per token
@@ -198,7 +194,10 @@ def spec_shape(spec: MLASpec, geometry: AttentionGeometry) -> MLAShape:
             )
         greedy = spec.allocation_method != "uniform" and spec.layout == "per-head"
         if greedy and rope_pairs is None and budget is not None:
-            rope_pairs = greedy_rope_pairs(geometry, budget)
+            # r (the mean over layers): GREEDY_ROPE_SHARE of the budget, capped like the uniform rule; placed
+            # where they count, fewer pairs suffice (docs/research/mla-allocation.md measures it)
+            capped = default_rope_pairs(geometry, budget)
+            rope_pairs = min(default_rope_pairs(geometry, budget, GREEDY_ROPE_SHARE), capped)
         return plan_shape(
             geometry,
             kv_lora_rank=kv_lora_rank,
@@ -272,14 +271,6 @@ def allocate_ranks(
     the summed (normalised) truncation errors. spectra[i]: (W_i,) descending eigenvalues of layer i."""
     gains = [relative_gains(ev, normalization)[1:] for ev in spectra]
     return greedy_allocate(gains, minimum=[1] * len(spectra), budget=total_rank)
-
-
-def greedy_rope_pairs(geometry: AttentionGeometry, kv_budget: float) -> int:
-    """r (the mean over layers) for `greedy` when --rope-pairs is not given: GREEDY_ROPE_SHARE of the
-    budget's numbers, capped like the uniform rule (`default_rope_pairs`). Placing the pairs where they
-    count makes fewer of them suffice (docs/research/mla-allocation.md measures it)."""
-    shared = default_rope_pairs(geometry, kv_budget, GREEDY_ROPE_SHARE)
-    return min(shared, default_rope_pairs(geometry, kv_budget))
 
 
 def layer_spectrum(*, weights: dict, pairs: list[list[int]], geometry, query_fit) -> dict:

@@ -26,7 +26,7 @@ import torch
 
 from hf_attn.conversion.checkpoint.calibration import causal_probabilities
 from hf_attn.conversion.checkpoint.io import AttentionGeometry
-from hf_attn.conversion.specs import CALIBRATED_SELECTIONS, SELECTIONS
+from hf_attn.conversion.specs import CALIBRATED_SELECTIONS
 from hf_attn.models.llama_mla.modeling_llama_mla import rope_dim_indices
 
 QUERY_STRIDE = 32  # `attention` statistics use every 32nd query of each calibration window (all keys)
@@ -58,17 +58,16 @@ def select_rope_pairs(
 ) -> list[list[list[int]]]:
     """`[num_layers][Hkv][r]` kept pairs, each list strictly ascending. `scores` (layer -> (Hkv, d/2), larger
     = keep) is required by the calibrated selections (`2norm`: `PairNormScores.scores()`, `attention`:
-    `AttentionPairStats`); r is checked by the caller (`ranks.plan_shape`)."""
+    `AttentionPairStats`); the selection (one of SELECTIONS) and r are checked by the caller (`MLASpec`,
+    `ranks.plan_shape`)."""
     half, num_layers = geometry.head_dim // 2, geometry.num_layers
-    if selection in ("high", "uniform"):
-        uniform = [j * half // rope_pairs for j in range(rope_pairs)]  # distinct because r <= half
-        pairs = range(rope_pairs) if selection == "high" else uniform
-        return [[list(pairs) for _ in range(geometry.num_kv_heads)] for _ in range(num_layers)]
     if selection in CALIBRATED_SELECTIONS:
         if scores is None or sorted(scores) != list(range(num_layers)):
             raise ValueError(f"rope selection {selection!r} needs calibration scores for every layer.")
         return [top_pairs(scores[i], rope_pairs) for i in range(num_layers)]
-    raise ValueError(f"Unknown --rope-selection {selection!r}; choose one of {', '.join(SELECTIONS)}.")
+    uniform = [j * half // rope_pairs for j in range(rope_pairs)]  # distinct because r <= half
+    pairs = range(rope_pairs) if selection == "high" else uniform
+    return [[list(pairs) for _ in range(geometry.num_kv_heads)] for _ in range(num_layers)]
 
 
 class PairNormScores:

@@ -44,11 +44,11 @@ import torch
 
 from hf_attn.conversion.checkpoint.calibration import causal_probabilities
 from hf_attn.conversion.gqa.pooling import fit_keys
+from hf_attn.conversion.mla import factorization as fac
 
 QUERY_STRIDE = 8  # SharedKeyStatistics weighs keys by the attention of every 8th query of a window (all keys)
 SAMPLE_STRIDE = 2  # the latent-norm refit uses the attention inputs of every 2nd calibration token
 NORM_REFINE_STEPS = 15  # L-BFGS iterations on the encoder through the latent norm (see fit_latent_norm)
-_RIDGE = 1e-9
 LBFGS_HISTORY = 10  # steps of L-BFGS history in the encoder refinement ...
 LBFGS_HISTORY_BYTES = 512 * 1024**2  # ... at most this much memory of it
 
@@ -191,13 +191,6 @@ class LatentNorm:
     scaling: str  # which per-dimension scale of `down` was kept
 
 
-def _lstsq(y: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """B (W, d_c) minimising sum_t |y_t - B c_t|^2; y (N, W), c (N, d_c), relative ridge."""
-    gram = c.T @ c  # (d_c, d_c)
-    eye = torch.eye(gram.shape[0], dtype=c.dtype)
-    return torch.linalg.solve(gram + _RIDGE * torch.diagonal(gram).mean().clamp_min(1e-300) * eye, c.T @ y).T
-
-
 def _decoders(x, down, gain, eps, y_k, y_v, pk, pv, biased: bool) -> tuple:
     """The least-squares decoders of the normalised latent of `down` (keys from the centred latent, values
     with a bias column when `biased`): (key error, value error, relative to pk / pv; the latent (N, d_c);
@@ -205,7 +198,9 @@ def _decoders(x, down, gain, eps, y_k, y_v, pk, pv, biased: bool) -> tuple:
     cn = rms_normalize(x @ down.T, gain, eps)  # (N, d_c)
     design_v = torch.cat([cn, torch.ones_like(cn[:, :1])], 1) if biased else cn
     ck = cn - cn.mean(0)
-    up_k, dec_v = _lstsq(y_k, ck), _lstsq(y_v, design_v)  # (nk, d_c), (nv, d_c [+1])
+    # B minimising sum_t |y_t - B c_t|^2 (relative ridge) from the sums c^T y and c^T c of the samples
+    up_k = fac.lstsq_decoder((ck.T @ y_k).T, ck.T @ ck)  # (nk, d_c)
+    dec_v = fac.lstsq_decoder((design_v.T @ y_v).T, design_v.T @ design_v)  # (nv, d_c [+1])
     ek = (y_k - ck @ up_k.T).pow(2).sum() / pk
     ev = (y_v - design_v @ dec_v.T).pow(2).sum() / pv
     up_v, bias_v = (dec_v[:, :-1], dec_v[:, -1]) if biased else (dec_v, None)

@@ -200,13 +200,9 @@ def _data_and_recipe(s: HealSettings, source: Path, num_processes: int, extras: 
 
 
 def _check_inputs(s: HealSettings) -> tuple[Path, Path, Path, _Extras]:
-    """Refuse bad settings before any loading or training; returns (output, state directory, source,
-    the teacher and LoRA modules: `_check_teacher_and_lora`).
-
-    Args:
-        s: the run's settings; their own checks, the text files, the source checkpoint (complete) and the
-            output and state paths (never over or inside the source, writable) are checked.
-    """
+    """Refuse bad settings before any loading or training (their own checks, the text files, the source
+    checkpoint (complete), the output and state paths: never over or inside the source, writable); returns
+    (output, state directory, source, the teacher and LoRA modules: `_check_teacher_and_lora`)."""
     with user_input():  # the settings' own checks are about the input
         s.validate()
     for flag, files in (("--train-text", s.train_text), ("--eval-text", s.eval_text)):

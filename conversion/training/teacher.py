@@ -26,16 +26,6 @@ NO_TEACHER = "none"
 AUTO_TEACHER = "auto"
 
 
-def recorded_source(student: Path) -> tuple[str, str] | None:
-    """(path, weights hash) of the checkpoint the student's conversion history starts from: the source of
-    its first record, the model every later step (conversion, refinement, healing, export) tries to preserve.
-    None when the checkpoint carries no record."""
-    history = (loading.read_config(student).get("hf_attn") or {}).get("history") or []
-    if not history or not history[0].get("source"):
-        return None
-    return str(history[0]["source"]), str(history[0].get("source_hash") or "")
-
-
 def resolve_teacher(teacher: str, student: Path) -> tuple[Path | None, str | None, str | None]:
     """(teacher directory, its weights hash, a note to print) for `--teacher`: `none` -> no teacher; `auto` ->
     the recorded source when its directory is here with the recorded weights, else no teacher and a note
@@ -46,10 +36,12 @@ def resolve_teacher(teacher: str, student: Path) -> tuple[Path | None, str | Non
         path = loading.resolve_model(teacher)
         loading.check_checkpoint_complete(path)
         return path, checkpoint_hash(path), None
-    found = recorded_source(student)
-    if found is None:
+    # the source of the student's first record: the model every later step (conversion, refinement, healing,
+    # export) tries to preserve
+    history = (loading.read_config(student).get("hf_attn") or {}).get("history") or []
+    if not history or not history[0].get("source"):
         return None, None, f"--teacher auto: {student} records no source; healing on next-token labels only"
-    path, recorded_hash = Path(found[0]), found[1]
+    path, recorded_hash = Path(history[0]["source"]), str(history[0].get("source_hash") or "")
     problem = None if (path / "config.json").is_file() else "is not on this machine"
     if problem is None:
         try:

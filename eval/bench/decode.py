@@ -45,12 +45,8 @@ QUICK_PROMPTS, QUICK_BATCHES, QUICK_NEW_TOKENS = (128,), (1, 4), 8
 
 def _model(model_path: str, attn_implementation: str | None, dtype: torch.dtype):
     """The loaded model, reused across calls while the checkpoint's files are unchanged."""
-    path = Path(model_path)
-    stamp = (
-        tuple((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in sorted(path.iterdir()))
-        if path.is_dir()
-        else ()
-    )
+    files = sorted(Path(model_path).iterdir()) if Path(model_path).is_dir() else []
+    stamp = tuple((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in files)
     return _load_model(model_path, attn_implementation, dtype, stamp)
 
 

@@ -24,7 +24,6 @@ covers fp32 rounding in different kernels (docs/serve.md has the measured figure
 
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 import sys
@@ -314,7 +313,7 @@ def format_report(r: dict) -> str:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True, help="deepseek_v3 directory written by `hf-attn export`")
     parser.add_argument(
@@ -331,11 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine-python", default=None, help=f"the engine's Python (default: {env.ENGINE_VENV})"
     )
     parser.add_argument("--json", default=None, help="also write the report here")
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parser.parse_args(argv)
 
     def check() -> int:
         check_number("--new-tokens", args.new_tokens, minimum=2, inclusive=True, integer=True)  # decode runs

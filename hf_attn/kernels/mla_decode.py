@@ -315,19 +315,16 @@ def _plan_launch(
     block_r = max(_MIN_BLOCK, triton.next_power_of_2(R)) if R else _MIN_BLOCK
     block_m = max(_MIN_BLOCK, min(triton.next_power_of_2(M), _MAX_ACC_ELEMENTS // block_dc))
     row_blocks = triton.cdiv(M, block_m)
-    if block_n is None:  # measured on sm_90 (docs/research/mla-kernel.md): 64 wins at d_c 128 and 512
-        block_n = 64
+    block_n = 64 if block_n is None else block_n  # won on sm_90 at d_c 128, 512 (docs/research/mla-kernel.md)
     if block_n < _MIN_BLOCK or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= {_MIN_BLOCK}, got {block_n}")
     n_blocks = triton.cdiv(S, block_n)
-    if num_splits is None:
-        num_splits = _default_splits(B * row_blocks, n_blocks, device)
+    num_splits = _default_splits(B * row_blocks, n_blocks, device) if num_splits is None else num_splits
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     split_len = triton.cdiv(n_blocks, min(num_splits, n_blocks)) * block_n  # a multiple of block_n
     num_splits = triton.cdiv(S, split_len)  # every split holds at least one token
-    if num_warps is None:  # 4 beat 8 at d_c 512 despite ptxas's spills (docs/research/mla-kernel.md)
-        num_warps = 4
+    num_warps = 4 if num_warps is None else num_warps  # 4 beat 8 at d_c 512 despite ptxas's spills
     return _Launch(block_m, block_n, block_dc, block_r, row_blocks, split_len, num_splits, num_warps)
 
 
@@ -348,10 +345,8 @@ def _sm_count(index: int) -> int:
 
 def _check(q_rope, q_latent, latent, k_rope, rope_heads):
     """Validate shapes, dtypes and devices; returns B, Hkv, G, T, R, DC, S, Hr."""
-    shapes = (
-        f"q_rope {tuple(q_rope.shape)}, q_latent {tuple(q_latent.shape)}, latent {tuple(latent.shape)}, "
-        f"k_rope {tuple(k_rope.shape)}"
-    )
+    named = {"q_rope": q_rope, "q_latent": q_latent, "latent": latent, "k_rope": k_rope}
+    shapes = ", ".join(f"{name} {tuple(t.shape)}" for name, t in named.items())
     if q_rope.dim() != 5 or q_latent.dim() != 5 or latent.dim() != 4 or k_rope.dim() != 4:
         raise ValueError(
             "expected q_rope (B, Hkv, G, T, R), q_latent (B, Hkv, G, T, DC), latent (B, 1, S, DC), "
@@ -376,13 +371,12 @@ def _check(q_rope, q_latent, latent, k_rope, rope_heads):
             f"Hkv = {Hkv} (one per KV head) and R = {R} (q_rope's last dim); got rope_heads={rope_heads}, "
             f"{shapes}"
         )
-    dtypes = {t.dtype for t in (q_rope, q_latent, latent, k_rope)}
-    if len(dtypes) != 1 or latent.dtype not in _DTYPES:
+    if len({t.dtype for t in named.values()}) != 1 or latent.dtype not in _DTYPES:
         raise ValueError(
             f"q_rope, q_latent, latent, k_rope must share one dtype of {_DTYPES}; got "
             f"{q_rope.dtype}, {q_latent.dtype}, {latent.dtype}, {k_rope.dtype}: cast them to the cache dtype"
         )
-    if len({t.device for t in (q_rope, q_latent, latent, k_rope)}) != 1:
+    if len({t.device for t in named.values()}) != 1:
         raise ValueError(
             f"q_rope, q_latent, latent, k_rope must be on one device; latent is on {latent.device}"
         )

@@ -31,14 +31,7 @@ from hf_attn.tooling.errors import UserError
 from hf_attn.tooling.files import atomic_directory, sha256_file
 from hf_attn.tooling.files import cache_dir as configured_cache_dir
 
-NOVELS = (
-    "sensesensibility",
-    "prideprejudice",
-    "mansfieldpark",
-    "emma",
-    "northangerabbey",
-    "persuasion",
-)
+NOVELS = ("sensesensibility", "prideprejudice", "mansfieldpark", "emma", "northangerabbey", "persuasion")
 EVAL_NOVEL = "persuasion"
 TRAIN_NOVELS = tuple(n for n in NOVELS if n != EVAL_NOVEL)  # calibration and healing text, never evaluation
 
@@ -99,26 +92,38 @@ def smollm2_dir() -> Path:
 
 def austen_dir() -> Path:
     """Directory with one UTF-8 text file per novel plus SHA256SUMS; fetched and decoded on first use."""
-    final = cache_dir() / "austen"
-    if (final / "SHA256SUMS").exists():
-        _verify(final)
-        return final
-    with atomic_directory(final, overwrite=True) as tmp:
-        deb_root = _download_deb(tmp)
-        novels = read_rdata(deb_root / _RDATA)
-        missing = set(NOVELS) - set(novels)
-        if missing:
-            raise UserError(
-                f"{_DEB_PACKAGE} lacks the novels {sorted(missing)} (found {sorted(novels)}); the package "
-                f"changed: set HF_ATTN_CACHE to a directory holding austen/ fetched from an older one"
-            )
-        sums = []
-        for name in NOVELS:
-            path = tmp / f"{name}.txt"
-            path.write_text("\n".join(novels[name]) + "\n", encoding="utf-8")
-            sums.append(f"{sha256_file(path)}  {path.name}")
-        (tmp / "SHA256SUMS").write_text("\n".join(sums) + "\n")
-        shutil.rmtree(deb_root.parent)
+    return _fetch_texts(cache_dir() / "austen", _DEB_PACKAGE, _novels)
+
+
+def _novels(deb_root: Path) -> dict[str, str]:
+    """novel -> its text, from the extracted R package (UserError when one of NOVELS is missing)."""
+    novels = read_rdata(deb_root / _RDATA)
+    missing = set(NOVELS) - set(novels)
+    if missing:
+        raise UserError(
+            f"{_DEB_PACKAGE} lacks the novels {sorted(missing)} (found {sorted(novels)}); the package "
+            f"changed: set HF_ATTN_CACHE to a directory holding austen/ fetched from an older one"
+        )
+    return {name: "\n".join(novels[name]) + "\n" for name in NOVELS}
+
+
+def _fetch_texts(final: Path, package: str, texts, check=None) -> Path:
+    """`final`, verified against its SHA256SUMS; on first use built atomically from the Debian `package`:
+    one NAME.txt (UTF-8) per entry of `texts(extraction root)`, each digest passed to `check(NAME, digest,
+    download directory)` where given, and SHA256SUMS."""
+    if not (final / "SHA256SUMS").exists():
+        with atomic_directory(final, overwrite=True) as tmp:
+            deb_root = _download_deb(tmp, package)
+            sums = []
+            for name, text in texts(deb_root).items():
+                path = tmp / f"{name}.txt"
+                path.write_text(text, encoding="utf-8")
+                digest = sha256_file(path)
+                if check is not None:
+                    check(name, digest, deb_root.parent)
+                sums.append(f"{digest}  {path.name}")
+            (tmp / "SHA256SUMS").write_text("\n".join(sums) + "\n")
+            shutil.rmtree(deb_root.parent)
     _verify(final)
     return final
 
@@ -149,12 +154,9 @@ CORPUS_TEXTS = {  # what each calibration corpus is, in words (reports)
 
 def python_docs_dir() -> Path:
     """Directory with the Python 3.11 docs as plain text (one file per section) plus SHA256SUMS; fetched from
-    Debian's `python3.11-doc` on first use (`hf_attn.tooling.python_docs`)."""
+    Debian's `python3.11-doc` on first use, the texts pinned (`hf_attn.tooling.python_docs`)."""
     final = cache_dir() / python_docs.DIRNAME
-    if (final / "SHA256SUMS").exists():
-        _verify(final)
-        return final
-    return python_docs.fetch(final, download_deb=_download_deb, verify=_verify)
+    return _fetch_texts(final, python_docs.DEB_PACKAGE, python_docs.build_texts, python_docs.check_pinned)
 
 
 def python_docs_calibration_files() -> list[Path]:
@@ -196,10 +198,10 @@ def _verify(directory: Path) -> None:
             )
 
 
-def _download_deb(workdir: Path, package: str = _DEB_PACKAGE) -> Path:
-    """`apt-get download` + `dpkg -x` a Debian package (default: the R one) inside `workdir`; returns the
-    extraction root. UserError naming the package, what failed and the fix (OFFLINE_FIX) when it cannot be
-    fetched or extracted; the caller's atomic directory then leaves nothing in the cache."""
+def _download_deb(workdir: Path, package: str) -> Path:
+    """`apt-get download` + `dpkg -x` a Debian package inside `workdir`; returns the extraction root.
+    UserError naming the package, what failed and the fix (OFFLINE_FIX) when it cannot be fetched or
+    extracted; the caller's atomic directory then leaves nothing in the cache."""
     dl = workdir / "deb"
     dl.mkdir()
     cmd = [APT_GET, "download", package]

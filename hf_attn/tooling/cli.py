@@ -131,8 +131,6 @@ def parse_with_quick(parser: argparse.ArgumentParser, argv: list[str] | None, qu
 
 def _field_type(tp) -> tuple[type, bool]:
     """(scalar type, is a list) of a settings field annotation (Optional stripped)."""
-    if isinstance(tp, str):
-        raise TypeError(f"settings annotations must be evaluated types, got {tp!r}")
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType) and len(args) == 1:
@@ -164,7 +162,7 @@ def add_deprecated_alias(parser, alias: str, *, new_flag: str, dest: str, **kwar
     parser.add_argument(alias, dest=dest, action=_DeprecatedAlias, new_flag=new_flag, **kwargs)
 
 
-def add_settings_arguments(parser: argparse.ArgumentParser, settings: type, *, skip: tuple[str, ...] = ()):
+def add_settings_arguments(parser: argparse.ArgumentParser, settings: type):
     """One `--flag` per field of the dataclass `settings` (underscores -> dashes), its default, its type and
     the `help` / `choices` / `metavar` / `flag` given in the field's metadata. bool fields with default False
     become store_true flags, with default True `--no-...` flags. A field without a default is a required
@@ -173,13 +171,11 @@ def add_settings_arguments(parser: argparse.ArgumentParser, settings: type, *, s
     hints = typing.get_type_hints(settings)
     groups: dict[str, Any] = {}
     for f in dataclasses.fields(settings):
-        if f.name in skip or f.metadata.get("cli") is False:
+        if f.metadata.get("cli") is False:
             continue
-        target = parser
-        if "exclusive" in f.metadata:
-            if f.metadata["exclusive"] not in groups:
-                groups[f.metadata["exclusive"]] = parser.add_mutually_exclusive_group()
-            target = groups[f.metadata["exclusive"]]
+        target, group = parser, f.metadata.get("exclusive")
+        if group is not None:
+            target = groups[group] = groups.get(group) or parser.add_mutually_exclusive_group()
         default = f.default  # MISSING (neither a default nor a factory): a required flag
         if f.default_factory is not dataclasses.MISSING:
             default = f.default_factory()

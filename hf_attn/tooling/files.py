@@ -296,7 +296,7 @@ def _swap(new: Path, final: Path, *, overwrite: bool, kind: str | None) -> None:
     _remove(trash)
 
 
-def write_text_atomic(final: str | os.PathLike, text: str | bytes, *, overwrite: bool = True) -> Path:
+def write_text_atomic(final: str | os.PathLike, text: str | bytes) -> Path:
     """Write a file (text, or bytes) atomically: a registered temporary sibling, then one rename over
     `final`. An OSError that names no file (a full disk) names `final`."""
     final = Path(final).resolve()
@@ -307,8 +307,6 @@ def write_text_atomic(final: str | os.PathLike, text: str | bytes, *, overwrite:
         tmp.chmod(0o644)
         if final.is_dir():
             raise IsADirectoryError(21, "is a directory; give a file name", str(final))
-        if final.exists() and not overwrite:
-            raise FileExistsError(f"Output {final} appeared while writing; pass --overwrite to replace it.")
         os.replace(tmp, final)
     except OSError as err:
         _name_the_file(err, final)
@@ -381,9 +379,10 @@ def write_json(path: str | os.PathLike, data, *, prog: str | None = None) -> Pat
     return write_text_atomic(path, text)
 
 
-def _read_json(path: Path):
+def read_json(path: Path):
+    """The JSON value in the file `path`, or None where it cannot be read or is not JSON."""
     try:
-        return json.loads(path.read_text())
+        return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
 
@@ -428,11 +427,11 @@ def check_replaceable(path: Path, kind: str, flag: str = "--output") -> None:
     if kind == "checkpoint" and path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
         return  # an empty directory: replacing it loses nothing
     if kind == "checkpoint":
-        config = _read_json(path / "config.json") if path.is_dir() and not path.is_symlink() else None
+        config = read_json(path / "config.json") if path.is_dir() and not path.is_symlink() else None
         ours = isinstance(config, dict) and isinstance(config.get("hf_attn"), dict)
         what = "a checkpoint hf-attn wrote"
     elif kind == "json":
-        record = _read_json(path) if path.is_file() and not path.is_symlink() else None
+        record = read_json(path) if path.is_file() and not path.is_symlink() else None
         ours = isinstance(record, dict) and str(record.get(WRITTEN_BY, "")).startswith("hf-attn")
         what = "a JSON record hf-attn wrote"
     else:

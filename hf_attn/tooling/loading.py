@@ -29,7 +29,7 @@ from hf_attn.tooling.files import checkpoint_hash
 from hf_attn.tooling.weights import (
     check_finite,
     check_finite_weights,
-    check_safetensors_file,
+    safetensors_header,
     tensor_index,
     weight_files,
 )
@@ -200,7 +200,7 @@ def check_weight_files(model: str | Path) -> list[Path]:
     files = weight_files(directory)
     for path in files:
         if path.suffix == ".safetensors":
-            check_safetensors_file(path)
+            safetensors_header(path)
     return files
 
 

@@ -15,10 +15,7 @@ The derived texts are pinned (`PINNED_SHA256`): a different package build that c
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
-
-from hf_attn.tooling.files import atomic_directory, sha256_file
 
 DEB_PACKAGE = "python3.11-doc"
 DEB_VERSION = "3.11.2-6+deb12u8"  # the build the pinned checksums were made from
@@ -95,9 +92,9 @@ def strip_rest(source: str) -> str:
     return re.sub(r"\n{3,}", "\n\n", text).strip() + "\n"
 
 
-def build_texts(sources: Path) -> dict[str, str]:
-    """section -> its plain text, from an extracted `_sources` directory."""
-    texts = {}
+def build_texts(deb_root: Path) -> dict[str, str]:
+    """section -> its plain text, from the extracted package (its `SOURCES` directory)."""
+    sources, texts = deb_root / SOURCES, {}
     for section in SECTIONS:
         files = sorted((sources / section).rglob("*.rst.txt"))
         if not files:
@@ -106,26 +103,12 @@ def build_texts(sources: Path) -> dict[str, str]:
     return texts
 
 
-def fetch(final: Path, *, download_deb, verify) -> Path:
-    """Download the .deb, write one text per section and SHA256SUMS into `final` (atomically); refuse texts
-    whose checksums differ from PINNED_SHA256. `download_deb` and `verify` come from `assets` (no cycle)."""
-    with atomic_directory(final, overwrite=True) as tmp:
-        deb_root = download_deb(tmp, DEB_PACKAGE)
-        texts = build_texts(deb_root / SOURCES)
-        sums = []
-        for section, text in texts.items():
-            path = tmp / f"{section}.txt"
-            path.write_text(text, encoding="utf-8")
-            digest = sha256_file(path)
-            if PINNED_SHA256[section] and digest != PINNED_SHA256[section]:
-                versions = sorted(p.name for p in (deb_root.parent).glob("*.deb"))
-                raise OSError(
-                    f"{section}.txt from {versions} has sha256 {digest[:12]}, not the pinned "
-                    f"{PINNED_SHA256[section][:12]} (made from {DEB_PACKAGE} {DEB_VERSION}); the package "
-                    "changed: fetch that version or update PINNED_SHA256 in hf_attn/tooling/python_docs.py"
-                )
-            sums.append(f"{digest}  {path.name}")
-        (tmp / "SHA256SUMS").write_text("\n".join(sums) + "\n")
-        shutil.rmtree(deb_root.parent)
-    verify(final)
-    return final
+def check_pinned(section: str, digest: str, debs: Path) -> None:
+    """OSError unless `digest` (sha256 of `section`.txt, made from the .deb in `debs`) is the pinned one."""
+    if PINNED_SHA256[section] and digest != PINNED_SHA256[section]:
+        versions = sorted(p.name for p in debs.glob("*.deb"))
+        raise OSError(
+            f"{section}.txt from {versions} has sha256 {digest[:12]}, not the pinned "
+            f"{PINNED_SHA256[section][:12]} (made from {DEB_PACKAGE} {DEB_VERSION}); the package "
+            "changed: fetch that version or update PINNED_SHA256 in hf_attn/tooling/python_docs.py"
+        )

@@ -34,19 +34,10 @@ BIN_INDEX_FILE = "pytorch_model.bin.index.json"
 NAMED_FILE_KEY = "transformers_weights"
 
 SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
 _CHECK_CHUNK = 1 << 24  # elements tested for finiteness at once (bounds the temporary mask)
 # tested for finiteness as stored; other dtypes as float32
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -109,14 +100,9 @@ def weight_files(model_dir: str | os.PathLike) -> list[Path]:
     )
 
 
-def check_safetensors_file(path: Path) -> None:
-    """UserError naming `path` unless its safetensors header parses and its tensors lie within the file."""
-    _read_header(path)
-
-
-def _read_header(path: Path) -> tuple[dict, int]:
-    """The JSON header of a safetensors file and where its data starts; UserError naming a damaged file
-    (`check_safetensors_file`)."""
+def safetensors_header(path: Path) -> tuple[dict, int]:
+    """The JSON header of a safetensors file and where its data starts; UserError naming `path` unless the
+    header parses and its tensors lie within the file."""
     size = path.stat().st_size
     fix = "the file is damaged or truncated; copy it again"
     try:
@@ -145,7 +131,7 @@ def tensor_index(model_dir: str | os.PathLike) -> dict[str, TensorInfo]:
         )
     out = {}
     for path in files:
-        header, data_start = _read_header(path)
+        header, data_start = safetensors_header(path)
         header.pop("__metadata__", None)
         for name, h in header.items():
             if h["dtype"] not in SAFETENSORS_DTYPES:

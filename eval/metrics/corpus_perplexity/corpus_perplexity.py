@@ -1,10 +1,10 @@
 """`evaluate` metric: corpus-level sliding-window perplexity, the protocol of `eval.perplexity`.
 
 Load it from its directory (offline too): `evaluate.load("eval/metrics/corpus_perplexity")`. The window
-planning, batching and NLL summation are `eval.perplexity`'s own (`evaluate_perplexity`), the corpus is joined
-and tokenized as `eval.corpus` does for several text files, and the model is loaded by `eval.common` (after
-`import hf_attn`, so `llama_mla` checkpoints and the `hf_attn_*` attention implementations work): the result
-equals `python -m eval.perplexity --text FILE...` on the same texts and options.
+planning, batching and NLL summation are `hf_attn.tooling.perplexity`'s (`evaluate_perplexity`), the corpus is
+joined and tokenized as `hf_attn.tooling.corpus` does for several text files, and the model is loaded by
+`hf_attn.tooling.loading` (after `import hf_attn`, so `llama_mla` checkpoints and the `hf_attn_*` attention
+implementations work): the result equals `python -m eval.perplexity --text FILE...` with the same options.
 """
 
 from __future__ import annotations
@@ -109,12 +109,8 @@ class CorpusPerplexity(evaluate.Metric):
             progress=False,
         )
         return {
-            "perplexity": result.perplexity,
-            "nll_sum": result.nll_sum,
-            "tokens_scored": result.tokens_scored,
+            **{key: getattr(result, key) for key in ("perplexity", "nll_sum", "tokens_scored")},
             "corpus_tokens": int(input_ids.numel()),
-            "windows": result.windows,
-            "context_length": result.context_length,
-            "stride": result.stride,
+            **{key: getattr(result, key) for key in ("windows", "context_length", "stride")},
             "corpus_sha256": corpus.sha256,
         }

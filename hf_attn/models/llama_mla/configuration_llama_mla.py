@@ -78,15 +78,11 @@ class LlamaMLAConfig(LlamaConfig):
         if self.rope_pairs is None:
             layers = self.layer_rope_pairs
             self.rope_pairs = self.head_dim // 2 if layers is None else max(layers)
-        if self.kv_lora_rank is None and self.layer_kv_lora_ranks is not None:
-            self.kv_lora_rank = max(self.layer_kv_lora_ranks)
-        if self.kv_lora_rank is None and self.layer_rope_pairs is not None:  # full rank in every layer
-            hkv, d = self.num_key_value_heads, self.head_dim
-            self.layer_kv_lora_ranks = [self.full_kv_lora_rank(hkv, d, r) for r in self.layer_rope_pairs]
-            self.kv_lora_rank = max(self.layer_kv_lora_ranks)
-        if self.kv_lora_rank is None:
-            hkv, d, r = self.num_key_value_heads, self.head_dim, self.rope_pairs
-            self.kv_lora_rank = self.full_kv_lora_rank(hkv, d, r)
+        if self.kv_lora_rank is None:  # the largest layer's, else full rank (in every layer)
+            hkv, d, full = self.num_key_value_heads, self.head_dim, self.full_kv_lora_rank
+            if self.layer_kv_lora_ranks is None and self.layer_rope_pairs is not None:
+                self.layer_kv_lora_ranks = [full(hkv, d, r) for r in self.layer_rope_pairs]
+            self.kv_lora_rank = max(self.layer_kv_lora_ranks or [full(hkv, d, self.rope_pairs)])
         if self.qkv_bias is None:
             self.qkv_bias = self.attention_bias
         if self.o_bias is None:
@@ -121,23 +117,17 @@ class LlamaMLAConfig(LlamaConfig):
                     f"{kind} the scalar {scalar} is the largest layer's; drop {scalar} or set it to "
                     f"{max(values)}."
                 )
-        if self.rope_layout not in ROPE_LAYOUTS:
-            raise ValueError(
-                f"rope_layout must be one of {ROPE_LAYOUTS}, got {self.rope_layout!r}; use 'shared' for "
-                "DeepSeek's one RoPE key per layer."
-            )
+        for field, choices, hint in (
+            ("rope_layout", ROPE_LAYOUTS, "; use 'shared' for DeepSeek's one RoPE key per layer"),
+            ("mla_attention_path", MLA_ATTENTION_PATHS, ""),
+            ("source_model_type", SOURCE_MODEL_TYPES, ""),
+        ):
+            if getattr(self, field) not in choices:
+                raise ValueError(f"{field} must be one of {choices}, got {getattr(self, field)!r}{hint}.")
         if not isinstance(self.latent_norm, bool):
             raise ValueError(f"latent_norm must be True or False, got {self.latent_norm!r}.")
-        if self.mla_attention_path not in MLA_ATTENTION_PATHS:
-            raise ValueError(
-                f"mla_attention_path must be one of {MLA_ATTENTION_PATHS}, got {self.mla_attention_path!r}."
-            )
         if self.absorb_max_query_length < 0:
             raise ValueError(f"absorb_max_query_length must be >= 0, got {self.absorb_max_query_length}.")
-        if self.source_model_type not in SOURCE_MODEL_TYPES:
-            raise ValueError(
-                f"source_model_type must be one of {SOURCE_MODEL_TYPES}, got {self.source_model_type!r}."
-            )
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(
                 f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers; "
@@ -172,12 +162,8 @@ class LlamaMLAConfig(LlamaConfig):
             setattr(self, field, list(values))
 
     def _check_rope_pair_indices(self) -> None:
-        idx, layers, hr, half = (
-            self.rope_pair_indices,
-            self.num_hidden_layers,
-            self.num_rope_keys,
-            self.head_dim // 2,
-        )
+        idx, layers, hr = self.rope_pair_indices, self.num_hidden_layers, self.num_rope_keys
+        half = self.head_dim // 2
         if len(idx) != layers or any(len(heads) != hr for heads in idx):
             what = "1 (rope_layout='shared')" if self.rope_layout == "shared" else "num_key_value_heads"
             raise ValueError(
