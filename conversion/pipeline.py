@@ -105,7 +105,15 @@ def convert(
         closed_form, refined = last_record(last), None
         if steps:
             refined_dir = output if export is None else Path(scratch) / "refined"
-            refined = _refine(last, refined_dir, src, refine, calibration, write, progress)
+            refined = _refine(
+                last,
+                refined_dir,
+                src=src,
+                spec=refine,
+                calibration=calibration,
+                write=write,
+                progress=progress,
+            )
             last = refined_dir
         if export is not None:
             export_checkpoint(src=last, dst=output, to=export, overwrite=write.overwrite)
@@ -113,7 +121,14 @@ def convert(
 
 
 def _refine(
-    closed: Path, dst: Path, src, spec: RefineSpec, calibration: CalibrationSpec, write: WriteSpec, progress
+    closed: Path,
+    dst: Path,
+    *,
+    src,
+    spec: RefineSpec,
+    calibration: CalibrationSpec,
+    write: WriteSpec,
+    progress: bool,
 ) -> dict:
     """`hf-attn refine` of the closed form at `closed` into `dst` (against the source `src`, `convert`'s
     calibration, its write overwrite and progress): the refinement's record."""
