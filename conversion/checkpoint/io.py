@@ -248,7 +248,10 @@ def check_attention_tensors(index: dict[str, TensorInfo], geometry: AttentionGeo
     if norms:
         raise UserError(f"Unsupported checkpoint: query/key norms ({norms[0]}, ...) break linear pooling.")
     for name, info in index.items():
-        layer, proj, kind = parse_attn_key(name) or (0, None, None)  # (proj None: not an attention tensor)
+        parsed = parse_attn_key(name)
+        if parsed is None:
+            continue
+        layer, proj, kind = parsed
         if proj not in ATTENTION_PROJECTIONS:
             continue  # not a projection (an old rotary buffer...): `loading.checkpoint_weights` judges it
         want = shapes.get((proj, kind))
