@@ -1,19 +1,20 @@
-"""`python -m benchmarks.gpu`: the project's GPU measurements in two profiles of parts, each part in its own
+"""`python -m benchmarks.gpu`: the project's GPU measurements in three profiles of parts, each part in its own
 child process with its own time limit, its rows written into the output folder as it measures them.
 
-    python -m benchmarks.gpu [--profile loan|extended] [--parts PART ...] [--output DIR] [--set PART.KEY=JSON]
-                             [--limit PART=SECONDS ...] [--budget-s S] [--dry-run]
+    python -m benchmarks.gpu [--profile loan|extended|memory] [--parts PART ...] [--output DIR]
+                             [--set PART.KEY=JSON] [--limit PART=SECONDS ...] [--budget-s S] [--dry-run]
     python -m benchmarks.gpu --fetch    the wheels and assets an offline GPU machine needs (`make gpu-wheels`)
     python -m benchmarks.gpu --list     the profiles: their parts, planned seconds, limits and budgets
     python -m benchmarks.gpu --merge A/results.json B/results.json ... --output DIR   one record of runs
 
 Profiles (`gpu_parts.PROFILES`): `loan`, the default, takes the essential figures in one command of at
-most 300 s on one H100, wheel setup and Triton compilation included; `extended` the rest in at most 480 s. The
-parts run in order of value, each with its own limit or what is left of the budget, whichever is less; an
-optional part runs only if its planned seconds are left. `--parts` runs the named parts instead (570 s).
+most 300 s on one H100, wheel setup and Triton compilation included; `extended` the rest in at most 480 s;
+`memory` LoRA healing's GPU memory at 8B in at most 300 s. The parts run in order of value, each with its
+own limit or what is left of the budget, whichever is less; an optional part runs only if its planned seconds
+are left. `--parts` runs the named parts instead (570 s).
 From a checkout on a GPU machine without hf-attn installed, `python3 -m benchmarks.gpu ...` is the same
 command: it installs the carried wheels (.gpu/bundle, see `benchmarks/gpu_bundle.py`) and runs the parts
-against the checkout. `--dry-run` goes through the setup of every part of both profiles on any machine
+against the checkout. `--dry-run` goes through the setup of every part of every profile on any machine
 (settings, shapes, files, imports, argument lists, output schema, the wheel list) and checks each profile's
 planned seconds against its budget: exit status 1 names a part that cannot be set up or a profile that cannot
 fit.

@@ -65,6 +65,7 @@ PARTS = {
         Part("fsdp", "gpu_train", "healing under FSDP (the shipped config), one process per GPU", 45, 90),
         Part("recipe-gqa", "gpu_recipe", "convert gqa (MQA) on CUDA, 2 layers of Llama-3-8B", 75, 120),
         Part("recipe-deep", "gpu_recipe", "default convert mla on CUDA, 8 layers of Llama-3-8B", 200, 300),
+        Part("heal-lora", "gpu_train", "LoRA heal of 8B: peak GPU memory, with or without teacher", 200, 300),
     )
 }  # fmt: skip
 
@@ -87,6 +88,8 @@ PROFILES = {
                 ("kernel-tests", "mla-kernel", "capacity", "recipe"), ("attention",)),
         Profile("extended", "the rest, a second command of at most 8 minutes", 480,
                 ("heal", "fsdp", "recipe-gqa", "recipe-deep")),
+        Profile("memory", "LoRA healing's GPU memory at 8B, a third command of at most 5 minutes", 300,
+                ("heal-lora",)),
     )
 }  # fmt: skip
 

@@ -63,7 +63,10 @@ def timed(stage, fn):
     return wrapper
 for stage, module, name in json.loads(sys.argv[1]):
     owner = importlib.import_module(module)
-    setattr(owner, name, timed(stage, getattr(owner, name)))
+    original = getattr(owner, name)
+    setattr(owner, name, timed(stage, original))
+    for table in [v for v in vars(owner).values() if isinstance(v, dict)]:  # dispatch tables holding it
+        table.update({{k: getattr(owner, name) for k, v in table.items() if v is original}})
 @atexit.register
 def peaks():
     import torch
@@ -102,8 +105,8 @@ def checkpoint_bytes(dims: dict) -> int:
     return 2 * sum(math.prod(size) for _, size in synthetic.tensor_shapes(dims))  # bf16
 
 
-def converter_argv(converter: str, src: str, dst: str) -> list[str]:
-    """The wrapped `python -m hf_attn.conversion.<converter>` of the default recipe on CUDA."""
+def converter_argv(converter: str, src: str, dst: str, *, device: str = "cuda") -> list[str]:
+    """The wrapped `python -m hf_attn.conversion.<converter>` of the default recipe on `device`."""
     module, args = CONVERTERS[converter]
     hooks = json.dumps([[stage, mod, fn] for stage, _, mod, fn, _ in HOOKS])
     return [
@@ -118,7 +121,7 @@ def converter_argv(converter: str, src: str, dst: str) -> list[str]:
         dst,
         *args,
         "--device",
-        "cuda",
+        device,
     ]
 
 

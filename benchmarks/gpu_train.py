@@ -4,6 +4,10 @@ heal: on SmolLM2's config with random weights (the 517 MB weights do not travel)
 (`hf-attn heal` against a bare PyTorch loop doing the same steps), then `hf-attn heal --teacher DIR` with a
 second random SmolLM2 as the frozen teacher (KL to its logits): what distilling costs per step.
 fsdp: `hf-attn heal` under `accelerate launch` with the shipped FSDP config, one process per GPU present.
+heal-lora: peak GPU memory of `hf-attn heal --lora-rank R` (fp32 master weights) on the synthetic
+Llama-3-8B checkpoint of benchmarks/synthetic.py at full depth, alone and with the same checkpoint as a frozen
+bf16 teacher (`--teacher DIR`): what LoRA healing of an 8B model needs. The healed output is not written (the
+write is a stub in the part's own process): the part measures training, and a 16 GB write would take minutes.
 Tokens/s from the median step; model FLOPs utilisation = FLOPs per token x tokens/s over the GPU's dense fp32
 peak (heal trains in fp32 by default; no TF32), FLOPs per token = 6 N + 12 L Hq d T (PaLM's count) for the
 student, plus 2 N + 4 L Hq d T for a teacher's forward.
@@ -17,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -194,6 +199,82 @@ def run_fsdp(settings: dict, emit) -> None:
                        seq_len=s["seq_len"], steps_timed=len(times)))  # fmt: skip
 
 
+def plan_heal_lora(settings: dict) -> list[str]:
+    import dataclasses
+
+    from benchmarks.synthetic import SHAPES
+    from hf_attn.conversion.training import heal
+
+    s = settings
+    if s["shape"] not in SHAPES:
+        raise ValueError(f"shape {s['shape']!r}: choose one of {sorted(SHAPES)}")
+    if min(s["layers"], s["lora_rank"], s["seq_len"]) < 1 or s["steps"] <= 2:
+        raise ValueError("layers, lora_rank and seq_len must be >= 1, steps > 2")
+    if not {"lora_rank", "teacher"} <= {f.name for f in dataclasses.fields(heal.HealSettings)}:
+        raise ValueError("hf-attn heal has no --lora-rank or --teacher")
+    if not callable(getattr(heal, "write_output", None)):
+        raise ValueError("hf_attn.conversion.training.heal no longer calls write_output")
+    smollm2_source()
+    return [f"{s['shape']}, {s['layers']} layers: heal --lora-rank {s['lora_rank']}, then with --teacher DIR"]
+
+
+def lora_heal_peak(model: Path, out: Path, settings: dict, *, teacher: Path | None = None) -> dict:
+    """One `hf-attn heal --lora-rank R` run of `model` in this process, its output write stubbed out: the
+    peak GPU memory of the run (max_memory_allocated, None on the CPU), seconds per step (median, the first
+    two left out), trainable parameters and the run's wall seconds (loading included)."""
+    from hf_attn.conversion.training import heal
+    from hf_attn.conversion.training.recipe import read_log
+    from hf_attn.tooling import assets
+
+    s, cuda, text = settings, torch.cuda.is_available(), str(assets.austen_file("northangerabbey"))
+    run = heal.HealSettings(model=str(model), output=str(out), train_text=[text],
+                            max_steps=s["steps"], seq_len=s["seq_len"], lora_rank=s["lora_rank"],
+                            schedule="constant", eval_tokens=0, overwrite=True,
+                            teacher=str(teacher) if teacher else "none")  # fmt: skip
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    original, start = heal.write_output, time.perf_counter()
+    heal.write_output = lambda *args, **kwargs: None  # training is measured, not the 32 GB write
+    try:
+        result = heal.heal(run, progress=False)
+    finally:
+        heal.write_output = original
+    log = read_log(result["log"])
+    steps = [e["step_seconds"] for e in log if e["event"] == "step"][2:]
+    trainable = next(e["trainable_parameters"] for e in log if e["event"] == "start")
+    return dict(peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+                seconds_per_step=statistics.median(steps), wall_s=time.perf_counter() - start,
+                trainable_m=trainable / 1e6)  # fmt: skip
+
+
+def run_heal_lora(settings: dict, emit) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from benchmarks.synthetic import SHAPES, write_synthetic
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("heal-lora needs a CUDA GPU")
+    s = settings
+    shape = {**SHAPES[s["shape"]], "num_hidden_layers": s["layers"]}
+    with tempfile.TemporaryDirectory(prefix="hf-attn-gpu-lora-") as tmp:
+        start = time.perf_counter()
+        model = write_synthetic(Path(tmp) / "source", shape=shape, progress=False)
+        with torch.device("meta"):
+            n = sum(
+                p.numel()
+                for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model)).parameters()
+            )
+        total_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+        emit(meta={"device": torch.cuda.get_device_name(), "write_s": time.perf_counter() - start,
+                   "parameters_b": n / 1e9, "total_gib": total_gib})  # fmt: skip
+        row = dict(shape=s["shape"], layers=s["layers"], parameters_b=n / 1e9, seq_len=s["seq_len"])
+        r = lora_heal_peak(model, Path(tmp) / "healed", s)
+        emit(dict(mode=f"LoRA r{s['lora_rank']}, fp32", **row, **r))
+        r = lora_heal_peak(model, Path(tmp) / "healed-teacher", s, teacher=model)
+        emit(dict(mode=f"LoRA r{s['lora_rank']}, fp32, + bf16 teacher", **row, **r))
+
+
 _COLUMNS = (
     ("mode", "mode", ""), ("batch", "batch", "d"), ("seq", "seq_len", "d"),
     ("s/step", "seconds_per_step", ".3f"), ("tokens/s", "tokens_per_s", ".0f"),
@@ -205,4 +286,11 @@ ADAPTERS = {
                     extra_keys=("processes", "steps_timed")),
     "fsdp": Adapter(defaults=_DEFAULTS, columns=_COLUMNS, plan=plan_fsdp, run=run_fsdp,
                     extra_keys=("processes", "steps_timed")),
+    "heal-lora": Adapter(defaults=dict(shape="llama-3-8b", layers=32, lora_rank=16, seq_len=512, steps=4),
+                         columns=(("mode", "mode", ""), ("shape", "shape", ""), ("layers", "layers", "d"),
+                                  ("parameters B", "parameters_b", ".2f"),
+                                  ("trainable M", "trainable_m", ".1f"),
+                                  ("seq", "seq_len", "d"), ("peak GPU GiB", "peak_gib", ".2f"),
+                                  ("s/step", "seconds_per_step", ".3f"), ("run s", "wall_s", ".0f")),
+                         plan=plan_heal_lora, run=run_heal_lora),
 }  # fmt: skip

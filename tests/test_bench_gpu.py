@@ -1,4 +1,4 @@
-"""`python -m benchmarks.gpu` without a GPU: the dry run sets up every part of both profiles (so the suite
+"""`python -m benchmarks.gpu` without a GPU: the dry run sets up every part of every profile (so the suite
 cannot rot between runs on a GPU) and checks each profile's planned seconds against its budget, naming the
 part that cannot be set up or the profile that cannot fit; the wheel list satisfies the project's own
 requirement, the carried bundle is checked, the package layout resolves into the checkout; the runner writes
@@ -25,6 +25,7 @@ def test_dry_run_sets_up_every_part():
     assert "batch 227 at 8192" in results["capacity"]["plan"][1]  # 512 + 64: 9 MiB
     assert "2 of 32 layers" in results["recipe"]["plan"][0] and "8 of 32" in results["recipe-deep"]["plan"][0]
     assert all("--device cuda" in line for line in results["recipe"]["plan"][1:])
+    assert results["heal-lora"]["plan"][0].startswith("llama-3-8b, 32 layers")
 
 
 def test_dry_run_names_each_part_that_cannot_be_set_up():
@@ -125,6 +126,34 @@ def test_recipe_rows_and_full_depth_estimate(tmp_path):
     assert rows["process start and the rest"]["seconds"] == 4.0
     assert rows["total"]["full_depth_s"] == 4 + 74 + 149 and rows["total"]["peak_gpu_gib"] == 2.0
     assert rows["  calibration".strip()]["stage"] == "  calibration"
+
+
+@pytest.mark.parametrize(
+    "converter, stages",
+    [
+        ("mla", {"closed form", "calibration", "closed-form write", "factorization", "refinement",
+                 "layer fits", "refined write"}),
+        ("gqa", {"closed form", "calibration and fit", "closed-form write", "refinement", "layer fits",
+                 "refined write"}),
+    ],
+)  # fmt: skip
+def test_recipe_child_times_every_stage_of_a_real_conversion(tmp_path, converter, stages):
+    """The recipe's wrapped converter, run on the CPU on a tiny synthetic checkpoint: every stage it hooks is
+    called (a hook on a name the converter no longer calls through would leave its stage out)."""
+    import os
+    import subprocess
+
+    from benchmarks.gpu_recipe import STAGE_LOG, converter_argv
+    from benchmarks.synthetic import write_synthetic
+
+    src = write_synthetic(tmp_path / "src", shape="tiny", progress=False)
+    log = tmp_path / "stages.jsonl"
+    argv = converter_argv(converter, str(src), str(tmp_path / "out"), device="cpu")
+    argv += ["--calibration-tokens", "256", "--refine-steps", "2"]
+    proc = subprocess.run(argv, env={**os.environ, STAGE_LOG: str(log)}, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    seen = {json.loads(line).get("stage") for line in log.read_text().splitlines()}
+    assert stages <= seen, f"stages never timed: {sorted(stages - seen)}"
 
 
 def test_wheel_list_satisfies_the_project_requirement(monkeypatch):

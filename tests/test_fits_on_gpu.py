@@ -54,7 +54,7 @@ def test_mla_layer_fits_on_gpu_match_the_cpu_fits_on_gpu(tmp_path, layout):
     """`convert_layer_on` the calibration pass's CUDA device against the same plan's fits on the CPU: every
     converted tensor of both layouts, biases included."""
     src = tiny_llama(tmp_path / "src")
-    calibration = CalibrationSpec(text=[src.parent / "calibration.txt"], tokens=256, window=64)
+    calibration = CalibrationSpec(text=[src.parent / "calibration.txt"], tokens=256, window=64, device="cpu")
     plan = mla.plan_conversion(src, MLASpec(layout=layout, kv_budget=0.5), calibration)
     assert plan.fit_device.type == "cpu" and plan.calibration is not None
     on_cpu = dict(plan.tensors())
