@@ -48,10 +48,7 @@ def build_parser(prog: str, doc: str, spec: type) -> argparse.ArgumentParser:
 
 def specs_from_args(spec: type, args: argparse.Namespace) -> dict:
     """The keyword arguments of `pipeline.convert` from parsed arguments (each spec validated)."""
-    out = {"spec": spec_from_args(spec, args, prefix="spec")}
-    for prefix, stage in STAGES.items():
-        out[prefix] = spec_from_args(stage, args, prefix=prefix)
-    return out
+    return {prefix: spec_from_args(s, args, prefix=prefix) for prefix, s in {"spec": spec, **STAGES}.items()}
 
 
 def describe(converted: pipeline.Converted) -> str:

@@ -57,15 +57,12 @@ CLOSED_FORMS: dict[type, Callable[..., Path]] = {  # a spec -> fn(spec, src=, ds
 
 @dataclass(frozen=True)
 class Converted:
-    """What `convert` wrote. Args:
-    path: the output checkpoint. closed_form: the closed-form stage's conversion record.
-    refined: the refinement's record (None: not refined). exported: the export target (None: not exported).
-    """
+    """What `convert` wrote."""
 
-    path: Path
-    closed_form: dict
-    refined: dict | None = None
-    exported: str | None = None
+    path: Path  # the output checkpoint
+    closed_form: dict  # the closed-form stage's conversion record
+    refined: dict | None = None  # the refinement's record (None: not refined)
+    exported: str | None = None  # the export target (None: not exported)
 
 
 def last_record(out: str | Path) -> dict:
@@ -163,8 +160,7 @@ def specs_from_options(
     cal_names = {f"calibration_{f.name}": f.name for f in fields(CalibrationSpec)}
     unknown = sorted(set(options) - names - set(cal_names))
     if unknown:
-        known = sorted(names | set(cal_names))
-        raise UserError(f"unknown {kind} options {unknown}; known: {known}")
+        raise UserError(f"unknown {kind} options {unknown}; known: {sorted(names | set(cal_names))}")
     cal = {cal_names[k]: v for k, v in options.items() if k in cal_names}
     spec = spec_type(**{k: v for k, v in options.items() if k in names})
     return spec, replace(calibration, **cal)

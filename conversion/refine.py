@@ -179,14 +179,9 @@ def refine_layers(
     keep: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
     progress: bool = True,
 ) -> list[LayerFit]:
-    """Refine `converted` against `source` layer by layer (see the module docstring; one layer's fit:
-    `refine_fit`); windows (N, T) token ids. keep(i, tensors) receives the refitted `self_attn` tensors of
-    every layer whose error they lower ("q_proj.weight", ...); the checkpoints are never written here. On
-    the CPU the threads follow the cores other processes leave free (`threads.CoreShare`)."""
-    if source.num_layers != converted.num_layers:
-        raise ValueError(f"source has {source.num_layers} layers, the converted model {converted.num_layers}")
-    if windows.dim() != 2 or windows.shape[0] < 1:
-        raise ValueError(f"windows must be (N, T) token ids with N >= 1, got {tuple(windows.shape)}")
+    """Refine `converted` against `source` (as deep) layer by layer (see the module docstring; one layer's
+    fit: `refine_fit`); windows (N >= 1, T) token ids. keep(i, tensors) receives the refitted `self_attn`
+    tensors of every layer whose error they lower ("q_proj.weight", ...); nothing is written here."""
     rule = FitRule(
         steps, lr=lr, relative_lr=relative_lr, target=target, loss_stride=loss_stride, step_dtype=step_dtype
     )
@@ -285,7 +280,9 @@ def refine(
                 f"{name} differs: source {getattr(cs, name)}, converted {getattr(cc, name)}; "
                 "pass the --source this checkpoint was converted from"
             )
-    windows = _calibration_windows(calibration, s.calibration_tokens, model_dir)
+    ids, window = source_ids(model_dir, calibration, s.calibration_tokens), calibration.window
+    n = max(1, len(ids) // window)  # (one shorter window if there are fewer tokens)
+    windows = ids[: n * window].view(n, -1) if len(ids) >= window else ids[None]  # (N, T)
     torch.manual_seed(0)
     with scratch_directory("hf-attn-refine-") as scratch, stages.recording():  # the record's stage_seconds
         refitted = SpilledLayers(Path(scratch), converted.index)
@@ -331,14 +328,6 @@ def refine(
                 overwrite=s.overwrite,
             )
     return record
-
-
-def _calibration_windows(calibration: CalibrationSpec, tokens: int, model_dir: Path) -> torch.Tensor:
-    """`tokens` ids of the calibration text as (N, T) windows of the calibration's `window` (one shorter
-    window if there are fewer)."""
-    ids, window = source_ids(model_dir, calibration, tokens), calibration.window
-    n = max(1, len(ids) // window)
-    return ids[: n * window].view(n, -1) if len(ids) >= window else ids[None]  # (N, T)
 
 
 def _refined_tensors(index: dict, refitted: SpilledLayers):

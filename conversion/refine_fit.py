@@ -131,13 +131,8 @@ def _step_prediction(layer, x: torch.Tensor, kwargs: dict, rule: FitRule, visit:
     positions = slice(visit % rule.loss_stride, None, rule.loss_stride)
     if rule.loss_stride == 1:
         return mlp_residual(layer, attention_residual(layer, x, kwargs)), positions
-    config = layer.self_attn.config
-    attention, config._attn_implementation = config._attn_implementation, STRIDED
-    try:
-        with _query_side_at(layer.self_attn, positions):
-            m = attention_residual(layer, x, {**kwargs, "query_rows": positions})  # (1, T, E), right there
-    finally:
-        config._attn_implementation = attention
+    with _query_side_at(layer.self_attn, positions):
+        m = attention_residual(layer, x, {**kwargs, "query_rows": positions})  # (1, T, E), right there
     return mlp_residual(layer, m[:, positions]), positions
 
 
@@ -160,9 +155,11 @@ class _AtRows(torch.nn.Module):
 
 @contextmanager
 def _query_side_at(attn, rows: slice):
-    """The attention's query and output projections (QUERY_SIDE) run on the positions `rows` alone: a
-    strided step reads no other query and no other output row, so the other rows' matmuls (half of these
-    two at stride 2, forward and backward) are skipped. Their parameters are the same tensors."""
+    """The attention computed by STRIDED (`strided_queries_attention`), its query and output projections
+    (QUERY_SIDE) on the positions `rows` alone: a strided step reads no other query and no other output row,
+    so the other rows' matmuls (half of these two at stride 2, forward and backward) are skipped. Their
+    parameters are the same tensors."""
+    implementation, attn.config._attn_implementation = attn.config._attn_implementation, STRIDED
     linears = {n: getattr(attn, n) for n in QUERY_SIDE if isinstance(getattr(attn, n, None), torch.nn.Linear)}
     for name, linear in linears.items():
         setattr(attn, name, _AtRows(linear, rows))
@@ -171,6 +168,7 @@ def _query_side_at(attn, rows: slice):
     finally:
         for name, linear in linears.items():
             setattr(attn, name, linear)
+        attn.config._attn_implementation = implementation
 
 
 KEEP_WINDOW_STRIDE = 2  # the keep rule's error: every 2nd calibration window (the module docstring)

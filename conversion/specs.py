@@ -32,7 +32,7 @@ import torch
 from hf_attn.tooling import assets, loading
 from hf_attn.tooling.cli import add_settings_arguments, check_choices, setting
 from hf_attn.tooling.devices import DEFAULT_DEVICE, DEVICE_HELP, DEVICES, resolve_device
-from hf_attn.tooling.errors import UserError, check_number, user_input
+from hf_attn.tooling.errors import UserError, check_number
 from hf_attn.tooling.files import check_text_files
 
 # the calibration text and its forward (conversion.checkpoint.calibration, .layerwise)
@@ -154,8 +154,7 @@ class CalibrationSpec:
         _check_int("--calibration-window", self.window, 1)
         if self.text:
             check_text_files(list(self.text), "--calibration-text")
-        with user_input():
-            resolve_forward(self.device, self.forward_dtype)
+        resolve_device(self.device)  # (UserError: --device cuda without CUDA)
 
     def files(self) -> list[Path]:
         """The calibration text files: `text`, else the files of the embedded `corpus` (default: the `mix`
@@ -276,7 +275,20 @@ class MLASpec:
                 f"the same progression 0, s, 2s, ... in every layer: use --rope-selection "
                 f"{' or '.join(DEEPSEEK_SELECTIONS)}"
             )
-        _check_allocation(self.allocation_method, self)
+        allocation = self.allocation_method
+        if allocation != "uniform" and self.layout == "deepseek":
+            raise UserError(
+                f"--allocation {allocation} gives layers different ranks, but the DeepSeek layout (and "
+                "deepseek_v3) has one kv_lora_rank and one qk_rope_head_dim for every layer; use "
+                "--allocation uniform"
+            )
+        if allocation != "uniform" and {self.rope_selection, self.factorization} != {"attention"}:
+            raise UserError(
+                f"--allocation {allocation} reads the `attention` selection's pair scores and the "
+                f"`attention` factorization's spectrum, got --rope-selection {self.rope_selection} "
+                f"--factorization {self.factorization}; use both `attention` (the defaults) or --allocation "
+                "uniform"
+            )
 
     @property
     def budget(self) -> KVBudget | None:
@@ -297,24 +309,6 @@ class MLASpec:
             layout=self.layout,
             selection=self.rope_selection,
             factorization=self.factorization,
-        )
-
-
-def _check_allocation(allocation: str, spec: MLASpec) -> None:
-    """UserError unless `--allocation` can run with the other options."""
-    if allocation == "uniform":
-        return
-    if spec.layout == "deepseek":
-        raise UserError(
-            f"--allocation {allocation} gives layers different ranks, but the DeepSeek layout (and "
-            "deepseek_v3) has one kv_lora_rank and one qk_rope_head_dim for every layer; use "
-            "--allocation uniform"
-        )
-    if spec.rope_selection != "attention" or spec.factorization != "attention":
-        raise UserError(
-            f"--allocation {allocation} reads the `attention` selection's pair scores and the `attention` "
-            f"factorization's spectrum, got --rope-selection {spec.rope_selection} --factorization "
-            f"{spec.factorization}; use both `attention` (the defaults) or --allocation uniform"
         )
 
 

@@ -14,7 +14,7 @@ import importlib
 import importlib.metadata
 import sys
 
-from hf_attn.tooling.cli import run_command
+from hf_attn.tooling.cli import error, run_command
 
 # subcommand -> ("module" with main(argv) -> int, or "module:function" naming it; one-line description)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -73,41 +73,31 @@ def resolve(argv: list[str]) -> tuple[str, list[str]] | None:
     return None
 
 
-def _version() -> str:
-    try:
-        return importlib.metadata.version("hf-attn")
-    except importlib.metadata.PackageNotFoundError:  # a checkout that is not installed
-        return "unknown (not installed)"
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0 if argv else 2
     if argv[0] == "--version":
-        print(f"{PROG} {_version()}")
+        try:
+            version = importlib.metadata.version("hf-attn")
+        except importlib.metadata.PackageNotFoundError:  # a checkout that is not installed
+            version = "unknown (not installed)"
+        print(f"{PROG} {version}")
         return 0
     groups = {name.split()[0] for name in COMMANDS if " " in name}
     if argv[0] in groups and (len(argv) == 1 or argv[1] in ("-h", "--help")):
         print(_usage(argv[0]), file=sys.stdout if len(argv) > 1 else sys.stderr)
         return 0 if len(argv) > 1 else 2
-    found = resolve(argv)
-    if found is None and " ".join(argv[:2]) in BENCHMARKS:
-        print(
-            f"{PROG}: error: {' '.join(argv[:2])!r} is not an {PROG} command; it runs as "
-            f"python -m {BENCHMARKS[' '.join(argv[:2])]} (from a checkout)",
-            file=sys.stderr,
+    found, words = resolve(argv), " ".join(argv[:2])
+    if found is None and words in BENCHMARKS:
+        why = (
+            f"{words!r} is not an {PROG} command; it runs as python -m {BENCHMARKS[words]} (from a checkout)"
         )
-        return 2
+        return error(PROG, why)
     if found is None:
-        groups = sorted({name.split()[0] for name in COMMANDS})
-        print(
-            f"{PROG}: error: unknown command {' '.join(argv[:2])!r}; choose one of: {', '.join(groups)} "
-            f"(`{PROG} --help` lists them)",
-            file=sys.stderr,
-        )
-        return 2
+        groups = ", ".join(sorted({name.split()[0] for name in COMMANDS}))
+        return error(PROG, f"unknown command {words!r}; choose one of: {groups} (`{PROG} --help` lists them)")
     name, rest = found
     command = command_main(name)
     # every subcommand: one error path (Ctrl-C: 130, SIGTERM: 143, both after their cleanup)

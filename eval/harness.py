@@ -22,7 +22,7 @@ import dataclasses
 import time
 from pathlib import Path
 
-from hf_attn.tooling import loading
+from hf_attn.tooling import loading, task_data
 from hf_attn.tooling.cli import (
     ArgumentParser,
     add_settings_arguments,
@@ -37,7 +37,6 @@ from hf_attn.tooling.files import check_output, write_json
 PROG = "hf-attn harness"
 
 LOCAL_TASKS_DIR = Path(__file__).resolve().parent / "tasks"
-DEFAULT_TASKS = ("persuasion_lastword", "persuasion_nextsent")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +45,7 @@ class HarnessSettings:
 
     model: str | None = setting(None, help="checkpoint directory or hub id (default: the embedded SmolLM2)")
     tasks: list[str] = setting(
-        list(DEFAULT_TASKS),
+        list(task_data.TASKS),
         help="task names (comma or space separated) or task YAML paths (default: the two local tasks)",
     )
     include_paths: list[str] = setting(
@@ -75,22 +74,19 @@ _OFFLINE_ERRORS = ("OfflineModeIsEnabled", "LocalEntryNotFoundError")
 _OFFLINE_TEXTS = ("offline", "couldn't reach", "couldn't connect")
 
 
-def _is_offline_error(err: BaseException) -> bool:
-    """True if `err` (or anything in its chain, 16 links at most) says the hub could not be reached."""
-    for _ in range(16):
-        if err is None:
-            return False
-        if isinstance(err, ConnectionError) or type(err).__name__ in _OFFLINE_ERRORS:
-            return True
-        if any(text in str(err).lower() for text in _OFFLINE_TEXTS):
-            return True
-        err = err.__cause__ or err.__context__
-    return False
-
-
 def _raise_if_offline(what: str, err: BaseException) -> None:
-    """UserError saying `what` is not available offline, if `err` says the hub could not be reached."""
-    if not _is_offline_error(err):
+    """UserError saying `what` is not available offline, if `err` (or anything in its chain, 16 links at
+    most) says the hub could not be reached."""
+    cause = err
+    for _ in range(16):
+        if cause is None:
+            return
+        if isinstance(cause, ConnectionError) or type(cause).__name__ in _OFFLINE_ERRORS:
+            break
+        if any(text in str(cause).lower() for text in _OFFLINE_TEXTS):
+            break
+        cause = cause.__cause__ or cause.__context__
+    else:
         return
     from huggingface_hub import constants
 
@@ -258,13 +254,12 @@ def run(settings: HarnessSettings) -> dict:
         lm_model,
         tokenizer,
         names,
-        include_paths=paths,
         batch_size=s.batch_size,
         limit=s.limit,
         num_fewshot=s.num_fewshot,
         seed=s.seed,
         log_samples=s.log_samples,
-        manager=manager,
+        manager=manager,  # over the include paths
     )
     record = {
         "model": model_path,

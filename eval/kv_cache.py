@@ -95,7 +95,7 @@ def _numbers_per_layer(config) -> list[int | float]:
 def kv_bytes_per_token(config, dtype: torch.dtype = torch.float32) -> KVBytes:
     """KV-cache bytes per token from a config, for a cache stored in `dtype`."""
     text = config.get_text_config()
-    numbers, size = numbers_per_token_per_layer(text), torch.empty((), dtype=dtype).element_size()
+    numbers, size = numbers_per_token_per_layer(text), dtype.itemsize
     layers = sum(1 for w in _layer_windows(text) if w != 0)
     total = kv_cache_bytes(text, 1, dtype=dtype)  # one token: held once by every layer that caches
     return KVBytes(numbers, numbers * size, total, layers, dtype_name(dtype))
@@ -105,12 +105,11 @@ def kv_cache_bytes(config, seq_len: int, *, batch_size: int = 1, dtype: torch.dt
     """Bytes of the whole KV cache for `batch_size` sequences of `seq_len` tokens; sliding-window layers hold
     at most `window` tokens (transformers' dynamic cache keeps `window - 1` between steps)."""
     text = config.get_text_config()
-    size = torch.empty((), dtype=dtype).element_size()
     numbers = sum(  # per layer: its numbers per token times the tokens it holds
         n * (0 if w == 0 else seq_len if w is None else min(seq_len, w))
         for n, w in zip(_numbers_per_layer(text), _layer_windows(text))
     )
-    return int(numbers * size * batch_size)
+    return int(numbers * dtype.itemsize * batch_size)
 
 
 def cache_tensor_bytes(cache) -> int:
@@ -145,12 +144,6 @@ def _cache_after_forward(model, seq_len: int):
     return getattr(out, CACHE_FIELD)
 
 
-def _growing_layers(short, long) -> int:
-    """Layers whose cache grew between the two lengths (those that cache per token)."""
-    short_layers, long_layers = getattr(short, "layers", short), getattr(long, "layers", long)
-    return sum(cache_tensor_bytes(b) > cache_tensor_bytes(a) for a, b in zip(short_layers, long_layers))
-
-
 def measured_kv_bytes_per_token(model, seq_len: int = 16) -> KVBytes:
     """Bytes per token of the cache a real forward pass leaves behind: the bytes of every tensor the cache
     holds after `2 * seq_len` tokens minus after `seq_len` tokens, divided by `seq_len` (the difference
@@ -164,9 +157,10 @@ def measured_kv_bytes_per_token(model, seq_len: int = 16) -> KVBytes:
     short = _cache_after_forward(model, seq_len)
     long = _cache_after_forward(model, 2 * seq_len)
     per_token = (cache_tensor_bytes(long) - cache_tensor_bytes(short)) / seq_len
-    layers = _growing_layers(short, long)
+    pairs = zip(getattr(short, "layers", short), getattr(long, "layers", long))
+    layers = sum(cache_tensor_bytes(b) > cache_tensor_bytes(a) for a, b in pairs)  # layers whose cache grew
     dtype = model.dtype
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     per_layer = per_token / layers
     as_int = lambda x: int(x) if float(x).is_integer() else x  # noqa: E731
     return KVBytes(as_int(per_layer / size), as_int(per_layer), as_int(per_token), layers, dtype_name(dtype))

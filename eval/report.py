@@ -171,37 +171,6 @@ def plot_pareto(record: dict, path: Path) -> None:
     write_text_atomic(path, png.getvalue())
 
 
-def _resumed_note(record: dict) -> str:
-    resumed = sum(bool(r.get("resumed")) for r in record["rows"])
-    if not resumed:
-        return ""
-    return f" ({resumed} of {len(record['rows'])} rows resumed from an earlier run, their time not included)"
-
-
-def _refinement_note(record: dict) -> str:
-    if not any((r.get("options") or {}).get("refine") for r in record["rows"]):
-        return ""
-    return f"Rows marked refined: {Settings(**record['settings']).refinement}; counted in Convert s. "
-
-
-def _cross_domain_section(record: dict) -> list[str]:
-    table = cross_domain_table(record)
-    if table is None:
-        return []
-    return [
-        "## Cross-domain check",
-        "",
-        "Perplexity over the untouched source's on each evaluation text (*Persuasion*, a novel; the Python "
-        "FAQ, technical questions and answers with code; neither is calibration or healing text). A "
-        "conversion that held only on one genre would lose more on the other text; the check asks the FAQ "
-        "ratio to be "
-        f"at most {TOLERANCE} times the *Persuasion* ratio.",
-        "",
-        table,
-        "",
-    ]
-
-
 def _written_by_study(path: Path) -> bool:
     """Whether the file at `path` (in a results directory) carries the study's mark."""
     if not path.is_file() or path.is_symlink():
@@ -236,7 +205,23 @@ def write_report(record: dict, results: Path) -> None:
     results.mkdir(parents=True, exist_ok=True)
     write_json(results / "results.json", record, prog=WRITER)
     plot_pareto(record, results / "pareto.png")
-    s = record["settings"]
+    s, rows = record["settings"], record["rows"]
+    n = sum(bool(r.get("resumed")) for r in rows)
+    resumed = f" ({n} of {len(rows)} rows resumed from an earlier run, their time not included)" if n else ""
+    refined = any((r.get("options") or {}).get("refine") for r in rows)
+    refinement = f"Rows marked refined: {Settings(**s).refinement}; counted in Convert s. " if refined else ""
+    table = cross_domain_table(record)
+    cross_domain = [
+        "## Cross-domain check",
+        "",
+        "Perplexity over the untouched source's on each evaluation text (*Persuasion*, a novel; the Python "
+        "FAQ, technical questions and answers with code; neither is calibration or healing text). A "
+        "conversion that held only on one genre would lose more on the other text; the check asks the FAQ "
+        f"ratio to be at most {TOLERANCE} times the *Persuasion* ratio.",
+        "",
+        table,
+        "",
+    ]
     text = [
         f"{HEADING}{record['profile']} profile, {record['date']})",
         "",
@@ -246,17 +231,17 @@ def write_report(record: dict, results: Path) -> None:
         f"{s['calibration_tokens']} tokens of the `{CALIBRATION_CORPUS}` corpus "
         f"({CORPUS_TEXTS[CALIBRATION_CORPUS]}; "
         "one pass shared by the MLA variants, counted in the first one's Convert s). "
-        f"{_refinement_note(record)}"
+        f"{refinement}"
         f"KV bytes per token are measured from a real cache (fp32, all 30 layers), except for deepseek_v3 "
         "exports: what an MLA engine (vLLM, SGLang) caches, from the config (transformers' DeepseekV3 caches "
         "expanded per-head K/V). Decode: tokens/s of "
         f"greedy decoding with a real cache, so it is noisy on a shared machine; a healed row runs the "
         'shapes, dtype and code of its unhealed row, so it is measured once ("same"). '
-        f"Wall time {record['wall_seconds'] / 60:.1f} min{_resumed_note(record)}.",
+        f"Wall time {record['wall_seconds'] / 60:.1f} min{resumed}.",
         "",
         format_table(record),
         "",
-        *_cross_domain_section(record),
+        *(cross_domain if table is not None else []),
         "## Reading",
         "",
         *[f"- {line}" for line in reading(record)],

@@ -29,21 +29,16 @@ class RowStore:
         self.directory, self.fresh = Path(directory), fresh
         self.directory.mkdir(parents=True, exist_ok=True)
 
-    def path(self, name: str) -> Path:
-        return self.directory / f"{name}.json"
-
     def get(self, name: str, key: str) -> dict | None:
         """The stored row `name` if it was measured under `key` and did not fail (never with `fresh`)."""
-        path = self.path(name)
+        path = self.directory / f"{name}.json"
         if self.fresh or not path.exists():
             return None
         row = json.loads(path.read_text())
-        if row.get("key") == key and row.get("name") == name and "error" not in row:
-            return row
-        return None
+        return row if row.get("key") == key and row.get("name") == name and "error" not in row else None
 
     def put(self, name: str, key: str, row: dict) -> dict:
         """Store `row` as `name` under `key` (atomically: temporary file then rename); return it with both."""
         row = {"key": key, "name": name, **row}
-        write_json(self.path(name), row)
+        write_json(self.directory / f"{name}.json", row)
         return row

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import shutil
 import time
@@ -74,8 +75,6 @@ MEASUREMENT_CODE = (
 
 def code_hash(modules: tuple[str, ...]) -> str:
     """sha256 of the Python sources of these modules (every file of a package)."""
-    import importlib.util
-
     digest = hashlib.sha256()
     for name in modules:
         spec = importlib.util.find_spec(name)
@@ -203,6 +202,7 @@ def measure(path: Path, settings: Settings, device: str = DEFAULT_DEVICE, *, dec
     }
 
 
+@dataclasses.dataclass
 class Study:
     """Runs the variants in order; see the module docstring for what is cached and resumed.
 
@@ -210,23 +210,20 @@ class Study:
     (about 0.5 GB each for SmolLM2 in fp32), so the study's disk use stays near two checkpoints. `log`
     receives the progress lines and the errors of failed variants (the CLI prints them)."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        variants: list[Variant],
-        results: Path,
-        *,
-        fresh=False,
-        store=None,
-        keep_checkpoints=True,
-        log: Callable[[str], None] = _silent,
-        device: str = DEFAULT_DEVICE,
-    ):
-        self.settings, self.variants, self.results, self.fresh = settings, variants, Path(results), fresh
-        self.device = device  # --device of every stage: conversion, healing, perplexity
-        self.keep_checkpoints, self.log = keep_checkpoints, log
-        self.rows = RowStore(self.results / "rows", fresh=fresh)
-        self.store = Path(store) if store is not None else assets.cache_dir() / "study"
+    settings: Settings
+    variants: list[Variant]
+    results: Path
+    _: dataclasses.KW_ONLY
+    fresh: bool = False
+    store: Path | None = None
+    keep_checkpoints: bool = True
+    log: Callable[[str], None] = _silent
+    device: str = DEFAULT_DEVICE  # --device of every stage: conversion, healing, perplexity
+
+    def __post_init__(self):
+        self.results = Path(self.results)
+        self.rows = RowStore(self.results / "rows", fresh=self.fresh)
+        self.store = Path(self.store) if self.store is not None else assets.cache_dir() / "study"
         self.source = assets.smollm2_dir()
         self.source_hash = checkpoint_hash(self.source)
         self.code = {"conversion": code_hash(CONVERSION_CODE), "measurement": code_hash(MEASUREMENT_CODE)}
@@ -281,14 +278,14 @@ class Study:
         )  # fmt: skip
         built: dict[str, tuple[Path, float, bool]] = {}  # this run's checkpoints: (path, seconds, cached)
 
-        def build_converted(dst: Path) -> None:
-            convert(v, source=self.source, dst=dst, settings=s, shared=self.shared, device=self.device)
-
         def converted() -> tuple[Path, float, bool]:
             if v.kind == "source":
                 return self.source, 0.0, True
             if "converted" not in built:
-                built["converted"] = self._checkpoint(v.name, conv_key, build_converted, "converted")
+                build = lambda dst: convert(  # noqa: E731
+                    v, source=self.source, dst=dst, settings=s, shared=self.shared, device=self.device
+                )
+                built["converted"] = self._checkpoint(v.name, conv_key, build, "converted")
             return built["converted"]
 
         def healed() -> tuple[Path, float, bool]:
@@ -465,8 +462,7 @@ def main(argv: list[str] | None = None) -> int:
             log=lambda line: print(line, flush=True),
             device=args.device,
         )
-        print()
-        print(format_table(record))
+        print(f"\n{format_table(record)}")
         print(
             f"\nwrote {Path(args.results) / 'report.md'}, results.json, pareto.png "
             f"({record['wall_seconds'] / 60:.1f} min)"

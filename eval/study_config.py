@@ -105,12 +105,11 @@ def check_settings(settings: Settings, where: str) -> None:
         if f.name == "variants":
             if not all(isinstance(name, str) for name in value):
                 raise UserError(f"variants = {list(value)!r} in {where} must be a list of variant names")
-            continue
-        if f.type in ("str", str):
+        elif f.type in ("str", str):
             if not isinstance(value, str):
                 raise UserError(f"{f.name} = {value!r} in {where} must be a string")
-            continue
-        check_number(f"{f.name} in {where}", value, inclusive=f.name in _MAY_BE_ZERO, integer=integer)
+        else:
+            check_number(f"{f.name} in {where}", value, inclusive=f.name in _MAY_BE_ZERO, integer=integer)
     if settings.heal_corpus not in assets.CORPORA:
         raise UserError(
             f"unknown heal_corpus {settings.heal_corpus!r} in {where}; choose one of {list(assets.CORPORA)}"

@@ -97,8 +97,7 @@ def check_supported(config: dict) -> AttentionGeometry:
     every converter covers: model_type llama / mistral / qwen2, no norm or quantizer after the projections,
     RoPE on every pair, valid head arithmetic. The one support check of expand, gqa, mla and export."""
     model_type = config.get("model_type")
-    supported = ", ".join(SOURCE_MODEL_TYPES)
-    fix = f"supported model types: {supported} (see docs/variant-matrix.md)."
+    fix = f"supported model types: {', '.join(SOURCE_MODEL_TYPES)} (see docs/variant-matrix.md)."
     if model_type in UNCOVERED_MODEL_TYPES:
         raise UserError(
             f"{model_type}: {UNCOVERED_MODEL_TYPES[model_type]} is not covered by the conversion math; {fix}"
@@ -219,8 +218,7 @@ def add_record(config: dict, record: dict) -> dict:
     out = copy.deepcopy(config)
     section = {k: v for k, v in (out.get("hf_attn") or {}).items() if k != "last"}
     section["history"] = [*section.get("history", []), copy.deepcopy(record)]
-    out["hf_attn"] = section
-    return out
+    return {**out, "hf_attn": section}
 
 
 def latest_record(config: dict) -> dict:
@@ -285,9 +283,7 @@ def open_source(
 ) -> Source:
     """The converters' prologue: resolve `src` (None: the embedded SmolLM2), read and check config.json
     (`check_supported`) and the attention tensors (`check_attention_tensors`), parse `dtype`, (when `dst`
-    is given) refuse an output that is the source or exists without `overwrite`, and last `checked_index`
-    (a source that would not load completely or holds non-finite weights is refused; what transformers drops
-    on load is left out of the index, so no output carries it)."""
+    is given) refuse an output that is the source or exists without `overwrite`, and last `checked_index`."""
     dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     src_dir = resolve_model(src)
     config = read_config(src_dir)

@@ -159,11 +159,9 @@ class LayerwiseModel:
         for start in range(0, vocab, rows):
             stop = min(vocab, start + rows)
             picked = ((input_ids >= start) & (input_ids < stop)).nonzero().squeeze(1)  # positions in ids
-            if len(picked):
-                begin = info.begin + start * row_bytes
-                n = stop - start
-                block_info = replace(info, shape=(n, hidden), begin=begin, end=begin + n * row_bytes)
-                block = read_tensor(block_info)  # (n, C): rows start .. stop - 1
+            if len(picked):  # rows start .. stop - 1, (stop - start, C)
+                begin, end = info.begin + start * row_bytes, info.begin + stop * row_bytes
+                block = read_tensor(replace(info, shape=(stop - start, hidden), begin=begin, end=end))
                 out[picked] = block[input_ids[picked] - start].to(self.dtype)
         return out.to(self.device)
 
@@ -213,10 +211,6 @@ class LayerwiseModel:
         wanted = sorted(set(range(self.num_layers) if layers is None else layers))
         if not wanted or wanted[0] < 0 or wanted[-1] >= self.num_layers:
             raise ValueError(f"layers must be in [0, {self.num_layers}), got {wanted}")
-        if input_ids.dim() != 1:
-            raise ValueError(f"input_ids must be 1-D token ids, got shape {tuple(input_ids.shape)}")
-        if window <= 0:
-            raise ValueError(f"--calibration-window must be positive, got {window}")
         last, wanted = wanted[-1], set(wanted)
         with torch.inference_mode():
             hidden = [w.unsqueeze(0) for w in self.embed(input_ids).split(window)]  # W x (1, T, C)

@@ -74,8 +74,6 @@ class ShardedWriter:
     HEADER_RESERVE = 64 * 1024  # bytes before a shard's data kept for its header (~150 bytes per tensor)
 
     def __init__(self, directory: str | os.PathLike, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES):
-        if max_shard_bytes <= 0:
-            raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
         self.directory = Path(directory)
         self.max_shard_bytes = max_shard_bytes
         self.shards: list[tuple[Path, list[str]]] = []  # finished shard files and their tensor names

@@ -55,6 +55,7 @@ from hf_attn.tooling.loading import parse_dtype, resolve_model
 
 PROG = "hf-attn export"
 GENERATION_CONFIG = "generation_config.json"
+_TOP = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")  # outside the layers
 _MLP = ("gate_proj", "up_proj", "down_proj")
 _LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
 _ATTN_SOURCES = {  # DeepSeek's attention tensor -> the llama_mla tensors it is computed from
@@ -123,11 +124,9 @@ def target_shapes(plan: ExportPlan, config: LlamaMLAConfig) -> dict[str, tuple[i
 
 def key_map(plan: ExportPlan, *, tied: bool) -> dict[str, tuple[str, ...]]:
     """Target tensor -> the source tensors it is computed from (the explicit key map)."""
-    out = {
-        "model.embed_tokens.weight": ("model.embed_tokens.weight",),
-        "model.norm.weight": ("model.norm.weight",),
-        "lm_head.weight": ("model.embed_tokens.weight",) if tied else ("lm_head.weight",),
-    }
+    out = {n: (n,) for n in _TOP}
+    if tied:
+        out["lm_head.weight"] = ("model.embed_tokens.weight",)
     for i in range(plan.num_layers):
         pre = f"model.layers.{i}."
         for n in (*_LAYER_NORMS, *(f"mlp.{m}" for m in _MLP)):
@@ -209,8 +208,7 @@ def export_tensors(
     # the bias tensors of the source: DeepSeek (vLLM, SGLang) has none, so each must be all zeros
     biases = [n for n in src_shapes if n in names and n.endswith(".bias")]
     for name in biases:
-        bias = read(name)
-        if bias.abs().max().item() != 0:
+        if read(name).abs().max().item() != 0:
             raise refuse(
                 f"{name} is nonzero, and vLLM's and SGLang's DeepSeek attention and MLP have no biases",
                 "export a source without q/k/v/o biases (or with all-zero ones)",
@@ -235,7 +233,7 @@ def export_tensors(
         assert tuple(tensor.shape) == want[name], (name, tuple(tensor.shape), want[name])
         return name, tensor
 
-    for target in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+    for target in _TOP:
         yield emit(target, load(mapping[target][0]).clone())
     for i in range(plan.num_layers):
         for target, sources in mapping.items():
@@ -326,8 +324,7 @@ def export_checkpoint(
             code.unlink()
         if not (src_dir / GENERATION_CONFIG).exists():  # (else copied as a side file) a minimal one
             ids = {k: getattr(config, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
-            generation = {k: v for k, v in ids.items() if v is not None}
-            write_json(tmp / GENERATION_CONFIG, generation)
+            write_json(tmp / GENERATION_CONFIG, {k: v for k, v in ids.items() if v is not None})
     return dst
 
 

@@ -79,9 +79,7 @@ def _gqa_record(spec: GQASpec, source, pooling: Pooling) -> dict:
         num_key_value_heads={"from": source.geometry.num_kv_heads, "to": spec.num_kv_heads},
         groups=pooling.groups,
         calibration=None,
-        dtype=dtype_name(source.dtype)
-        if source.dtype is not None
-        else config.get("dtype", config.get("torch_dtype")),
+        dtype=dtype_name(source.dtype) if source.dtype else config.get("dtype", config.get("torch_dtype")),
     )
 
 

@@ -66,9 +66,8 @@ def repeat_heads(tensor: torch.Tensor, *, num_kv_heads: int, repeats: int, head_
 
 
 def _expanded_tensors(
-    index: dict[str, TensorInfo], geometry: AttentionGeometry, target: int
+    index: dict[str, TensorInfo], geometry: AttentionGeometry, repeats: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    repeats = target // geometry.num_kv_heads
     for name in tqdm(names_in_file_order(index), desc="expand", unit="tensor"):
         tensor = read_tensor(index[name])
         parsed = parse_attn_key(name)
@@ -105,7 +104,7 @@ def expand_checkpoint(
     return save_streamed(
         src_dir=source.dir,
         dst=dst,
-        tensors=_expanded_tensors(source.index, geometry, target),
+        tensors=_expanded_tensors(source.index, geometry, repeats),
         config=add_record({**config, "num_key_value_heads": target}, record),
         overwrite=write.overwrite,
         dtype=dtype,

@@ -224,10 +224,9 @@ def search_and_pool(
     geo, c = pooling.geometry, calibration
     ids = cal.source_ids(src_dir, c)
     model = layerwise.LayerwiseModel(src_dir, device=c.device, forward_dtype=c.forward_dtype)
-    whole = pool.Pooling(geo, 1)
-    with torch.inference_mode():
+    with torch.inference_mode():  # one group of all H heads
         stats = pool.collect_attention_statistics(
-            model, ids, pooling=whole, window=c.window, progress=progress
+            model, ids, pooling=pool.Pooling(geo, 1), window=c.window, progress=progress
         )
     d, n = geo.head_dim, geo.group_size
     out, chosen = {}, []

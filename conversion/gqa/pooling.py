@@ -103,8 +103,7 @@ def _split(augmented: torch.Tensor, like_bias: torch.Tensor | None, dtype: torch
     weight, bias = augmented[:, :-1], augmented[:, -1]
     if like_bias is None:
         assert bias.abs().max() <= 1e-6 * max(weight.abs().max().item(), 1.0), "bias appeared from nowhere"
-        return weight.to(dtype).contiguous(), None
-    return weight.to(dtype).contiguous(), bias.to(dtype).contiguous()
+    return weight.to(dtype).contiguous(), None if like_bias is None else bias.to(dtype).contiguous()
 
 
 def _sym_sqrt(a: torch.Tensor) -> torch.Tensor:
@@ -290,7 +289,11 @@ def fit_values(
     roots = [_sym_sqrt(sum(grams[q] for q in range(nq) if reads[q] == h)) for h in range(r)]  # each (d, d)
     whiten = torch.block_diag(*roots)  # (r d, r d)
     _, evecs = torch.linalg.eigh(whiten @ y.sum(0) @ whiten.T)
-    excited, y_inv = _range(y.sum(0))  # (r d, r d) each: the projection on Y's range, Y's pseudo-inverse
+    # the projection on Y's range and Y's pseudo-inverse there, (r d, r d) each
+    evals, basis = torch.linalg.eigh(y.sum(0))
+    kept = evals > _RANGE_TOL * evals.max().clamp_min(1e-300)
+    basis, evals = basis[:, kept], evals[kept]  # (r d, k), (k,)
+    excited, y_inv = basis @ basis.T, (basis / evals) @ basis.T
     p = evecs[:, -d:].flip(-1).T @ whiten @ excited  # (d, r d)
     select = torch.stack([torch.eye(rd, dtype=y.dtype)[reads[q] * d : (reads[q] + 1) * d] for q in range(nq)])
 
@@ -337,15 +340,6 @@ def fit_values(
     return p, decoders(p)
 
 
-def _range(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the orthogonal projection on the range of the PSD matrix a, a's pseudo-inverse there): eigenvalues
-    up to _RANGE_TOL x the largest count as zero."""
-    evals, evecs = torch.linalg.eigh(a)
-    kept = evals > _RANGE_TOL * evals.max().clamp_min(1e-300)
-    basis = evecs[:, kept]  # (n, k)
-    return basis @ basis.T, (basis / evals[kept]) @ basis.T
-
-
 @torch.inference_mode()
 def calibrated_pool_layer(
     *,
@@ -368,11 +362,8 @@ def calibrated_pool_layer(
     wv = _augment(weights["v_proj.weight"], weights.get("v_proj.bias"))  # (H*d, C+1)
     wo = weights["o_proj.weight"].double()  # (C, Hq*d)
     ca = wq.shape[1]
-    # complex view of the rotary pairs: row i + j * row (i + d/2) of every head
-    qc = wq.reshape(hq, 2, half, ca)  # (Hq, 2, d/2, C+1)
-    qc = torch.complex(qc[:, 0], qc[:, 1])  # (Hq, d/2, C+1)
-    kc = wk.reshape(geo.num_kv_heads, 2, half, ca)  # (H, 2, d/2, C+1)
-    kc = torch.complex(kc[:, 0], kc[:, 1])  # (H, d/2, C+1)
+    # complex view of the rotary pairs, row i + j * row (i + d/2) of every head: (Hq, d/2, C+1), (H, d/2, C+1)
+    qc, kc = (torch.complex(*w.reshape(-1, 2, half, ca).unbind(1)) for w in (wq, wk))
 
     new_qc = qc.clone()  # (Hq, d/2, C+1)
     new_kc = torch.empty(g_count, half, ca, dtype=torch.complex128)  # (G, d/2, C+1)

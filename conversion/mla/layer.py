@@ -139,10 +139,9 @@ def convert_layer(
     out["o_proj.weight"] = weights["o_proj.weight"]
     if o_bias:
         out["o_proj.bias"] = weights["o_proj.bias"]
+    shapes = {key: tuple(tensor.shape) for key, tensor in out.items()}
     expected = mla_shapes(shape, qkv_bias=qkv_bias, o_bias=o_bias, latent_norm=norm_eps is not None)
-    assert set(out) == set(expected), (sorted(out), sorted(expected))
-    for key, tensor in out.items():
-        assert tuple(tensor.shape) == expected[key], (key, tuple(tensor.shape), expected[key])
+    assert shapes == expected, (shapes, expected)
     return out
 
 

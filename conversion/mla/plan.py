@@ -105,7 +105,10 @@ class MLAConversion:
         return self.calibration.query_fit[layer]
 
     def record(self) -> dict:
-        s, mean = self.shape, self._mean_numbers()
+        s, shapes = self.shape, self.layer_shapes or [self.shape]
+        # numbers cached per token and layer (the mean over layers when they differ)
+        total, layers = sum(x.cache_numbers for x in shapes), len(shapes)
+        mean = total // layers if total % layers == 0 else total / layers
         return ckpt.conversion_record(
             kind="mla",
             source=self.src_dir,
@@ -127,13 +130,6 @@ class MLAConversion:
             calibration=None if self.calibration is None else self.calibration.record,
             **self._deepseek_record(),
         )
-
-    def _mean_numbers(self) -> int | float:
-        """Numbers cached per token and layer (the mean over layers when they differ)."""
-        if self.layer_shapes is None:
-            return self.shape.cache_numbers
-        total, layers = sum(s.cache_numbers for s in self.layer_shapes), len(self.layer_shapes)
-        return total // layers if total % layers == 0 else total / layers
 
     def _deepseek_record(self) -> dict:
         if self.layout != "deepseek":

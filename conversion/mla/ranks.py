@@ -147,13 +147,16 @@ def plan_shape(
     layout: str = "per-head",
 ) -> MLAShape:
     """Validate / derive (r, d_c). Neither rank nor budget: full rank (exact with r = d/2)."""
-    shared = layout == "deepseek"
-    r = rope_pairs
+    shared, half, r = layout == "deepseek", geometry.head_dim // 2, rope_pairs
     if r is None and shared:
-        r = shared_rope_pairs(geometry.head_dim // 2, geometry.kv_dim, kv_budget)
+        r = shared_rope_pairs(half, geometry.kv_dim, kv_budget)
     elif r is None:
         r = default_rope_pairs(geometry, kv_budget, selection=rope_selection)
-    rs.check_rope_pairs(r, geometry.head_dim)
+    if not isinstance(r, int) or not 0 <= r <= half:
+        raise ValueError(
+            f"--rope-pairs must be an integer in [0, head_dim / 2 = {half}] (head_dim {geometry.head_dim}), "
+            f"got {r!r}."
+        )
     full = MLAShape(geometry, r, 1).full_rank
     hkv = 1 if shared else geometry.num_kv_heads  # RoPE keys cached per token
     if kv_budget is not None:
@@ -273,27 +276,6 @@ def allocate_ranks(
     return greedy_allocate(gains, minimum=[1] * len(spectra), budget=total_rank)
 
 
-def layer_spectrum(*, weights: dict, pairs: list[list[int]], geometry, query_fit) -> dict:
-    """The inputs of `fac.attention_spectrum` (but the moment) for one layer at its kept `pairs`, prepared
-    exactly as `mla.convert_layer` prepares the `attention` factorization (query refit of the dropped pairs,
-    rows permuted to [rope | nope])."""
-    rows = rs.layer_rows(pairs, geometry)
-    w_q, b_q = weights["q_proj.weight"], weights.get("q_proj.bias")
-    if query_fit is not None:
-        w_q, b_q = rs.apply_query_fit(w_q, b_q, query_fit, pairs, geometry.group_size)
-    w_q, b_q = w_q[rows["q"]], None if b_q is None else b_q[rows["q"]]  # permuted: [rope | nope] per head
-    w_q, b_q = rs.nope_queries(w_q, b_q, geometry, len(pairs[0]))
-    return dict(
-        w_k=weights["k_proj.weight"][rows["k_nope"]],
-        w_v=weights["v_proj.weight"],
-        b_v=weights.get("v_proj.bias"),
-        w_q=w_q,
-        b_q=b_q,
-        w_o=weights["o_proj.weight"],
-        num_kv_heads=geometry.num_kv_heads,
-    )
-
-
 def plan_allocation(
     *,
     geometry,
@@ -320,19 +302,33 @@ def plan_allocation(
     else:
         r_layers = [rope_pairs] * L
     pairs = [rs.top_pairs(scores[i], r_layers[i]) for i in range(L)]
-    record = {
-        "method": "greedy-ranks" if allocate_latent else "greedy",
-        "normalization": DEFAULT_NORMALIZATION,
-    }
+    method = "greedy-ranks" if allocate_latent else "greedy"
+    record = {"method": method, "normalization": DEFAULT_NORMALIZATION}
     if not allocate_latent:  # d_c in every layer, at most the rows of its [k_nope; v] stack: no spectrum
         ranks = [min(kv_lora_rank, geometry.num_kv_heads * (2 * d - 2 * r)) for r in r_layers]
         record.update(layer_rope_pairs=r_layers, layer_kv_lora_ranks=ranks)
         return Allocation(r_layers, ranks, pairs), record
     spectra = []
     for i in tqdm(range(L), desc="allocation", unit="layer"):
-        fit = None if query_fit is None else query_fit[i]
-        inputs = layer_spectrum(weights=read_layer(i), pairs=pairs[i], geometry=geometry, query_fit=fit)
-        spectra.append(fac.attention_spectrum(**inputs, moment=moment(i)))
+        # the inputs prepared as `layer.convert_layer` prepares the `attention` factorization: query refit
+        # of the dropped pairs, rows permuted to [rope | nope]
+        weights, rows = read_layer(i), rs.layer_rows(pairs[i], geometry)
+        w_q, b_q = weights["q_proj.weight"], weights.get("q_proj.bias")
+        if query_fit is not None:
+            w_q, b_q = rs.apply_query_fit(w_q, b_q, query_fit[i], pairs[i], geometry.group_size)
+        b_q = None if b_q is None else b_q[rows["q"]]
+        w_q, b_q = rs.nope_queries(w_q[rows["q"]], b_q, geometry, r_layers[i])
+        spectrum = fac.attention_spectrum(
+            w_k=weights["k_proj.weight"][rows["k_nope"]],
+            w_v=weights["v_proj.weight"],
+            b_v=weights.get("v_proj.bias"),
+            w_q=w_q,
+            b_q=b_q,
+            w_o=weights["o_proj.weight"],
+            moment=moment(i),
+            num_kv_heads=geometry.num_kv_heads,
+        )
+        spectra.append(spectrum)
     ranks = allocate_ranks(spectra, total_rank=L * kv_lora_rank)
     kept = [float(1 - ev[:c].sum() / ev.sum().clamp_min(1e-300)) for ev, c in zip(spectra, ranks)]
     record.update(layer_rope_pairs=r_layers, layer_kv_lora_ranks=ranks)

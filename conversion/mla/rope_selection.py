@@ -32,16 +32,6 @@ from hf_attn.models.llama_mla.modeling_llama_mla import rope_dim_indices
 QUERY_STRIDE = 32  # `attention` statistics use every 32nd query of each calibration window (all keys)
 
 
-def check_rope_pairs(rope_pairs: int, head_dim: int) -> None:
-    """ValueError unless 0 <= r <= d/2."""
-    half = head_dim // 2
-    if not isinstance(rope_pairs, int) or not 0 <= rope_pairs <= half:
-        raise ValueError(
-            f"--rope-pairs must be an integer in [0, head_dim / 2 = {half}] (head_dim {head_dim}), "
-            f"got {rope_pairs!r}."
-        )
-
-
 def top_pairs(scores: torch.Tensor, rope_pairs: int) -> list[list[int]]:
     """Per KV head the r pairs of largest score, sorted ascending. scores (Hkv, d/2) -> [Hkv][r]."""
     assert scores.dim() == 2 and rope_pairs <= scores.shape[1], (tuple(scores.shape), rope_pairs)
@@ -244,19 +234,14 @@ def nope_queries(
     return q.reshape(-1, q.shape[-1]), None if b_q is None else b_q.view(hq, d)[:, rd:].reshape(-1)
 
 
-def head_row_order(pairs: list[int], head_dim: int) -> tuple[list[int], list[int]]:
-    """Head-local rows (contract): rope part [P, P + d/2] (2r rows, the model's `rope_dim_indices`), nope
-    part the other d - 2r rows in ascending order ([C, C + d/2], C the dropped pairs)."""
-    rope = rope_dim_indices([list(pairs)], head_dim)[0].tolist()  # (2r,)
-    kept = set(rope)
-    return rope, [j for j in range(head_dim) if j not in kept]
-
-
 def layer_rows(pairs: list[list[int]], geometry: AttentionGeometry) -> dict[str, list[int]]:
     """Global row indices of one layer: "q" (Hq d, every query head permuted like its KV head), "k_rope"
-    (Hkv 2r) and "k_nope" (Hkv (d - 2r)) into the source's q_proj / k_proj rows, head-major."""
+    (Hkv 2r) and "k_nope" (Hkv (d - 2r)) into the source's q_proj / k_proj rows, head-major. Head-local rows
+    (contract): rope part [P, P + d/2] (2r rows, the model's `rope_dim_indices`), nope part the other d - 2r
+    rows in ascending order ([C, C + d/2], C the dropped pairs)."""
     d, group = geometry.head_dim, geometry.group_size
-    orders = [head_row_order(p, d) for p in pairs]
+    ropes = [rope_dim_indices([list(p)], d)[0].tolist() for p in pairs]  # [Hkv] (2r,)
+    orders = [(rope, [j for j in range(d) if j not in rope]) for rope in ropes]
     q = [h * d + j for h in range(geometry.num_heads) for j in orders[h // group][0] + orders[h // group][1]]
     k_rope = [g * d + j for g, (rope, _) in enumerate(orders) for j in rope]
     k_nope = [g * d + j for g, (_, nope) in enumerate(orders) for j in nope]

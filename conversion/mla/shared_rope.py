@@ -41,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers.models.llama.modeling_llama import rotate_half
 
 from hf_attn.conversion.checkpoint.calibration import causal_probabilities
 from hf_attn.conversion.gqa.pooling import fit_keys
@@ -95,12 +96,8 @@ class SharedKeyStatistics:
         q = torch.nn.functional.linear(x[tq], w_q, b_q).view(Tq, hq, d)  # (Tq, Hq, d)
         k = torch.nn.functional.linear(x, w_k, b_k).view(T, hkv, d)  # (T, Hkv, d)
         cos, sin = cos.reshape(T, 1, d).to(q.dtype), sin.reshape(T, 1, d).to(q.dtype)
-
-        def rot(v, c, s):  # rotate-half RoPE, v (N, H, d)
-            return v * c + torch.cat([-v[..., half:], v[..., :half]], -1) * s
-
-        qr = rot(q, cos[tq], sin[tq]).view(Tq, hkv, group, d)  # (Tq, Hkv, G, d)
-        kr = rot(k, cos, sin)  # (T, Hkv, d)
+        qr = (q * cos[tq] + rotate_half(q) * sin[tq]).view(Tq, hkv, group, d)  # (Tq, Hkv, G, d), rotated
+        kr = k * cos + rotate_half(k) * sin  # (T, Hkv, d)
         p = causal_probabilities(qr, kr, tq, window=window)  # (Hkv, G, Tq, T)
         q_power = (q[..., :half] ** 2 + q[..., half:] ** 2).view(Tq, hkv, group, half)  # (Tq, Hkv, G, d/2)
         w = torch.einsum("gjts,tgji->gsi", p, q_power).double()  # (Hkv, T, d/2)

@@ -19,6 +19,7 @@ tokenized training chunks and held-out evaluation text (`load_data`) and the rec
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 from collections.abc import Iterator, Sequence
@@ -68,10 +69,9 @@ def load_train_corpus(
     if files and dataset:
         raise ValueError("Give either --train-text files or --dataset, not both")
     if dataset:
-        corpus = load_corpus(
+        return load_corpus(
             dataset=dataset, dataset_config=dataset_config, split=split, text_column=text_column
-        )
-        return corpus, []
+        ), []
     paths = [Path(f) for f in files] if files else assets.train_text_files()
     return load_corpus(paths), paths
 
@@ -289,7 +289,27 @@ class HealSettings:
         if self.eval_tokens:
             check_window(self.eval_context, None)
         check_seed(self.seed)
-        _check_teacher_and_lora(self)
+        # distillation and LoRA options out of range, or that nothing would use
+        if not isinstance(self.teacher, str) or not self.teacher.strip():
+            raise ValueError("--teacher needs auto, none or a checkpoint directory")
+        for name in ("distill_temperature", "distill_weight"):
+            if getattr(self, name) is not None and self.teacher == "none":
+                raise ValueError(f"--{name.replace('_', '-')} needs a teacher (--teacher auto or DIR)")
+        check_positive("distill_temperature", self.distill_temperature, allow_none=True)
+        w = self.distill_weight
+        if w is not None and not (isinstance(w, (int, float)) and not isinstance(w, bool) and 0 <= w <= 1):
+            raise ValueError(f"--distill-weight must be between 0 and 1, got {w!r}")
+        rank = self.lora_rank
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
+            raise ValueError(f"--lora-rank must be a positive integer, got {rank!r}")
+        if rank is None and self.lora_targets:
+            raise ValueError("--lora-targets needs --lora-rank")
+        if rank is not None and self.trainable != "all":
+            raise ValueError("--lora-rank trains only its adapters; leave out --trainable")
+        if rank is not None and self.relative_lr is not None:
+            raise ValueError(
+                "--relative-lr scales each tensor by its RMS, and LoRA's B starts at 0; use --lr"
+            )
 
     def paths(self) -> tuple[Path, Path]:
         """(output, state dir) as absolute paths."""
@@ -299,35 +319,7 @@ class HealSettings:
 
     def record(self) -> dict:
         """The settings as JSON values (paths as strings), for the conversion record."""
-        return {k: _jsonable(v) for k, v in asdict(self).items()}
-
-
-def _check_teacher_and_lora(s: HealSettings) -> None:
-    """ValueError for distillation or LoRA options that are out of range or that nothing would use."""
-    if not isinstance(s.teacher, str) or not s.teacher.strip():
-        raise ValueError("--teacher needs auto, none or a checkpoint directory")
-    for name in ("distill_temperature", "distill_weight"):
-        if getattr(s, name) is not None and s.teacher == "none":
-            raise ValueError(f"--{name.replace('_', '-')} needs a teacher (--teacher auto or DIR)")
-    check_positive("distill_temperature", s.distill_temperature, allow_none=True)
-    w = s.distill_weight
-    if w is not None and not (isinstance(w, (int, float)) and not isinstance(w, bool) and 0 <= w <= 1):
-        raise ValueError(f"--distill-weight must be between 0 and 1, got {w!r}")
-    rank = s.lora_rank
-    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
-        raise ValueError(f"--lora-rank must be a positive integer, got {rank!r}")
-    if rank is None and s.lora_targets:
-        raise ValueError("--lora-targets needs --lora-rank")
-    if rank is not None and s.trainable != "all":
-        raise ValueError("--lora-rank trains only its adapters; leave out --trainable")
-    if rank is not None and s.relative_lr is not None:
-        raise ValueError("--relative-lr scales each tensor by its RMS, and LoRA's B starts at 0; use --lr")
-
-
-def _jsonable(value):
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return str(value) if isinstance(value, os.PathLike) else value
+        return json.loads(json.dumps(asdict(self), default=str))
 
 
 @dataclass(frozen=True)
@@ -339,13 +331,6 @@ class HealData:
     chunks: torch.Tensor  # (N, seq_len)
     eval_corpus: Corpus
     eval_ids: torch.Tensor | None  # (eval_tokens,)
-
-    def record(self) -> dict:
-        return {
-            "corpus": self.train_corpus.name,
-            "sha256": self.train_corpus.sha256,
-            "tokens": self.train_tokens,
-        }
 
 
 def load_data(settings: HealSettings, source: Path, *, num_processes: int) -> HealData:

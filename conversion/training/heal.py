@@ -71,7 +71,6 @@ from hf_attn.tooling.cli import ArgumentParser, add_settings_arguments, run_comm
 from hf_attn.tooling.devices import announce_device
 from hf_attn.tooling.errors import UserError, user_input
 from hf_attn.tooling.files import check_output, check_text_files, checkpoint_hash
-from hf_attn.tooling.loading import resolve_model
 
 __all__ = [  # the public names of healing, wherever they live (conversion/training/)
     "ATTENTION_MARKER",
@@ -208,7 +207,7 @@ def _check_inputs(s: HealSettings) -> tuple[Path, Path, Path, _Extras]:
     for flag, files in (("--train-text", s.train_text), ("--eval-text", s.eval_text)):
         check_text_files(files or [], flag)  # binary or missing text: refused before any loading
     output, state_dir = s.paths()
-    source = resolve_model(s.model)
+    source = loading.resolve_model(s.model)
     loading.check_checkpoint_complete(source)  # a readable config and every weight, before any training
     check_output(source, output, overwrite=s.overwrite)  # fail fast: before any training
     check_output(source, state_dir, overwrite=True, flag="--state-dir", kind="directory")
@@ -260,10 +259,6 @@ def _check_teacher_and_lora(s: HealSettings, source: Path, output: Path, state_d
     return _Extras(teacher, {"teacher_hash": teacher_hash, "lora_targets": targets}, note)
 
 
-def _lora_record(recipe: HealRecipe) -> dict | None:
-    return {"rank": recipe.lora_rank, "targets": recipe.lora_targets.split(",")} if recipe.lora_rank else None
-
-
 def _start(
     log, state: TrainState, data: HealData, recipe: HealRecipe, evaluate, model, *, source: Path, accelerator
 ) -> None:
@@ -312,7 +307,9 @@ def _heal_record(
         global_batch=recipe.global_batch,
         trainable_parameters=state.trainable_parameters,
         num_processes=accelerator.num_processes,
-        train_data=data.record(),
+        train_data=dict(
+            corpus=data.train_corpus.name, sha256=data.train_corpus.sha256, tokens=data.train_tokens
+        ),
         final_loss=final_loss,
         eval_before=state.eval_before,
         eval_after=eval_after,
@@ -320,7 +317,7 @@ def _heal_record(
         state_dir=str(state_dir),
         teacher=str(teacher) if teacher else None,
         teacher_hash=recipe.teacher_hash,
-        lora=_lora_record(recipe),
+        lora=recipe.lora_rank and {"rank": recipe.lora_rank, "targets": recipe.lora_targets.split(",")},
     )
 
 

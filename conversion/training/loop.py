@@ -141,9 +141,7 @@ def write_output(
     `record` appended to the conversion history. `state_dict`: the full weights of a sharded model
     (`accelerator.get_state_dict`), written in place of the model's own (sharded) ones. LoRA adapters are
     merged into the weights first: the output is a plain checkpoint."""
-    if state_dict is not None:
-        model = plain_copy(model, state_dict)
-    model = merged(model)
+    model = merged(model if state_dict is None else plain_copy(model, state_dict))
     with atomic_directory(output, overwrite=overwrite, kind="checkpoint") as tmp:
         model.to(stored_dtype(source)).save_pretrained(tmp)
         copy_side_files(source, tmp)

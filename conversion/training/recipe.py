@@ -200,12 +200,8 @@ class JsonLog:
         """Drop the lines of steps after `step` (those a killed run logged past its last checkpoint)."""
         if not self.enabled or not self.path.exists():
             return
-        keep = [
-            line
-            for line in self.path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= step
-        ]
-        self.path.write_text("".join(f"{line}\n" for line in keep))
+        keep = [entry for entry in read_log(self.path) if entry.get("step", 0) <= step]
+        self.path.write_text("".join(json.dumps(entry) + "\n" for entry in keep))
 
     def write(self, **entry) -> None:
         if self.enabled:

@@ -41,16 +41,14 @@ def make_accelerator(autocast_dtype: str, grad_accum: int, device: str = DEFAULT
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState
 
-    cpu = resolve_device(device).type == "cpu"
+    cpu, mixed = resolve_device(device).type == "cpu", PRECISIONS[autocast_dtype]
     shared = AcceleratorState._shared_state
-    if shared and shared.get("_mixed_precision") != PRECISIONS[autocast_dtype]:
+    if shared and shared.get("_mixed_precision") != mixed:
         # heal() called again in this process with another precision: accelerate keeps one per process, so
         # drop it (private but stable API) and keep the distributed setup (PartialState).
         AcceleratorState._reset_state(reset_partial_state=False)
     try:
-        accelerator = Accelerator(
-            mixed_precision=PRECISIONS[autocast_dtype], gradient_accumulation_steps=grad_accum, cpu=cpu
-        )
+        accelerator = Accelerator(mixed_precision=mixed, gradient_accumulation_steps=grad_accum, cpu=cpu)
     except (ValueError, RuntimeError) as err:
         raise ValueError(f"--autocast-dtype {autocast_dtype} is not supported here: {one_line(err)}") from err
     if accelerator.distributed_type.value == "DEEPSPEED":
@@ -110,9 +108,8 @@ def find_resume_point(
         return None, None, checkpoints
     step0, ckpt_dir = checkpoints[-1]
     saved = torch.load(ckpt_dir / STATE_FILE, map_location="cpu", weights_only=False)  # our own file
-    diff = recipe.mismatch(saved["recipe"])
     # the global batch decides the trajectory; how it is split over processes does not
-    diff = [d for d in diff if not d.startswith(("batch_size", "num_processes"))]
+    diff = [d for d in recipe.mismatch(saved["recipe"]) if not d.startswith(("batch_size", "num_processes"))]
     per_micro_step = saved["recipe"]["batch_size"] * saved["recipe"]["num_processes"]
     now = recipe.batch_size * recipe.num_processes
     if per_micro_step != now:
@@ -316,17 +313,14 @@ def plain_copy(model, state_dict: dict) -> torch.nn.Module:
     return plain
 
 
-def _raw_optimizer(optimizer):
-    return getattr(optimizer, "optimizer", optimizer)  # (accelerate's AcceleratedOptimizer wraps it)
-
-
 def full_optimizer_state(net, optimizer) -> dict:
     """Collective: the optimizer state of a sharded model as full tensors keyed by parameter name, on the
     main process (others get an empty dict)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_optimizer_state_dict(net, _raw_optimizer(optimizer), options=options)
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # (accelerate's AcceleratedOptimizer wraps it)
+    return get_optimizer_state_dict(net, optimizer, options=options)
 
 
 def restore_sharded_optimizer(net, optimizer, full_state: dict) -> None:
@@ -335,4 +329,4 @@ def restore_sharded_optimizer(net, optimizer, full_state: dict) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True)
-    set_optimizer_state_dict(net, _raw_optimizer(optimizer), full_state, options=options)
+    set_optimizer_state_dict(net, getattr(optimizer, "optimizer", optimizer), full_state, options=options)

@@ -176,22 +176,19 @@ def run(
 
 def result_line(r: dict) -> str:
     """One measurement as the line `hf-attn bench decode` prints."""
-    mib = {k: r[k] / 2**20 for k in ("peak_memory_bytes", "kv_cache_bytes_measured")}
     decode = r["decode_tokens_per_second"] or float("nan")
     return (
         f"{r['attn_implementation']:>16} prompt {r['prompt_tokens']:>5} batch {r['batch_size']}: "
         f"decode {decode:8.2f} tokens/s, "
         f"prefill {r['prefill_tokens_per_second']:8.1f} tokens/s, "
-        f"peak memory {mib['peak_memory_bytes']:8.1f} MiB, "
-        f"KV cache {mib['kv_cache_bytes_measured']:7.1f} MiB"
+        f"peak memory {r['peak_memory_bytes'] / 2**20:8.1f} MiB, "
+        f"KV cache {r['kv_cache_bytes_measured'] / 2**20:7.1f} MiB"
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--model", default=None, help="checkpoint directory or hub id (default: the embedded SmolLM2)"
-    )
+    p.add_argument("--model", help="checkpoint directory or hub id (default: the embedded SmolLM2)")
     p.add_argument("--attn-implementation", action="append", default=None, help="repeatable")
     p.add_argument("--prompt-tokens", type=int, nargs="+", default=None, help=f"default {PROMPTS}")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=None, help=f"default {BATCHES}")

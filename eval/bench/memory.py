@@ -36,12 +36,6 @@ def reset_peak_rss() -> bool:
     return True
 
 
-def peak_rss_bytes() -> int:
-    """VmHWM in bytes, or the process-lifetime ru_maxrss where /proc has none."""
-    hwm = status_bytes("VmHWM")
-    return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 class PeakMemory:
     """Peak memory of this process over a `with` block: RSS high-water mark on CPU, allocated bytes on CUDA.
 
@@ -69,6 +63,7 @@ class PeakMemory:
 
             torch.cuda.synchronize()
             self.peak = torch.cuda.max_memory_allocated()
-        else:
-            self.peak = peak_rss_bytes()
+        else:  # VmHWM, or the process-lifetime ru_maxrss where /proc has none
+            hwm = status_bytes("VmHWM")
+            self.peak = hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         return False

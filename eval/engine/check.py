@@ -32,6 +32,7 @@ from pathlib import Path
 
 from hf_attn.conversion.checkpoint.io import latest_record
 from hf_attn.conversion.export.engine_dims import accepting_backends, platform_sizes
+from hf_attn.conversion.export.plan import TRANSFORMERS_KV_NORM_EPS
 from hf_attn.eval.engine import environment as env
 from hf_attn.eval.engine import reference as ref
 from hf_attn.tooling import assets
@@ -45,7 +46,6 @@ FLOAT_TOL = 1e-3  # nats; fp32 kernels differ by ~1e-5 here (docs/serve.md), rea
 DEFAULT_LENGTHS = (12, 29, 47, 64, 90, 131, 170, 230)  # tokens: across the 16-token cache blocks
 DEFAULT_NEW_TOKENS = 16
 PROMPT_STRIDE = 300  # tokens of the text between two prompts' starts
-TRANSFORMERS_KV_NORM_EPS = 1e-6
 
 
 @dataclass(frozen=True)
@@ -218,7 +218,6 @@ def engine_check_many(
     lengths: tuple[int, ...] = DEFAULT_LENGTHS,
     new_tokens: int = DEFAULT_NEW_TOKENS,
     rotary_workaround: str = "auto",
-    text: str | None = None,
 ) -> list[dict]:
     """`engine_check` for several (model, source) pairs with ONE vLLM launch; a report per pair."""
     if rotary_workaround not in ("auto", "on", "off"):
@@ -227,7 +226,7 @@ def engine_check_many(
     info = env.engine_info(env.engine_python(engine_python))
     for target in targets:
         check_dims(target, info.platform)
-    text = text if text is not None else assets.austen_file(assets.EVAL_NOVEL).read_text()
+    text = assets.austen_file(assets.EVAL_NOVEL).read_text()
     prompts = [prompts_from_text(text, t, lengths) for t in targets]
     refs = [references(t, p, new_tokens) for t, p in zip(targets, prompts)]
     request = {
@@ -316,9 +315,7 @@ def format_report(r: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True, help="deepseek_v3 directory written by `hf-attn export`")
-    parser.add_argument(
-        "--source", default=None, help="its llama_mla checkpoint (default: from the export record)"
-    )
+    parser.add_argument("--source", help="its llama_mla checkpoint (default: from the export record)")
     parser.add_argument("--new-tokens", type=int, default=DEFAULT_NEW_TOKENS, help="greedy tokens per prompt")
     parser.add_argument(
         "--rotary-workaround",
@@ -326,9 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="auto: applied when the installed vLLM has the CPU rotary bug",
     )
-    parser.add_argument(
-        "--engine-python", default=None, help=f"the engine's Python (default: {env.ENGINE_VENV})"
-    )
+    parser.add_argument("--engine-python", help=f"the engine's Python (default: {env.ENGINE_VENV})")
     parser.add_argument("--json", default=None, help="also write the report here")
     args = parser.parse_args(argv)
 

@@ -24,14 +24,13 @@ HERE = Path(__file__).resolve().parent
 WORKER = HERE / "worker.py"
 ROTARY_REPRO = HERE / "rotary_repro.py"
 KV_CACHE_GIB = 1  # VLLM_CPU_KVCACHE_SPACE: plenty for a check's few short sequences
-_INFO = (
-    "import importlib.metadata as m, json\n"
-    "def v(name):\n"
-    "    try:\n"
-    "        return m.version(name)\n"
-    "    except m.PackageNotFoundError:\n"
-    "        return None\n"
-    "print(json.dumps({'vllm_cpu': v('vllm-cpu'), 'vllm': v('vllm')}))\n"
+_INFO = (  # the version of each distribution, None where it is not installed
+    "import contextlib, importlib.metadata as m, json\n"
+    "found = dict.fromkeys(('vllm-cpu', 'vllm'))\n"
+    "for name in found:\n"
+    "    with contextlib.suppress(m.PackageNotFoundError):\n"
+    "        found[name] = m.version(name)\n"
+    "print(json.dumps(found))\n"
 )
 
 
@@ -82,10 +81,10 @@ def engine_info(python: Path) -> EngineInfo:
             "rebuild it with `make engine`"
         )
     found = json.loads(proc.stdout.strip().splitlines()[-1])
-    version = found["vllm_cpu"] or found["vllm"]
+    version = found["vllm-cpu"] or found["vllm"]
     if version is None:
         raise EngineUnavailable(f"engine Python {python} has no vllm; rebuild it with `make engine`")
-    return EngineInfo(python, version, "vllm-cpu" if found["vllm_cpu"] else "vllm")
+    return EngineInfo(python, version, "vllm-cpu" if found["vllm-cpu"] else "vllm")
 
 
 def engine_environ() -> dict[str, str]:

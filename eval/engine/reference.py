@@ -70,8 +70,7 @@ def run_model(
 
 def load(path: Path):
     """A checkpoint in fp32, eager attention, eval mode (llama_mla via hf_attn's registration)."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-    return model.eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
 
 
 def set_latent_norm_eps(model, eps: float) -> None:

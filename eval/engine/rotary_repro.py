@@ -21,7 +21,6 @@ positions[i], and leaves the other T·H − T unrotated: only token 0 head 0 is 
 from __future__ import annotations
 
 import json
-import sys
 
 TOKENS, HEADS, NOPE, ROPE = 5, 3, 16, 8
 TOLERANCE = 1e-5  # fp32, |x| ~ 1: the same math agrees to rounding
@@ -79,4 +78,3 @@ def probe() -> dict:
 
 if __name__ == "__main__":
     print(json.dumps(probe()))
-    sys.exit(0)

@@ -17,8 +17,8 @@ import logging
 import time
 
 from hf_attn.eval.harness import evaluate_model
+from hf_attn.tooling.task_data import TASKS
 
-TASKS = ("persuasion_lastword", "persuasion_nextsent")
 _KEYS = {
     ("persuasion_lastword", "acc,none"): "lastword_acc",
     ("persuasion_lastword", "perplexity,none"): "lastword_ppl",

@@ -263,14 +263,15 @@ class _RReader:
         version = self._int()
         self._int(), self._int()  # writer and minimal reader versions
         if version == 3:
-            n = self._int()
-            self.pos += n  # native encoding name
+            self._take(self._int())  # native encoding name
         return self._item()
 
+    def _take(self, n: int) -> bytes:
+        self.pos += n
+        return self.data[self.pos - n : self.pos]
+
     def _int(self) -> int:
-        (v,) = struct.unpack_from(">i", self.data, self.pos)
-        self.pos += 4
-        return v
+        return struct.unpack(">i", self._take(4))[0]
 
     def _item(self):
         flags = self._int()
@@ -287,25 +288,18 @@ class _RReader:
             n = self._int()
             if n == -1:
                 return None
-            s = self.data[self.pos : self.pos + n].decode("utf-8" if flags & (1 << 15) == 0 else "latin-1")
-            self.pos += n
-            return s
-        if kind == self.LISTSXP:  # pairlist: returned as a dict tag -> value
-            out = {}
-            while kind == self.LISTSXP:
-                attr = self._item() if has_attr else None
-                tag = self._item() if has_tag else None
-                out[tag] = self._item()
-                del attr
-                flags = self._int()
-                kind, has_attr, has_tag = flags & 0xFF, flags & (1 << 9), flags & (1 << 10)
-            assert kind == self.NILVALUE, kind
-            return out
+            return self._take(n).decode("utf-8" if flags & (1 << 15) == 0 else "latin-1")
+        if kind == self.LISTSXP:  # pairlist: returned as a dict tag -> value (its attributes skipped)
+            if has_attr:
+                self._item()
+            tag = self._item() if has_tag else None
+            value = self._item()
+            rest = self._item()  # the rest of the pairlist: another pairlist, or NILVALUE at its end
+            return {tag: value, **(rest or {})}
         if kind in (self.LGLSXP, self.INTSXP, self.STRSXP, self.VECSXP):
             n = self._int()
             if kind in (self.LGLSXP, self.INTSXP):
-                value = list(struct.unpack_from(f">{n}i", self.data, self.pos))
-                self.pos += 4 * n
+                value = list(struct.unpack(f">{n}i", self._take(4 * n)))
             else:
                 value = [self._item() for _ in range(n)]
             attrs = self._item() if has_attr else {}

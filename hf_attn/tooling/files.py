@@ -22,10 +22,9 @@ from hf_attn.tooling.errors import UserError
 
 # A checkpoint's weight files: what transformers loads a model from, and what `checkpoint_hash` covers.
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
-# Other tensor files (training state such as heal's trainer_state.pt, other frameworks' weights): not hashed,
-# but, like the weights, never copied by a converter as a side file (see `TENSOR_SUFFIXES`).
-OTHER_TENSOR_SUFFIXES = (".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".npz")
-TENSOR_SUFFIXES = WEIGHT_SUFFIXES + OTHER_TENSOR_SUFFIXES
+# Tensor files: the weights and others (training state such as heal's trainer_state.pt, other frameworks'
+# weights), which are not hashed but, like the weights, never copied by a converter as a side file.
+TENSOR_SUFFIXES = WEIGHT_SUFFIXES + (".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".npz")
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
@@ -114,14 +113,12 @@ def _registries() -> list[Path]:
 def register(path: str | os.PathLike) -> None:
     """List `path` (a scratch or partial output of this process) in this host's leftovers registry."""
     for directory in _registries():
-        try:
+        with contextlib.suppress(OSError):  # an unwritable cache: the next registry
             private = directory.name != "running"  # this user's, in the temporary directory
             directory.mkdir(mode=0o700 if private else 0o777, parents=True, exist_ok=True)
             with open(directory / _owner_tag().rstrip("-"), "a") as f:
                 f.write(f"{Path(path).resolve()}\n")
             return
-        except OSError:  # an unwritable cache: the next registry
-            continue
 
 
 def _settle(path: Path, tag: str) -> None:
@@ -332,8 +329,7 @@ def check_text_files(paths, flag: str = "--text") -> list[Path]:
         try:
             with open(path, "rb") as f:
                 while chunk := f.read(1 << 20):
-                    if b"\0" in chunk:
-                        at = chunk.index(b"\0")
+                    if (at := chunk.find(b"\0")) >= 0:
                         raise UnicodeDecodeError("utf-8", chunk, at, at + 1, "a NUL byte")
                     decoder.decode(chunk)
                     offset += len(chunk)

@@ -148,10 +148,8 @@ def load_config(model: str | Path, *, trust_remote_code: bool = False):
 def check_head_counts(num_heads, num_kv_heads) -> None:
     """UserError unless every KV head serves the same number of query heads (the attention of every model
     class here divides them); counts that are not positive integers are left to the model's own checks."""
-    counts = (num_heads, num_kv_heads)
-    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in counts):
-        return
-    if num_heads % num_kv_heads:
+    valid = all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in (num_heads, num_kv_heads))
+    if valid and num_heads % num_kv_heads:
         raise UserError(
             f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}: each "
             "KV head must serve the same number of query heads; repair config.json (and the weights)"
@@ -263,14 +261,13 @@ def checkpoint_weights(model: str | Path) -> CheckedWeights:
     index = tensor_index(model)
     with torch.device("meta"):
         lm = AutoModelForCausalLM.from_config(config)
-    expected, seen = {}, set()
-    for name, tensor in lm.state_dict(keep_vars=True).items():
+    state, expected, seen = lm.state_dict(keep_vars=True), {}, set()
+    for name, tensor in state.items():
         if id(tensor) not in seen:  # a tied weight is stored once
             expected[name] = tuple(tensor.shape)
         seen.add(id(tensor))
-    stored_once = {n for n in lm.state_dict() if n not in expected}
     drop = _dropped_on_load(lm)
-    unexpected = [n for n in index if n not in expected and n not in stored_once]
+    unexpected = [n for n in index if n not in state]
     dropped = frozenset(n for n in unexpected if drop is not None and drop.search(n))
     missing = [n for n in expected if n not in index]
     tied = getattr(config.get_text_config(), "tie_word_embeddings", True)

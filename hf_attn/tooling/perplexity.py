@@ -172,8 +172,7 @@ def evaluate_perplexity(
     input_ids = _evaluated_ids(
         model, input_ids, context_length=context_length, batch_size=batch_size, max_tokens=max_tokens
     )
-    n = input_ids.numel()
-    windows = plan_windows(n, context_length, stride)
+    windows = plan_windows(input_ids.numel(), context_length, stride)
     batches = plan_batches(windows, batch_size)
     rank, world = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
     mine = batches[rank::world]

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from hf_attn.tooling.errors import UserError, one_line
+from hf_attn.tooling.files import read_json
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -54,16 +55,6 @@ class TensorInfo:
     end: int
 
 
-def _named_file(directory: Path) -> str | None:
-    """config.json's `transformers_weights`, if it names one (an unreadable config is reported elsewhere)."""
-    try:
-        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError):
-        return None
-    name = config.get(NAMED_FILE_KEY) if isinstance(config, dict) else None
-    return name if isinstance(name, str) and name else None
-
-
 def _shards(index: Path) -> list[Path]:
     """The files a shard index lists, in order of first mention; UserError for a bad index or a lost shard."""
     try:
@@ -82,8 +73,9 @@ def weight_files(model_dir: str | os.PathLike) -> list[Path]:
     """The weight files transformers' `from_pretrained` reads from the directory `model_dir`, in its
     precedence (see the module docstring); UserError when there are none or an index is unusable."""
     directory = Path(model_dir)
-    named = _named_file(directory)
-    if named is not None:
+    config = read_json(directory / "config.json")  # (an unreadable config is reported elsewhere)
+    named = config.get(NAMED_FILE_KEY) if isinstance(config, dict) else None
+    if isinstance(named, str) and named:
         path = (directory / named).resolve()
         if directory.resolve() not in path.parents or not path.is_file():
             raise UserError(
@@ -191,9 +183,8 @@ def check_finite(tensors: Iterable[tuple[str, torch.Tensor]], *, where: str | os
             )
 
 
-def check_finite_weights(model_dir: str | os.PathLike, index: dict[str, TensorInfo] | None = None) -> None:
-    """`check_finite` over every floating tensor of a safetensors checkpoint, read one at a time in file
-    order (`index`: its `tensor_index`, read if not given)."""
-    index = tensor_index(model_dir) if index is None else index
+def check_finite_weights(model_dir: str | os.PathLike, index: dict[str, TensorInfo]) -> None:
+    """`check_finite` over every floating tensor of `index` (the `tensor_index` of the safetensors
+    checkpoint `model_dir`), read one at a time in file order."""
     floating = (n for n in names_in_file_order(index) if index[n].dtype.is_floating_point)
     check_finite(((n, read_tensor(index[n])) for n in floating), where=model_dir)

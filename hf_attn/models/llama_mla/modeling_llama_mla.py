@@ -289,7 +289,7 @@ class LlamaMLAAttention(nn.Module):
         probs = torch.softmax(scores, dim=-1)
         if keep is not None:
             probs = probs.masked_fill(~keep.any(dim=-1, keepdim=True), 0.0)  # fully masked rows -> zeros
-        if self.training and self.attention_dropout > 0:
+        if dropout:
             probs = nn.functional.dropout(probs, p=self.attention_dropout)
         probs = probs.to(c.dtype)
 
