@@ -289,11 +289,7 @@ def fit_values(
     roots = [_sym_sqrt(sum(grams[q] for q in range(nq) if reads[q] == h)) for h in range(r)]  # each (d, d)
     whiten = torch.block_diag(*roots)  # (r d, r d)
     _, evecs = torch.linalg.eigh(whiten @ y.sum(0) @ whiten.T)
-    # the projection on Y's range and Y's pseudo-inverse there, (r d, r d) each
-    evals, basis = torch.linalg.eigh(y.sum(0))
-    kept = evals > _RANGE_TOL * evals.max().clamp_min(1e-300)
-    basis, evals = basis[:, kept], evals[kept]  # (r d, k), (k,)
-    excited, y_inv = basis @ basis.T, (basis / evals) @ basis.T
+    excited, y_inv = _range(y.sum(0))  # (r d, r d) each: the projection on Y's range, Y's pseudo-inverse
     p = evecs[:, -d:].flip(-1).T @ whiten @ excited  # (d, r d)
     select = torch.stack([torch.eye(rd, dtype=y.dtype)[reads[q] * d : (reads[q] + 1) * d] for q in range(nq)])
 
@@ -338,6 +334,15 @@ def fit_values(
     p = mean_pool @ total @ p.T @ torch.linalg.pinv(p @ total @ p.T, rtol=_RANGE_TOL, hermitian=True) @ p
     p = _sym_sqrt(mean_pool @ total @ mean_pool.T) @ torch.linalg.inv(_sym_sqrt(p @ total @ p.T)) @ p
     return p, decoders(p)
+
+
+def _range(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the orthogonal projection on the range of the PSD matrix a, a's pseudo-inverse there): eigenvalues
+    up to _RANGE_TOL x the largest count as zero."""
+    evals, evecs = torch.linalg.eigh(a)
+    kept = evals > _RANGE_TOL * evals.max().clamp_min(1e-300)
+    basis = evecs[:, kept]  # (n, k)
+    return basis @ basis.T, (basis / evals[kept]) @ basis.T
 
 
 @torch.inference_mode()

@@ -317,7 +317,9 @@ def _heal_record(
         state_dir=str(state_dir),
         teacher=str(teacher) if teacher else None,
         teacher_hash=recipe.teacher_hash,
-        lora=recipe.lora_rank and {"rank": recipe.lora_rank, "targets": recipe.lora_targets.split(",")},
+        lora=(
+            dict(rank=recipe.lora_rank, targets=recipe.lora_targets.split(",")) if recipe.lora_rank else None
+        ),
     )
 
 
