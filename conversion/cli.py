@@ -1,10 +1,6 @@
 """The command line of the converters (`hf-attn convert expand | gqa | mla`): a parser built from the specs
-(`conversion.specs`) and one run through the pipeline (`conversion.pipeline.convert`).
-
-Each converter's command (`gqa_main`, `mla_main`, `expand_main`; `python -m conversion.gqa`, `conversion.mla`
-and `conversion.expand` run them) is `main(PROG, DOC, SPEC, argv)`: --model, --output, the converter spec's
-flags, the calibration and refinement flags (not for the exact expansion) and the write flags, each with the
-spec's default. The work goes through the one error path (`hf_attn.tooling.cli`): a bad value is one line
+(`conversion.specs`, each flag with the spec's default) and one run through the pipeline
+(`conversion.pipeline.convert`), on the one error path (`hf_attn.tooling.cli`): a bad value is one line
 naming the flag and the fix, exit status 2, checked before any work, nothing written.
 """
 

@@ -6,15 +6,13 @@
     convert(MLASpec(kv_budget=0.5), src=None, dst="mla", refine=RefineSpec(steps=0))   # the closed form
 
 `hf-attn convert gqa | mla | expand` (`conversion.cli`), the study (`eval/study.py`) and the experiments run
-their conversions through `convert`, with the defaults of the specs (`conversion.specs`). The stages:
-1. the closed form: `gqa.convert_gqa`, `mla.convert_to_mla` or `gqa.expand.expand_checkpoint` (exact:
-   never refined);
-2. `refine.steps` > 0: the layer-local refinement against the source (`conversion.refine`), on the
-   conversion's calibration text and device;
-3. `export`: the export (`conversion.export`, "deepseek_v3" of a DeepSeek-layout MLA).
-Every spec is validated when built and the output is checked before any work; a closed form that is refined
-or exported is written to a scratch directory beside the output and deleted, so only the last stage's
-checkpoint is written to `dst`, atomically.
+their conversions through `convert`, with the defaults of the specs (`conversion.specs`). The stages: the
+closed form (`gqa.convert_gqa`, `mla.convert_to_mla` or `gqa.expand.expand_checkpoint`, exact: never
+refined), with `refine.steps` > 0 the layer-local refinement against the source (`conversion.refine`) on the
+conversion's calibration text and device, then `export` (`conversion.export`, "deepseek_v3" of a
+DeepSeek-layout MLA). Every spec is validated when built and the output is checked before any work; a closed
+form that is refined or exported is written to a scratch directory beside the output and deleted, so only the
+last stage's checkpoint is written to `dst`, atomically.
 """
 
 from __future__ import annotations

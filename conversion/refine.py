@@ -68,6 +68,7 @@ from hf_attn.conversion.refine_fit import (
     fit_layer,
     frozen_linears_to,
     halves,
+    resolve_step_dtype,
     targets_of,
 )
 from hf_attn.conversion.specs import (
@@ -129,9 +130,10 @@ class RefineSettings:
     )
     step_dtype: str = setting(
         STEP_DTYPE,
-        choices=tuple(STEP_DTYPES),
+        choices=("auto", *STEP_DTYPES),
         help="dtype of the refinement's matmuls: steps, targets, errors (autocast; the hidden states carried "
-        "from layer to layer and the errors stay float32)",
+        "from layer to layer and the errors stay float32); auto: bfloat16 on a GPU or an AVX-512 CPU, "
+        "where it runs natively, else float32",
     )
     calibration_tokens: int = setting(REFINE_TOKENS, help="calibration tokens (disjoint windows)")
     calibration_window: int = setting(DEFAULT_WINDOW, help="tokens per calibration window (a step each)")
@@ -182,12 +184,13 @@ def refine_layers(
     """Refine `converted` against `source` (as deep) layer by layer (see the module docstring; one layer's
     fit: `refine_fit`); windows (N >= 1, T) token ids. keep(i, tensors) receives the refitted `self_attn`
     tensors of every layer whose error they lower ("q_proj.weight", ...); nothing is written here."""
-    rule = FitRule(
-        steps, lr=lr, relative_lr=relative_lr, target=target, loss_stride=loss_stride, step_dtype=step_dtype
-    )
     with torch.no_grad():
         x_src = [source.embed(w).unsqueeze(0) for w in windows]  # N x (1, T, E)
         x_conv = [converted.embed(w).unsqueeze(0) for w in windows]  # N x (1, T, E)
+    step_dtype = resolve_step_dtype(step_dtype, x_src[0].device)
+    rule = FitRule(
+        steps, lr=lr, relative_lr=relative_lr, target=target, loss_stride=loss_stride, step_dtype=step_dtype
+    )
     src_cache, conv_cache, fits = {}, {}, []
     bar = tqdm(range(converted.num_layers), desc="refine", unit="layer", disable=not progress)
     with CoreShare() as share:
@@ -308,6 +311,7 @@ def refine(
             settings={
                 **{k: v for k, v in asdict(s).items() if k not in ("model", "output", "overwrite")},
                 "device": converted.device.type,  # where it ran (--device auto resolved)
+                "step_dtype": resolve_step_dtype(s.step_dtype, converted.device),  # (auto resolved)
             },
             reference=str(source_dir),
             calibration=calibration_record(calibration, windows.numel()),

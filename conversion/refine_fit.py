@@ -33,6 +33,7 @@ from transformers import AttentionInterface
 from hf_attn.attention.grouped import grouped_attention
 from hf_attn.conversion import stages
 from hf_attn.conversion.specs import STEP_DTYPES
+from hf_attn.tooling.devices import native_bfloat16
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,14 @@ def halves(layer, x: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, torch.Te
 def targets_of(mids: list, outputs: list, target: str) -> list:
     """rms(the source layer's m or y) per window, (1, T, E) each: what the error compares with."""
     return [_rms(m if target == "attention" else y) for m, y in zip(mids, outputs, strict=True)]
+
+
+def resolve_step_dtype(step_dtype: str, device: torch.device) -> str:
+    """The dtype a `step_dtype` names: "auto" is "bfloat16" where `device` runs it natively
+    (`devices.native_bfloat16`), else "float32"."""
+    if step_dtype != "auto":
+        return step_dtype
+    return "bfloat16" if native_bfloat16(device) else "float32"
 
 
 def autocast(device: torch.device, step_dtype: str):

@@ -2,16 +2,9 @@
 parsers of `hf-attn convert gqa | mla | expand` are built (`add_spec_arguments`), so that the commands and
 the library share every default. Every choice a conversion offers and every default it takes is defined
 here (the constants below), and the converters, the refinement, the export and the checkpoint writer read
-them from this module, which imports nothing else from `conversion/`.
-
-- `CalibrationSpec`: the calibration text (files, an embedded corpus; default the `mix` corpus), its tokens
-  and window, and where the layer-by-layer calibration forward runs.
-- `KVBudget`: a fraction in (0, 1] of the source's KV cache and the numbers per token and layer it allows.
-- `GQASpec`, `MLASpec`, `ExpandSpec`: what each closed-form converter writes.
-- `RefineSpec`: the layer-local refinement after the closed form (`hf-attn refine`; 0 steps: none).
-- `WriteSpec`: how the checkpoint is written (dtype, `--overwrite`, shard size).
-
-`conversion.pipeline` composes the stages: closed form -> refinement -> export.
+them from this module, which imports nothing else from `conversion/`. The specs: `CalibrationSpec`,
+`KVBudget`, `GQASpec` / `MLASpec` / `ExpandSpec` (the closed forms), `RefineSpec` and `WriteSpec`;
+`conversion.pipeline` composes their stages: closed form -> refinement -> export.
 
     from hf_attn.conversion.specs import GQASpec, MLASpec, RefineSpec
     GQASpec(num_kv_heads=1)                          # calibrated pooling, then 32 refinement steps
@@ -68,7 +61,9 @@ REFINE_TOKENS = 4096  # calibration tokens of the refinement
 REFINE_TARGETS = ("layer", "attention")  # what a refined layer matches
 RELATIVE_LR = 0.01
 LOSS_STRIDE = 2  # each refinement step's loss on every 2nd position of its window (docs/scale.md)
-STEP_DTYPE = "bfloat16"  # the refinement's matmuls (docs/scale.md: perplexity within 1% of float32's)
+# the refinement's matmuls: "auto" is bfloat16 where the device runs it natively (docs/scale.md: perplexity
+# within 1% of float32's), else float32 (`refine_fit.resolve_step_dtype`)
+STEP_DTYPE = "auto"
 STEP_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # writing a checkpoint
@@ -350,8 +345,9 @@ class RefineSpec:
     step_dtype: str = setting(
         STEP_DTYPE,
         flag="--refine-step-dtype",
-        choices=tuple(STEP_DTYPES),
-        help="dtype of the refinement steps' matmuls (hf-attn refine --step-dtype)",
+        choices=("auto", *STEP_DTYPES),
+        help="dtype of the refinement steps' matmuls; auto: bfloat16 on a GPU or an AVX-512 CPU, else "
+        "float32 (hf-attn refine --step-dtype)",
     )
 
     def __post_init__(self):

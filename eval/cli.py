@@ -91,10 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if len(argv) > 1 else 2
     found, words = resolve(argv), " ".join(argv[:2])
     if found is None and words in BENCHMARKS:
-        why = (
-            f"{words!r} is not an {PROG} command; it runs as python -m {BENCHMARKS[words]} (from a checkout)"
-        )
-        return error(PROG, why)
+        where = f"python -m {BENCHMARKS[words]} (from a checkout)"
+        return error(PROG, f"{words!r} is not an {PROG} command; it runs as {where}")
     if found is None:
         groups = ", ".join(sorted({name.split()[0] for name in COMMANDS}))
         return error(PROG, f"unknown command {words!r}; choose one of: {groups} (`{PROG} --help` lists them)")

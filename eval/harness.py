@@ -81,9 +81,8 @@ def _raise_if_offline(what: str, err: BaseException) -> None:
     for _ in range(16):
         if cause is None:
             return
-        if isinstance(cause, ConnectionError) or type(cause).__name__ in _OFFLINE_ERRORS:
-            break
-        if any(text in str(cause).lower() for text in _OFFLINE_TEXTS):
+        offline = isinstance(cause, ConnectionError) or type(cause).__name__ in _OFFLINE_ERRORS
+        if offline or any(text in str(cause).lower() for text in _OFFLINE_TEXTS):
             break
         cause = cause.__cause__ or cause.__context__
     else:

@@ -85,13 +85,6 @@ def mla_numbers_per_layer(config) -> list[int]:
     return [LlamaMLAConfig.cache_numbers(int(c), rope_keys, int(r)) for c, r in zip(ranks, pairs)]
 
 
-def _numbers_per_layer(config) -> list[int | float]:
-    """Cached numbers per token of every decoder layer (before the window / no-cache caps)."""
-    if config.model_type == "llama_mla":
-        return mla_numbers_per_layer(config)
-    return [numbers_per_token_per_layer(config)] * len(_layer_windows(config))
-
-
 def kv_bytes_per_token(config, dtype: torch.dtype = torch.float32) -> KVBytes:
     """KV-cache bytes per token from a config, for a cache stored in `dtype`."""
     text = config.get_text_config()
@@ -105,9 +98,13 @@ def kv_cache_bytes(config, seq_len: int, *, batch_size: int = 1, dtype: torch.dt
     """Bytes of the whole KV cache for `batch_size` sequences of `seq_len` tokens; sliding-window layers hold
     at most `window` tokens (transformers' dynamic cache keeps `window - 1` between steps)."""
     text = config.get_text_config()
+    if text.model_type == "llama_mla":
+        per_layer = mla_numbers_per_layer(text)
+    else:
+        per_layer = [numbers_per_token_per_layer(text)] * len(_layer_windows(text))
     numbers = sum(  # per layer: its numbers per token times the tokens it holds
         n * (0 if w == 0 else seq_len if w is None else min(seq_len, w))
-        for n, w in zip(_numbers_per_layer(text), _layer_windows(text))
+        for n, w in zip(per_layer, _layer_windows(text))
     )
     return int(numbers * dtype.itemsize * batch_size)
 
@@ -159,8 +156,7 @@ def measured_kv_bytes_per_token(model, seq_len: int = 16) -> KVBytes:
     per_token = (cache_tensor_bytes(long) - cache_tensor_bytes(short)) / seq_len
     pairs = zip(getattr(short, "layers", short), getattr(long, "layers", long))
     layers = sum(cache_tensor_bytes(b) > cache_tensor_bytes(a) for a, b in pairs)  # layers whose cache grew
-    dtype = model.dtype
-    size = dtype.itemsize
-    per_layer = per_token / layers
+    dtype, per_layer = model.dtype, per_token / layers
     as_int = lambda x: int(x) if float(x).is_integer() else x  # noqa: E731
-    return KVBytes(as_int(per_layer / size), as_int(per_layer), as_int(per_token), layers, dtype_name(dtype))
+    numbers = as_int(per_layer / dtype.itemsize)
+    return KVBytes(numbers, as_int(per_layer), as_int(per_token), layers, dtype_name(dtype))

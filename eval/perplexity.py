@@ -9,8 +9,6 @@ The protocol (windows, scoring, batching, the (NLL, count) reduce across process
         [--context-length 1024] [--stride 1024] [--max-tokens N] [--batch-size B]
         [--load-dtype float32|bfloat16|float16] [--device auto|cpu|cuda | --device-map auto]
         [--output results.json]
-
-`--load-dtype` is the dtype the weights are loaded in (`--dtype` is its deprecated spelling).
 """
 
 from __future__ import annotations

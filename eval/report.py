@@ -19,27 +19,20 @@ WRITER = "hf-attn study"
 HEADING = f"# {WRITER} ("  # report.md's first line
 
 COLUMNS = (
-    ("variant", "Variant"), ("healed", "Healed"), ("kv", "KV bytes/token"), ("kv_fraction", "KV vs source"),
-    ("perplexity", "Perplexity"), ("accuracy", "Last-word acc"), ("decode", "Decode tok/s"),
-    ("convert", "Convert s"), ("heal", "Heal s"),
+    "Variant", "Healed", "KV bytes/token", "KV vs source", "Perplexity", "Last-word acc", "Decode tok/s",
+    "Convert s", "Heal s",
 )  # fmt: skip
 
 
 SECOND_CORPUS = ("perplexity_python_faq", "PPL Python FAQ")  # a column only when the study measured it
+SECOND_AT = COLUMNS.index("Perplexity") + 1  # ... right after the Persuasion perplexity
 TOLERANCE = 1.25  # the cross-domain check: FAQ ratio <= TOLERANCE x Persuasion ratio (`check_row`)
 
 
-def _columns(record: dict) -> tuple:
-    if not any(SECOND_CORPUS[0] in r for r in record["rows"]):
-        return COLUMNS
-    at = [key for key, _ in COLUMNS].index("perplexity") + 1
-    return COLUMNS[:at] + (SECOND_CORPUS,) + COLUMNS[at:]
-
-
-def _cells(row: dict, columns: tuple = COLUMNS) -> list[str]:
+def _cells(row: dict, second: bool) -> list[str]:
     healed = "yes" if row["healed"] else "no"
     if "error" in row:
-        return [row["label"], healed, f"FAILED: {row['error']}", *[""] * (len(columns) - 3)]
+        return [row["label"], healed, f"FAILED: {row['error']}", *[""] * (len(COLUMNS) + second - 3)]
     cells = [
         row["label"],
         healed,
@@ -51,15 +44,16 @@ def _cells(row: dict, columns: tuple = COLUMNS) -> list[str]:
         cell(row.get("convert_seconds"), ".0f"),
         cell(row.get("heal_seconds"), ".0f") if row["healed"] else "",
     ]
-    if SECOND_CORPUS in columns:
-        cells.insert(columns.index(SECOND_CORPUS), cell(row.get(SECOND_CORPUS[0]), ",.2f"))
+    if second:
+        cells.insert(SECOND_AT, cell(row.get(SECOND_CORPUS[0]), ",.2f"))
     return cells
 
 
 def format_table(record: dict) -> str:
-    columns = _columns(record)
-    rows = [_cells(r, columns) for r in record["rows"]]
-    return markdown_table([title for _, title in columns], rows, align="ll" + "r" * (len(columns) - 2))
+    second = any(SECOND_CORPUS[0] in r for r in record["rows"])
+    titles = [*COLUMNS[:SECOND_AT], SECOND_CORPUS[1], *COLUMNS[SECOND_AT:]] if second else list(COLUMNS)
+    rows = [_cells(r, second) for r in record["rows"]]
+    return markdown_table(titles, rows, align="ll" + "r" * (len(titles) - 2))
 
 
 def check_row(row: dict) -> bool:

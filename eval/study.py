@@ -8,16 +8,11 @@ exact MHA expansion), evaluate it, heal it for a fixed wall-clock budget and eva
 reports the measured KV-cache bytes per token, perplexity on *Persuasion* (protocol stated in the report),
 greedy decode tokens/s after a long prompt, and conversion / healing wall time.
 
-Re-runs are cheap and safe:
-- converted and healed checkpoints are cached under `$HF_ATTN_CACHE/study/` by a hash of their inputs and
-  settings (source weights hash, converter options, calibration tokens, healing recipe) and of the code that
-  builds them (`conversion/`, `hf_attn/`), so a second run does not convert or heal again, and a changed
-  converter is never mistaken for the old one (`--fresh` rebuilds regardless);
-- each finished row is stored in `RESULTS/rows/` keyed by its settings, so an interrupted study resumes where
-  it stopped, without loading or rebuilding the checkpoints of finished rows;
-- `--discard-checkpoints` deletes each variant's checkpoints once its rows are measured (disk use stays near
-  two checkpoints instead of ~6 GB for the default study);
-- a variant that raises is reported in the table with its error and does not stop the others.
+Re-runs are cheap and safe (docs/study.md): converted and healed checkpoints are cached under
+`$HF_ATTN_CACHE/study/` by a hash of their inputs, settings and code (`conversion/`, `hf_attn/`; `--fresh`
+rebuilds them); each finished row is kept in `RESULTS/rows/`, so an interrupted study resumes without touching
+the checkpoints of finished rows; `--discard-checkpoints` deletes each variant's checkpoints once its rows are
+measured; a variant that raises is reported in the table with its error and does not stop the others.
 """
 
 from __future__ import annotations

@@ -77,6 +77,20 @@ def test_refinement_lowers_the_error_and_leaves_an_exact_conversion_alone(tmp_pa
     assert all(torch.equal(v, exact.state_dict()[k]) for k, v in refined.state_dict().items())
 
 
+def test_the_auto_step_dtype_refines_as_the_dtype_this_cpu_computes_natively(tmp_path):
+    native = torch.backends.cpu.get_cpu_capability().startswith("AVX512")  # oneDNN's bfloat16 kernels
+    named = "bfloat16" if native else "float32"
+    source, pooled = tiny_llama(0), tiny_llama(1)
+    windows = torch.randint(3, SRC_TINY["vocab_size"], (3, 24))
+    refined = {
+        dtype: refine_saved(tmp_path / dtype, source, pooled, windows, steps=3, lr=3e-3, step_dtype=dtype)[2]
+        for dtype in ("auto", named, {"bfloat16": "float32", "float32": "bfloat16"}[named])
+    }
+    want, other = refined[named].state_dict(), list(refined.values())[-1].state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in refined["auto"].state_dict().items())
+    assert not all(torch.equal(v, want[k]) for k, v in other.items())  # (the dtype matters)
+
+
 def test_refined_deepseek_layout_still_exports_exactly(tmp_path):
     model = deepseek_layout_model("llama", seed=3)
     windows = torch.randint(3, SRC_TINY["vocab_size"], (2, 16))

@@ -1,8 +1,5 @@
-"""Checkpoints and the layer-by-layer model the converters read them through: `io` (reading a source,
-its geometry and records, streaming the output), `shards` (the sharded safetensors writer and spilled
-layers), `layerwise` (`LayerwiseModel`: one decoder layer in memory at a time), `calibration` (the
-calibration text and each attention layer's inputs) and `threads` (torch's CPU threads on a shared
-machine).
+"""Checkpoints and the layer-by-layer model the converters read them through (docs/layout.md lists the
+modules: `io`, `shards`, `layerwise`, `calibration`, `threads`).
 
 `hf_attn.conversion.checkpoint.NAME` for a name of `io` (e.g. `check_supported`, `open_source`) still gives
 it, with a warning naming `hf_attn.conversion.checkpoint.io.NAME`."""

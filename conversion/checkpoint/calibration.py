@@ -1,15 +1,11 @@
 """Calibration text and attention-layer inputs, shared by the calibrated converters (GQA pooling, MLA).
 
-- `calibration_ids(tokenizer, calibration=None, tokens=N)`: N token ids taken from the start of each file of a
-  `CalibrationSpec` (or a list of files) in equal shares, a file listed k times giving k shares (default: the
-  `mix` corpus, the five Austen novels other than *Persuasion* and five sections of the Python 3.11
-  documentation other than its FAQ; *Persuasion* and the FAQ are kept for evaluation). `source_ids` does the
-  same with a checkpoint's tokenizer: how the converters and the refinement read their calibration text.
-- `calibration_record(calibration, tokens)`: what a conversion record says about the calibration text.
-- `augmented_moment(x)`: the usual statistic to accumulate in a calibration pass
-  (`layerwise.LayerwiseModel.for_each_attention_input`), the float64 second moment of the augmented
-  input [x; 1], M = sum_t [x_t; 1][x_t; 1]^T of shape (C + 1, C + 1). Every second moment of q, k and v (with
-  biases) follows from it: E[k k^T] = [W_k | b_k] M [W_k | b_k]^T / N. Memory: (C + 1)^2 float64 per layer.
+The text: `calibration_ids` (default: the `mix` corpus, five Austen novels and five sections of the Python
+3.11 documentation; *Persuasion* and the Python FAQ are kept for evaluation), `source_ids` in a checkpoint's
+tokenizer (how the converters and the refinement read it). The statistic a calibration pass
+(`layerwise.LayerwiseModel.for_each_attention_input`) usually accumulates is `augmented_moment` M, from
+which every second moment of q, k and v (with biases) follows: E[k k^T] = [W_k | b_k] M [W_k | b_k]^T / N.
+Memory: (C + 1)^2 float64 per layer.
 """
 
 from __future__ import annotations

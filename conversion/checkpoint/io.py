@@ -1,15 +1,8 @@
-"""Converter plumbing shared by every converter (GQA pooling, GQA expansion, MLA, healing).
-
-- `open_source` -> `Source`: every converter's prologue (resolve the model, read and check config.json and
-  the attention tensors, parse the dtype, refuse a bad output) before any slow work; `check_supported` and
-  `AttentionGeometry`: what a converter may rely on.
-- `tensor_index` / `iter_tensors` / `read_tensor`: the one reader of a checkpoint's weights
-  (`hf_attn.tooling.weights`: the files transformers reads, in its precedence), plain file reads (no mmap).
-- `save_streamed`: a complete checkpoint written atomically, its tensors streamed through
-  `shards.ShardedWriter` (one tensor in memory at a time).
-- `copy_side_files`, `write_config`, `conversion_record`, `add_record`, `latest_record`: everything that is
-  not weights, and the records of every step so far in `config.json["hf_attn"]["history"]` (one schema for
-  converters and healing: `conversion_record`).
+"""Converter plumbing shared by every converter (GQA pooling, GQA expansion, MLA, healing): the prologue
+(`open_source` -> `Source`; `check_supported` and `AttentionGeometry`: what a converter may rely on), the one
+reader of a checkpoint's weights (`tensor_index` / `iter_tensors` / `read_tensor`: `hf_attn.tooling.weights`),
+the streamed writer (`save_streamed`) and everything that is not weights: side files, config.json and the
+records of every step so far in `config.json["hf_attn"]["history"]` (one schema: `conversion_record`).
 
 Writers are meant to be used inside `hf_attn.tooling.files.atomic_directory`, so a failure leaves no output.
 """
@@ -40,13 +33,7 @@ from hf_attn.tooling.loading import (
     read_config,
     resolve_model,
 )
-from hf_attn.tooling.weights import (
-    NAMED_FILE_KEY,
-    TensorInfo,
-    names_in_file_order,
-    read_tensor,
-    tensor_index,
-)
+from hf_attn.tooling.weights import NAMED_FILE_KEY, TensorInfo, names_in_file_order, read_tensor, tensor_index
 
 # A converter rewrites weights and config itself; every other file (not a TENSOR_SUFFIXES one) is a side file.
 _NOT_SIDE_FILES = (CONFIG_NAME, INDEX_FILE, "pytorch_model.bin.index.json")

@@ -1,10 +1,5 @@
-"""Safetensors shards written one tensor at a time, and attention layers spilled to disk.
-
-- `ShardedWriter`: streams converted tensors to safetensors shards (at most `max_shard_bytes` each) plus the
-  index; each tensor is written to disk as soon as it arrives, so memory stays at one tensor.
-- `SpilledLayers`: the new attention tensors of each layer kept on disk until the save reads them back.
-- `SINGLE_FILE`, `INDEX_FILE`, `SAFETENSORS_DTYPES`: the checkpoint file names and dtype codes, defined with
-  the one reader (`hf_attn.tooling.weights`) and shared by the writers here.
+"""Safetensors shards written one tensor at a time (`ShardedWriter`), and attention layers spilled to disk
+(`SpilledLayers`).
 
 Writers are meant to be used inside `hf_attn.tooling.files.atomic_directory`, so a failure leaves no output.
 """
@@ -45,30 +40,16 @@ def _header_blob(entries: list[_Entry]) -> bytes:
     return blob + b" " * (-len(blob) % 8)
 
 
-def _prepend_header(path: Path, blob: bytes, data_start: int) -> None:
-    """Rewrite the file at `path` as `blob`'s length, `blob`, then its bytes from `data_start` on (copied in
-    chunks): for a header longer than the room kept for it."""
-    moved = path.with_suffix(".data")
-    os.rename(path, moved)
-    with open(moved, "rb") as data, open(path, "wb") as out:
-        out.write(struct.pack("<Q", len(blob)))
-        out.write(blob)
-        data.seek(data_start)
-        shutil.copyfileobj(data, out, 16 * 1024 * 1024)
-    os.unlink(moved)
-
-
 class ShardedWriter:
     """Stream tensors into safetensors shards of at most `max_shard_bytes` (one tensor may exceed it).
 
     Each tensor's bytes go to the shard file immediately, behind `HEADER_RESERVE` bytes kept for the header;
     when the shard is full its header is written into them (padded with spaces, which the safetensors JSON
-    header allows), so every byte is written once and memory never holds more than the tensor being added.
-    A header longer than the reserve (thousands of tensors in a shard) falls back to copying the data
-    behind it in chunks.
-    Tensors whose byte size is not a multiple of 8 are held back to the end of their shard so every other
-    tensor stays 8-byte aligned. `close()` names the shards `model-0000k-of-0000n.safetensors` and writes
-    `model.safetensors.index.json`, or a single `model.safetensors` when everything fits in one shard.
+    header allows), so every byte is written once and memory never holds more than the tensor being added. A
+    header longer than the reserve (thousands of tensors in a shard) falls back to copying the data behind it
+    in chunks. Tensors whose byte size is not a multiple of 8 are held back to the end of their shard so every
+    other tensor stays 8-byte aligned. `close()` names the shards `model-0000k-of-0000n.safetensors` and
+    writes `model.safetensors.index.json`, or a single `model.safetensors` when everything fits in one shard.
     """
 
     HEADER_RESERVE = 64 * 1024  # bytes before a shard's data kept for its header (~150 bytes per tensor)
@@ -137,9 +118,16 @@ class ShardedWriter:
             self._data.write(struct.pack("<Q", self.HEADER_RESERVE))
             self._data.write(blob + b" " * (self.HEADER_RESERVE - len(blob)))
             self._data.close()
-        else:  # too many tensors for the reserve: header first, then the data copied behind it
+        else:  # too many tensors for the reserve: header first, then the data copied behind it in chunks
             self._data.close()
-            _prepend_header(path, blob, 8 + self.HEADER_RESERVE)
+            moved = path.with_suffix(".data")
+            os.rename(path, moved)
+            with open(moved, "rb") as data, open(path, "wb") as out:
+                out.write(struct.pack("<Q", len(blob)))
+                out.write(blob)
+                data.seek(8 + self.HEADER_RESERVE)
+                shutil.copyfileobj(data, out, 16 * 1024 * 1024)
+            os.unlink(moved)
         self.shards.append((path, [e[0] for e in self._entries]))
         self._data, self._entries, self._size = None, [], 0
 

@@ -1,7 +1,5 @@
-"""The export of a `llama_mla` checkpoint in the DeepSeek layout as an exact `deepseek_v3` checkpoint:
-`deepseek` (`export_checkpoint` and `hf-attn export`), `plan` (what is exported, or why not) and
-`engine_dims` (the latent and RoPE sizes vLLM's MLA backends take). `python -m conversion.export` is
-`hf-attn export`."""
+"""The exact export of a DeepSeek-layout `llama_mla` checkpoint as `deepseek_v3` (`hf-attn export`, also
+`python -m conversion.export`); docs/layout.md lists the modules."""
 
 from hf_attn.conversion.export.deepseek import deepseek_state_dict, export_checkpoint, main
 from hf_attn.conversion.export.plan import ExportPlan, plan_export

@@ -1,6 +1,5 @@
-"""MHA/GQA -> GQA/MQA and back: `pooling` (mean and calibrated pooling of KV heads, the fits),
-`grouping` (which heads pool together), `convert` (the pooled checkpoint, `convert_gqa`) and `expand`
-(GQA/MQA -> MHA, exactly). `python -m conversion.gqa` is `hf-attn convert gqa`."""
+"""MHA/GQA -> GQA/MQA and back: `convert_gqa` writes the pooled checkpoint (docs/layout.md lists the
+modules). `python -m conversion.gqa` is `hf-attn convert gqa`."""
 
 from hf_attn.conversion.gqa.convert import convert_gqa, describe
 from hf_attn.conversion.gqa.pooling import (

@@ -13,8 +13,7 @@ The search scores a candidate group by the relative residual of its pooled fit o
 (`group_cost`): the key error in the attention-weighted metric of `pool.fit_keys` plus the value error in the
 output metric of `pool.fit_values`, each divided by the group's total (for method "mean": the mean pool's
 residual; for "calibrated": the fitted pool's). Then, per layer, `choose_groups` takes the partition into G
-equal groups with the smallest total cost: exhaustively when there are few partitions, else a balanced
-greedy clustering on the costs of head pairs, improved by swaps between groups.
+equal groups with the smallest total cost.
 
 The statistics come from one fp32 pass with a single group over all H heads (`pool.collect_attention_
 statistics` with G = 1: per layer H^2 (d/2) H^2 complex + Hq (H d)^2 float64 numbers); any group's

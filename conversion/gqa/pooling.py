@@ -1,20 +1,14 @@
 """GQA/MQA pooling: the fits that pool H key/value heads into G groups (`conversion.gqa.convert` writes the
-pooled checkpoint).
-
-Group g of G takes the source KV heads g*H/G ... (g+1)*H/G - 1 (the order of transformers' `repeat_kv`:
-query head h reads KV head h // (Hq/G) after the conversion, as it read h // (Hq/H) before).
+pooled checkpoint). Group g of G takes the source KV heads g*H/G ... (g+1)*H/G - 1 (`Pooling`).
 
 method="mean" (the GQA paper): each group's K and V projection rows (and biases) are the mean of its heads',
-accumulated in float64 and cast back, so pooling identical heads returns them bit for bit. Query and output
-projections are untouched. Streams tensor by tensor: memory is one tensor (`hf-attn bench stream` measures
-it).
+accumulated in float64 and cast back, so pooling identical heads returns them bit for bit; q_proj and o_proj
+are untouched. Streams tensor by tensor: memory is one tensor (`hf-attn bench stream` measures it).
 
-method="calibrated" (beyond the paper): the pooled K/V projections are fitted on calibration activations so
-that what attention computes changes least, and the query / output projections are refitted to read them:
-keys per RoPE pair with complex coefficients (the only maps that commute with RoPE), weighted by the attention
-each token receives (`fit_keys`); values in the metric of the output projection (`fit_values`). One fp32
-forward pass over the calibration text keeps per layer only the statistics (`AttentionStatistics`); each
-layer is then fitted and streamed like the mean method's. The derivation is in docs/gqa.md.
+method="calibrated" (beyond the paper, derived in docs/gqa.md): the pooled K/V projections are fitted on
+calibration activations so that what attention computes changes least, and the query / output projections
+refitted to read them: keys per RoPE pair with complex coefficients (`fit_keys`), values in the metric of the
+output projection (`fit_values`), from per-layer statistics of one fp32 pass (`AttentionStatistics`).
 """
 
 from __future__ import annotations
@@ -352,7 +346,7 @@ def calibrated_pool_layer(
     stats: AttentionStatistics,
     pooling: Pooling,
 ) -> dict[str, torch.Tensor | None]:
-    """Pool one attention layer's K/V heads, refitting Q and O (see the module docstring for the math).
+    """Pool one attention layer's K/V heads, refitting Q and O (the math: docs/gqa.md).
 
     weights: "q_proj.weight" (Hq*d, C), "k_proj.weight"/"v_proj.weight" (H*d, C), "o_proj.weight" (C, Hq*d),
     and "q_proj.bias"/"k_proj.bias"/"v_proj.bias" ((out,) or None). Returns the same keys with K/V at G

@@ -1,9 +1,5 @@
-"""MHA/GQA -> MLA (the `llama_mla` model type): `convert` (`convert_to_mla`, the written checkpoint),
-`plan` (validation, pair choice, the planned conversion), `calibration` (the statistics pass), `ranks`
-(r and d_c from a rank or a KV budget, and their allocation across layers), `layer` (one layer's fit),
-`factorization` (the joint low-rank latent), `rope_selection` (which RoPE pairs each KV head keeps, the
-row permutation) and `shared_rope` (the DeepSeek layout). `python -m conversion.mla` is
-`hf-attn convert mla`."""
+"""MHA/GQA -> MLA (the `llama_mla` model type): `convert_to_mla` writes the checkpoint; docs/layout.md lists
+the modules. `python -m conversion.mla` is `hf-attn convert mla`."""
 
 from hf_attn.conversion.mla.calibration import Calibration, calibrate
 from hf_attn.conversion.mla.convert import convert_to_mla, describe, write_conversion

@@ -46,11 +46,10 @@ def calibrate(
 ) -> Calibration:
     """One forward pass of the source over the calibration text, tokens and windows of `calibration`, layer
     by layer (`layerwise.LayerwiseModel`: one decoder layer in memory at a time, on its `device` in its
-    `forward_dtype`).
-    The DeepSeek layout also needs `shared_keys` (sr.SharedKeyStatistics) and the inputs of every
-    `sample_stride`-th token (0: none) for its latent-norm refit. The statistics are spilled to `scratch_dir`
-    (kept, so a pickled Calibration stays readable in a later process) or, if None, to a temporary directory
-    removed with the Calibration."""
+    `forward_dtype`). The DeepSeek layout also needs `shared_keys` (sr.SharedKeyStatistics) and the inputs of
+    every `sample_stride`-th token (0: none) for its latent-norm refit. The statistics are spilled to
+    `scratch_dir` (kept, so a pickled Calibration stays readable in a later process) or, if None, to a
+    temporary directory removed with the Calibration."""
     c = calibration
     model = layerwise.LayerwiseModel(src_dir, device=c.device, forward_dtype=c.forward_dtype)
     ids = cal.source_ids(src_dir, c)

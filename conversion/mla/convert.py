@@ -5,19 +5,14 @@
         [--layout per-head|deepseek] [--calibration-text FILE ... | --calibration-corpus NAME]
         [--calibration-tokens N] [--refine-steps 32] [--save-dtype float32|bfloat16] [--overwrite]
 
-Per layer: (1) partial RoPE: each KV head keeps RoPE on r of its d/2 frequency pairs
-(`conversion.mla.rope_selection`), its q/k rows permuted to [rope (2r) | nope (d - 2r)]; (2) joint low
-rank: the stacked [k_nope; v] of all KV heads becomes up (down x) with the cached latent of width d_c =
-kv_lora_rank (`conversion.mla.factorization`); (3) q_proj keeps the source rows, o_proj and everything
-outside attention are copied. The cache then holds d_c + Hkv 2r numbers per token and layer
-(`LlamaMLAConfig.cache_numbers`). `--kv-budget F` picks d_c and r for at most F of the source's cache
-(default 0.5 when no rank option is given); `--rope-pairs d/2` alone is exact. Calibration runs only when
-an option needs it. The construction is in docs/mla.md, the measured curve in docs/research/. `--layout
-deepseek` (`conversion.mla.shared_rope`) writes DeepSeek-V2/V3's layout instead: one RoPE key per layer
-shared by all heads on the pairs 0, s, ..., (r - 1) s of every layer, and an RMSNorm on the cached latent
-(cache d_c + 2r); `hf-attn export` then writes it as an exact deepseek_v3 checkpoint. The command then
-refines every layer against the source (32 steps by default, the recipe that measures best; `--refine-steps
-0`: the closed form only)."""
+Per layer, each KV head keeps RoPE on r of its d/2 frequency pairs (`conversion.mla.rope_selection`) and
+the stacked [k_nope; v] of all KV heads becomes up (down x), the cached latent of width d_c = kv_lora_rank
+(`conversion.mla.factorization`): d_c + Hkv 2r numbers per token and layer; docs/mla.md has the construction
+and the defaults (`--kv-budget 0.5`; `--rope-pairs d/2` alone is exact). `--layout deepseek`
+(`conversion.mla.shared_rope`) writes DeepSeek-V2/V3's layout instead, one RoPE key per layer shared by all
+heads and an RMSNorm on the cached latent (cache d_c + 2r), which `hf-attn export` writes as an exact
+deepseek_v3 checkpoint. The command then refines every layer against the source (32 steps by default, the
+recipe that measures best; `--refine-steps 0`: the closed form only)."""
 
 from __future__ import annotations
 

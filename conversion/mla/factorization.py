@@ -12,11 +12,9 @@ heads)] (W rows, C columns) with bias b (or None), and find `down` (rank, C), `u
   is larger takes the whole latent). With D = diag(s) and U_r the top-r eigenvectors of E[D z z^T D]:
   down = U_r^T D W, up = D^-1 U_r, up_bias = b (the bias is added after the latent, so it stays exact).
   Minimises the (scaled) activation error E||D (z - up down x)||^2.
-- `attention_pca` (beyond both): PCA in the metric of what attention computes. Key errors count through the
-  scores of the queries that read them (weighted by the group's E[q q^T] / d, keys centred since a constant
-  key offset cancels in softmax), value errors through the output projection (weighted by O_h^T O_h of the
-  group's heads); keys are scaled by the spread of their group's value outputs. The decoders are the
-  least-squares ones given the latent. (Compared on SmolLM2 in the README's MLA curve.)
+- `attention_pca` (beyond both): PCA in the metric of what attention computes, key errors through the scores
+  of the queries that read them and value errors through the output projection (its docstring has the
+  weights), with least-squares decoders. (Compared on SmolLM2 in the README's MLA curve.)
 
 All arithmetic in float64; the caller casts.
 """
@@ -149,7 +147,6 @@ def attention_pca(
     w_k, w_v, w_q, w_o = w_k.double(), w_v.double(), w_q.double(), w_o.double()
     _check(torch.cat([w_k, w_v]), None, rank)
     metric = _attention_metric(w_k, w_v, w_q, b_q, b_v, w_o, moment, num_kv_heads)
-    cov, second, mean, v_center = metric.cov, metric.second, metric.mean, metric.v_center
     if _input_side(w_k, w_v, moment, rank, input_side):  # W > C + 1: never form a (W, W) matrix
         basis = metric.top_directions(rank)  # (W, r)
     else:
@@ -159,19 +156,19 @@ def attention_pca(
     down = basis.T @ metric.aw  # (r, C): U_r^T A W
 
     # least-squares decoders: keys from the centred latent, values from the latent (+1 if biased)
-    cov_d = cov @ down.T  # (C, r): E[(x - mean) c^T] = Cov(x) D^T, shared by every decoder
+    cov_d = metric.cov @ down.T  # (C, r): E[(x - mean) c^T] = Cov(x) D^T, shared by every decoder
     c_cov = down @ cov_d  # (r, r)
     up_k = lstsq_decoder(w_k @ cov_d, c_cov)  # (nk, r)
-    if v_center:
+    if metric.v_center:
         up_v = lstsq_decoder(w_v @ cov_d, c_cov)  # (nv, r)
     else:
-        second_d = second @ down.T  # (C, r)
+        second_d = metric.second @ down.T  # (C, r)
         up_v = lstsq_decoder(w_v @ second_d, down @ second_d)  # (nv, r)
     up = torch.cat([up_k, up_v])  # (W, r)
     up_bias = None
     if b_k is not None or b_v is not None:
         assert b_k is not None and b_v is not None, "keys and values both biased or neither"
-        c_mean = down @ mean  # (r,)
+        mean, c_mean = metric.mean, down @ metric.mean  # (C,), (r,)
         up_bias = torch.cat(
             [w_k @ mean + b_k.double() - up_k @ c_mean, w_v @ mean + b_v.double() - up_v @ c_mean]
         )
@@ -195,11 +192,10 @@ def attention_spectrum(
     metric error (before the least-squares decoders, which can only lower it)."""
     w_k, w_v, w_q, w_o = w_k.double(), w_v.double(), w_q.double(), w_o.double()
     metric = _attention_metric(w_k, w_v, w_q, b_q, b_v, w_o, moment, num_kv_heads)
-    width = w_k.shape[0] + w_v.shape[0]
     if _input_side(w_k, w_v, moment, 1, input_side):  # F F^T and F^T F share their nonzero eigenvalues
         f = metric.factor()  # (W, C+1)
         evals = torch.linalg.eigvalsh(f.T @ f).flip(0).clamp_min(0.0)  # (C+1,) descending
-        return torch.cat([evals, evals.new_zeros(width - evals.numel())])  # (W,)
+        return torch.cat([evals, evals.new_zeros(f.shape[0] - evals.numel())])  # (W,)
     weighted = metric.weighted()
     return torch.linalg.eigvalsh((weighted + weighted.T) / 2).flip(0).clamp_min(0.0)
 
@@ -267,8 +263,8 @@ def _attention_metric(w_k, w_v, w_q, b_q, b_v, w_o, moment, num_kv_heads) -> _Me
     mean = m[:-1, -1]  # (C,)
     second = m[:-1, :-1]  # (C, C)
     cov = second - torch.outer(mean, mean)  # (C, C)
-    aug = lambda w, b: torch.cat([w, (b.double() if b is not None else w.new_zeros(w.shape[0]))[:, None]], 1)  # noqa: E731
-    wq_aug = aug(w_q, b_q)  # (Hq*dn, C+1)
+    b_q = b_q.double() if b_q is not None else w_q.new_zeros(w_q.shape[0])
+    wq_aug = torch.cat([w_q, b_q[:, None]], 1)  # (Hq*dn, C+1)
 
     k_blocks, v_blocks = [], []  # A_K,g and A_V,g
     for g in range(hkv):

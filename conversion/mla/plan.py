@@ -226,11 +226,8 @@ def plan_conversion(
     calibration_pass: Calibration | None = None,
 ) -> MLAConversion:
     """Check `spec` against the source, calibrate if its options need it (on `calibration`'s text, or reuse
-    `calibration_pass`, a `calibration.calibrate` result), choose the pairs and the per-layer ranks.
-
-    Layout "deepseek": one RoPE key per layer shared by all heads on the pairs 0, s, ..., (r-1) s of every
-    layer, and a latent RMSNorm (conversion.mla.shared_rope). Allocation: `spec.allocation_method`
-    (conversion.mla.ranks)."""
+    `calibration_pass`, a `calibration.calibrate` result), choose the pairs and the per-layer ranks (the
+    DeepSeek layout: conversion.mla.shared_rope; the allocation: conversion.mla.ranks)."""
     source = source if isinstance(source, ckpt.Source) else ckpt.open_source(source)
     geometry = source.geometry
     if geometry.head_dim % 2:

@@ -2,9 +2,9 @@
 `--kv-budget` (`MLAShape`, `plan_shape`, `default_rope_pairs`; `spec_shape`: those of an `MLASpec`, for both
 layouts), and per layer where the calibration says the budget matters (`--allocation`).
 
-`--allocation uniform` gives every layer the same r (RoPE pairs per KV head) and d_c (kv_lora_rank).
-The greedy allocations keep the uniform plan's total (sum over layers of d_c,i + Hkv 2 r_i <= the budget's
-numbers times the number of layers, so the whole cache is never larger) and move ranks across layers:
+`--allocation uniform` gives every layer the same r and d_c. The greedy allocations (`plan_allocation`) keep
+the uniform plan's total (sum over layers of d_c,i + Hkv 2 r_i <= the budget's numbers times the number of
+layers, so the whole cache is never larger) and move ranks across layers (`greedy_allocate`):
 
 1. RoPE pairs (`greedy` and `greedy-ranks`). The `attention` selection scores every (layer, KV head, pair)
    by the attention-score error its loss of rotation leaves after the query refit
@@ -20,9 +20,6 @@ numbers times the number of layers, so the whole cache is never larger) and move
    their sum, the layer's attention energy in that metric (its error at rank 0): the allocation minimises
    the sum of the layers' relative errors (`normalization="raw"`: the absolute errors).
    docs/research/mla-allocation.md measures both against `greedy`: moving latent rank did not pay on SmolLM2.
-
-Pure functions on tensors (`greedy_allocate`, `allocate_pairs`, `allocate_ranks`) and one planner
-(`plan_allocation`) that reads a conversion's weights and calibration.
 """
 
 from __future__ import annotations

@@ -72,9 +72,8 @@ class PairNormScores:
         self.q_sum, self.k_sum, self.count = {}, {}, {}  # layer -> summed (Hq, d/2), (Hkv, d/2) norms; tokens
 
     def _pair_norms(self, proj: torch.Tensor, heads: int) -> torch.Tensor:
-        half = self.head_dim // 2
-        pairs = proj.reshape(-1, heads, 2, half)  # (N, H, 2, d/2): rows i and i + d/2 of each head
-        return pairs.double().norm(dim=2).sum(0)  # (H, d/2)
+        """(H, d/2) summed norms of the pairs (rows i and i + d/2 of each head) of proj (N, H d)."""
+        return proj.reshape(-1, heads, 2, self.head_dim // 2).double().norm(dim=2).sum(0)
 
     @torch.inference_mode()
     def add(self, layer: int, x: torch.Tensor, w_q, b_q, w_k, b_k) -> None:

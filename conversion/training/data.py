@@ -1,19 +1,11 @@
 """Healing's data and settings: `HealSettings` (every option; the command line is built from it), the
-tokenized training chunks and held-out evaluation text (`load_data`) and the recipe they give
-(`make_recipe`); below them, the training text itself:
+tokenized training chunks and held-out evaluation text (`load_data`; the two never overlap: `check_disjoint`)
+and the recipe they give (`make_recipe`).
 
-- `load_train_corpus`: text files, a dataset split, or (neither) the embedded healing text: the five Austen
-  novels other than *Persuasion* (`hf_attn.tooling.assets.train_text_files()`), read through
-  `hf_attn.tooling.corpus`.
-- `check_disjoint`: training and evaluation text must never overlap: not the same file, not the same content
-  (sha256 of every file and of the joined corpora), and no shared paragraph of 200+ characters.
-  `check_not_embedded_eval` applies it to every embedded evaluation text (*Persuasion*, the Python FAQ).
-- `chunk_tokens`: the token stream cut into `(N, seq_len)` chunks; the ragged tail is dropped.
-- `ChunkOrder`: an endless sampler over chunk indices, epoch e being a permutation seeded by (seed, e). It
-  starts at any global position, so a resumed run sees exactly the chunks an uninterrupted one would.
-- the loader (in `state`): a plain `DataLoader` over the chunks in that order; `Accelerator.prepare` shards
-  it across processes (process p of P takes every P-th batch), so the global batch of a step is the same
-  chunks whatever the number of processes, as long as batch_size x processes is the same.
+The order of the chunks: `ChunkOrder` starts at any global position, so a resumed run sees exactly the chunks
+an uninterrupted one would. The loader (in `state`) is a plain `DataLoader` over the chunks in that order;
+`Accelerator.prepare` shards it across processes (process p of P takes every P-th batch), so the global batch
+of a step is the same chunks whatever the number of processes, as long as batch_size x processes is the same.
 """
 
 from __future__ import annotations

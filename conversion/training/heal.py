@@ -1,12 +1,8 @@
 """Healing: a short uptraining of a converted checkpoint (causal-LM loss on held-apart text), with accelerate.
 
 Any `AutoModelForCausalLM` checkpoint heals (pooled GQA/MQA Llama-family, `llama_mla`, remote-code models
-with `trust_remote_code`): AdamW on all or the attention parameters (or LoRA adapters, merged on save), warmup
-then cosine or constant learning rate, optionally distilled from a teacher (the source by default with
-`--teacher auto`), data parallel or sharded (FSDP) through `accelerate`, with atomic checkpoints that
-`--resume` continues exactly, held-out perplexity before, during and after, and the healed model written in
-the input's format with a `heal` record appended to its history. docs/healing.md describes the recipe, the
-teacher and LoRA; docs/heal-fsdp.md the sharded runs.
+with `trust_remote_code`). docs/healing.md describes the recipe, the teacher, LoRA and the output;
+docs/heal-fsdp.md the sharded runs.
 
 Code (`conversion/training/`): `HealSettings` (every option; the command line is built from it) -> `load_data`
 -> `make_recipe` -> `find_resume_point` / `build_train_state` (`TrainState.save` / `restore`) -> `train_steps`
@@ -17,9 +13,8 @@ Code (`conversion/training/`): `HealSettings` (every option; the command line is
     accelerate launch --multi_gpu --num_processes 2 -m conversion.training ...   # data parallel (CPU: gloo)
     accelerate launch --config_file FSDP_CONFIG --num_processes N -m hf_attn.conversion.training ...   # FSDP2
 
-`FSDP_CONFIG` is heal_fsdp.yaml beside this file. accelerate does not enable FSDP on CPU; with an FSDP
-config, several processes and no accelerator device, `make_accelerator` switches its state to FSDP2 itself
-(fully_shard over gloo), which is what the tests run.
+`FSDP_CONFIG` is heal_fsdp.yaml beside this file (on CPU, `make_accelerator` switches to FSDP2 itself:
+`state.enable_cpu_fsdp`).
 """
 
 from __future__ import annotations

@@ -25,9 +25,7 @@ PRECISIONS = {"float32": "no", "bfloat16": "bf16", "float16": "fp16"}  # --autoc
 DEFAULT_TRAIN_CORPUS = "mix"  # the five non-eval novels and five documentation sections (docs/healing.md)
 DEFAULT_LR = 3e-5  # with DEFAULT_TRAIN_CORPUS: improves refined MQA and MLA on both evaluation texts
 DEFAULT_MAX_STEPS = 100  # when no budget is given: a short control run (100 steps of --seq-len tokens)
-# Distillation (--teacher): the one home of its defaults. Healing stays label-only by default until
-# distillation is measured at every budget; with a teacher, half KL and half labels at temperature 1 beat both
-# pure recipes on both evaluation texts at the study's budget (MLA 50%; docs/healing.md, "With a teacher").
+# Distillation (--teacher): the one home of its defaults, measured in docs/healing.md ("With a teacher").
 DEFAULT_TEACHER = "none"
 DEFAULT_DISTILL_WEIGHT = 0.5  # w in w x KL + (1 - w) x next-token cross-entropy
 DEFAULT_DISTILL_TEMPERATURE = 1.0

@@ -232,13 +232,13 @@ def build_train_state(
     net = build_student(start_dir, settings, recipe, source=base or start_dir, resuming=saved is not None)
     sharded = is_sharded(accelerator)
     if sharded and not accelerator.is_fsdp2:  # FSDP1: the optimizer must see the wrapped (flat) parameters
+        if recipe.relative_lr is not None:
+            raise ValueError(
+                f"--relative-lr {recipe.relative_lr} needs each tensor whole, and FSDP1 flattens them; use "
+                "FSDP2 (the shipped heal_fsdp.yaml) or --lr"
+            )
         net = accelerator.prepare(net)
     params = [p for p in net.parameters() if p.requires_grad]
-    if recipe.relative_lr is not None and sharded and not accelerator.is_fsdp2:
-        raise ValueError(
-            f"--relative-lr {recipe.relative_lr} needs each tensor whole, and FSDP1 flattens them; use FSDP2 "
-            "(the shipped heal_fsdp.yaml) or --lr"
-        )
     groups = param_groups(
         params, lr=None if recipe.relative_lr is not None else recipe.lr, relative_lr=recipe.relative_lr
     )

@@ -1,7 +1,5 @@
-"""Healing, the teacher: which checkpoint teaches (`resolve_teacher`: `--teacher auto|DIR|none`), the check
-that it speaks the student's vocabulary, the frozen teacher itself (`load_teacher`) and the training loss
-(`training_loss`): next-token cross-entropy without a teacher, else the KL divergence from the teacher's
-next-token distribution to the student's (`distill_loss`), optionally mixed with the cross-entropy.
+"""Healing, the teacher: which checkpoint teaches (`resolve_teacher`), the check that it speaks the
+student's vocabulary, the frozen teacher itself (`load_teacher`) and the loss (`training_loss`).
 
 The teacher never trains and is never written: eval mode, `requires_grad=False`, its forward under `no_grad`
 and outside autocast, in the dtype its config declares. It is not given to accelerate: under data parallel

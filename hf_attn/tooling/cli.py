@@ -1,14 +1,10 @@
 """The one command-line error path, and settings dataclasses that argparse parsers are built from.
 
-Every command is `main(argv=None) -> int` over keyword-only library functions; `run_command` runs the work:
-- a `UserError` (bad input, `hf_attn.tooling.errors`) or a file-system error -> one line
-  `hf-attn <command>: error: <what is wrong and what fixes it>` on stderr, exit status 2, nothing written
-  (outputs are atomic and validated before any work);
-- Ctrl-C -> one line, exit status 130; SIGTERM -> exit status 143; both through the same cleanup (`finally`
-  blocks, temporary directories);
-- anything else is a bug: it propagates with its traceback (exit status 1).
-Before the work, what killed processes of this host left is swept (`files.sweep_leftovers`). Library
-functions return results; only commands print.
+Every command is `main(argv=None) -> int` over keyword-only library functions, its work run by `run_command`:
+a `UserError` (bad input, `hf_attn.tooling.errors`) or a file-system error is one line
+`hf-attn <command>: error: <what is wrong and what fixes it>` on stderr, exit status 2, nothing written
+(outputs are atomic and validated before any work); Ctrl-C and SIGTERM go through the same cleanup; anything
+else is a bug and propagates with its traceback. Library functions return results; only commands print.
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
-"""Evaluation text: read through `datasets`, identified by name and sha256, tokenized once.
-
-- files: each file is read whole and unchanged (`load_dataset("text", data_files=f, sample_by="document")`);
-  several files are joined with blank lines ("\\n\\n") in the order given.
-- a dataset (hub id, cached or online, e.g. `wikitext` / `wikitext-2-raw-v1`): the rows of `text_column` of
-  one split joined with blank lines (the GPTQ / SparseGPT WikiText-2 convention).
-- neither: the embedded evaluation text, Jane Austen's *Persuasion* (`assets.eval_text_files()`).
-
-Tokenization adds no special tokens (no BOS/EOS): the corpus is one continuous token stream that the
-perplexity windows cut anywhere. (SmolLM2's tokenizer adds none by default either.)
-"""
+"""Evaluation text: read through `datasets` (`load_corpus`), identified by name and sha256, tokenized once
+(`tokenize`) into one continuous token stream, without special tokens, that the perplexity windows cut
+anywhere."""
 
 from __future__ import annotations
 
@@ -88,7 +80,10 @@ def load_corpus(
     split: str = "test",
     text_column: str = "text",
 ) -> Corpus:
-    """Text files, a dataset's split, or (neither) the embedded *Persuasion*. ValueError if no text."""
+    """The text of `files`, each read whole and unchanged (`load_dataset("text", sample_by="document")`),
+    joined with blank lines in the order given; or the rows of `text_column` of one `split` of `dataset` (a
+    hub id, cached or online, e.g. `wikitext` / `wikitext-2-raw-v1`) joined with blank lines (the GPTQ /
+    SparseGPT WikiText-2 convention); neither: the embedded *Persuasion*. ValueError if no text."""
     if files and dataset:
         raise ValueError("Give either text files or a dataset, not both")
     if dataset:
@@ -105,7 +100,8 @@ _TOKENIZED_MAX = 4
 
 
 def tokenize(tokenizer, corpus_or_text: Corpus | str) -> torch.Tensor:
-    """The whole text as one LongTensor (N,) of token ids, without special tokens.
+    """The whole text as one LongTensor (N,) of token ids, without special tokens (no BOS/EOS; SmolLM2's
+    tokenizer adds none by default either).
 
     Remembered within the process for fast tokenizers (keyed by the sha256 of the tokenizer's serialization
     and of the text): the study evaluates and heals many checkpoints that share SmolLM2's tokenizer."""

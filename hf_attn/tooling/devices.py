@@ -1,17 +1,12 @@
-"""Where a command computes: the one `--device` rule of every command, and the one line that says where.
+"""Where a command computes: the one `--device` rule of every command (`resolve_device`; `DEVICES`,
+`DEFAULT_DEVICE` and `DEVICE_HELP` are the choices, default and help of every `--device` flag), and the one
+line that says where. Under `accelerate launch` the accelerator places each process (`cuda:<local rank>`):
+commands that run through an `Accelerator` resolve `--device` only to decide whether it runs on the CPU, and
+then use the accelerator's device.
 
-    --device auto (default)   CUDA where torch sees a CUDA device, else the CPU (never fails for lack of one)
-    --device cpu | cuda       forces one; cuda without a CUDA device is a UserError (one line, exit 2)
-
-`resolve_device(name) -> torch.device` is the rule; `DEVICES` / `DEFAULT_DEVICE` / `DEVICE_HELP` are the
-choices, default and help of every `--device` flag. Under `accelerate launch` the accelerator places each
-process (`cuda:<local rank>`): commands that run through an `Accelerator` resolve `--device` only to decide
-whether it runs on the CPU, and then use the accelerator's device.
-
-A command says where it runs once, on stderr, when a stage first puts work on a device (after every input
-check, so a bad input stays one line): `hf-attn convert mla: device cuda (NVIDIA H100 80GB HBM3)` or
-`hf-attn convert mla: device cpu`. `run_command` opens the scope (`announcing(prog)`); library code calls
-`announce_device(device)`, which prints nothing outside a command (tests, notebooks, library callers).
+A command says where it runs once, on stderr (`announce_device`: `hf-attn convert mla: device cpu`), when a
+stage first puts work on a device, after every input check so that a bad input stays one line; `run_command`
+opens the scope (`announcing`): tests, notebooks and library callers get no such line.
 """
 
 from __future__ import annotations
@@ -53,6 +48,18 @@ def resolve_device(name: str = DEFAULT_DEVICE, *, flag: str = "--device") -> tor
     if colon and int(index) >= count:
         raise UserError(f"{flag} {name}: torch sees {count} CUDA device(s); use cuda:0 .. cuda:{count - 1}")
     return torch.device(name)
+
+
+def native_bfloat16(device) -> bool:
+    """Whether `device` runs bfloat16 matmuls at least as fast as float32: a CUDA GPU that supports bfloat16,
+    or a CPU on which torch uses AVX-512 (where oneDNN has bfloat16 kernels). Elsewhere torch emulates them:
+    on an AVX2 CPU a (1024, 576) x (576, 576) product takes about 20x its float32 time."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 def describe_device(device) -> str:

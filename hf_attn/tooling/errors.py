@@ -1,13 +1,6 @@
-"""What a command tells the user: `UserError` for bad input, one line for it and for file-system errors.
-
-- `UserError(ValueError)`: raised where input is validated (an option, a path, a checkpoint's files); its
-  message says what is wrong and what fixes it, in one line. Library callers that catch `ValueError` keep
-  working.
-- `user_input()`: a validation boundary. A `ValueError` raised by a check run inside it (a library check
-  written before `UserError`, a parser of a number) is about the input, so it leaves as a `UserError` with
-  the same message. Outside such a boundary a plain `ValueError` is a bug.
-- `user_message(err)`: the one line a command prints for an error, or None when the error is a bug (then the
-  command shows the traceback).
+"""What a command tells the user: `UserError` for bad input, one line for it and for file-system errors
+(`user_message`). `UserError` is a `ValueError`, so library callers that catch `ValueError` keep working;
+inside the validation boundary `user_input()` a plain `ValueError` is about the input, outside it a bug.
 """
 
 from __future__ import annotations

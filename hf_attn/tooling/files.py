@@ -122,8 +122,7 @@ def register(path: str | os.PathLike) -> None:
 
 
 def _settle(path: Path, tag: str) -> None:
-    """Remove a leftover of the dead process tagged `tag`, except a complete copy (.new, .old) of an output
-    that is missing: that one is put in its place."""
+    """Settle one leftover of the dead process tagged `tag` (see COMPLETE): removed, or put back in place."""
     at = path.name.rfind("." + tag)
     if path.name.startswith(".") and path.name.endswith(COMPLETE) and at > 0:
         final = path.with_name(path.name[1:at])
@@ -177,10 +176,8 @@ atexit.register(_forget_own_registry)
 
 
 def sweep_stale(directory: str | os.PathLike, prefix: str) -> list[Path]:
-    """Settle the entries in `directory` named PREFIX + HOST-PID- ... that a process of this
-    host, no longer running, left behind (SIGKILL skips every cleanup): removed, or put back in place where
-    they are the complete copy of a missing output (`_settle`). Other hosts' and running processes'
-    entries, and names without the tag, are kept. Returns what was settled."""
+    """Settle (`_settle`) the entries in `directory` named PREFIX + HOST-PID- ... that a process of this host,
+    no longer running, left behind (SIGKILL skips every cleanup); keeps the others. Returns those settled."""
     pattern = re.compile(re.escape(prefix) + re.escape(socket.gethostname()) + r"-(\d+)-.*")
     try:
         entries = list(Path(directory).iterdir())
@@ -223,12 +220,10 @@ def atomic_directory(
 ) -> Iterator[Path]:
     """Yield a temporary directory beside `final`; rename it to `final` only if the block completes.
 
-    A failure or interruption leaves `final` untouched (no half-written output); what a killed writer of this
-    host left is settled by the next command (`sweep_leftovers`). An existing `final` is an error unless
-    `overwrite=True`; then it is replaced only once the new one is complete, by renames that leave a
-    complete output at every instant (`_swap`), and with `kind` only if it still is one
-    (`check_replaceable`). A "checkpoint" lists the files it holds in MANIFEST. An OSError that names no
-    file (a full disk) names `final`.
+    A failure or interruption leaves `final` untouched; what a killed writer left is settled by the next
+    command (`sweep_leftovers`). An existing `final` is an error unless `overwrite=True`; then the complete
+    new one replaces it (`_swap`), with `kind` only if it still is one (`check_replaceable`). A "checkpoint"
+    lists the files it holds in MANIFEST. An OSError that names no file (a full disk) names `final`.
     """
     final = Path(final).resolve()
     if final.exists() and not overwrite:

@@ -1,12 +1,10 @@
 """Models for the offline tools: the ONE model resolver, dtype parsing, config / model / tokenizer loading
 with clear errors, attention implementation names, checkpoint hashing and library versions.
 
-Every function here raises `UserError` (one line, saying what would fix it) for a user mistake;
-`hf_attn.tooling.cli.run_command` turns it into exit status 2. A model is loaded for a number only through
-`load_causal_lm`, which refuses a checkpoint whose weights do not all load (`check_loaded`): a model with
-missing, unexpected or misshapen weights would be partly random, and every score of it meaningless; and so
-is one whose weights are not finite (`weights.check_finite`). `checkpoint_weights` makes the same checks
-from the files before any work, reading them as transformers does (`hf_attn.tooling.weights`).
+Every function here raises `UserError` (one line, saying what would fix it) for a user mistake. A model is
+loaded for a number only through `load_causal_lm`, which refuses weights that do not all load or are not
+finite (every score of a partly random model is meaningless); `checkpoint_weights` makes the same checks from
+the files before any work.
 """
 
 from __future__ import annotations

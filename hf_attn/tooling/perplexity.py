@@ -7,12 +7,6 @@ so every token but the first is scored once when stride < L, and with stride == 
 protocol of GPTQ / SparseGPT / TransMLA) the first token of every window is context only. Corpus perplexity
 = exp(sum of token NLL / number of scored tokens), the NLL summed in float64.
 
-Speed: windows of equal shape are batched; only the scored positions reach the LM head (`logits_to_keep`), and
-the cross-entropy runs over row chunks so no second full-vocabulary tensor is ever alive.
-
-Many processes (`accelerate launch -m eval.perplexity ...`): the batches are dealt round-robin to the
-processes and (NLL sum, token count) is summed with one reduce; the result equals the single-process one.
-
 The command line (`hf-attn perplexity`, `python -m eval.perplexity`) is `eval.perplexity`; healing's held-out
 evaluation calls `evaluate_perplexity` directly.
 """
@@ -95,7 +89,7 @@ def batch_nll(
     model, input_ids: torch.Tensor, batch: list[Window], device, *, keep_logits: bool
 ) -> tuple[float, int]:
     """(sum of NLL in float64, tokens scored) of one batch of equally shaped windows; `keep_logits`: the model
-    takes `logits_to_keep`."""
+    takes `logits_to_keep`, so only the scored positions reach its LM head."""
     ids = torch.stack([input_ids[w.begin : w.end] for w in batch]).to(device)  # (B, T)
     offset = batch[0].score_from - batch[0].begin  # first scored position inside the window
     targets = ids[:, offset:]  # (B, K) with K = T - offset
@@ -165,8 +159,9 @@ def evaluate_perplexity(
 ) -> PerplexityResult:
     """Corpus perplexity of `model` on the token stream `input_ids` (N,) with the sliding-window protocol.
 
-    With an `accelerate.Accelerator` of several processes, each evaluates its share of the windows and the
-    (NLL, count) pairs are summed; without one, this process evaluates every window.
+    With an `accelerate.Accelerator` of several processes (`accelerate launch -m eval.perplexity ...`), the
+    batches are dealt round-robin to them and (NLL sum, token count) is summed with one reduce: the result
+    equals one process's. Without one, this process evaluates every window.
     """
     stride = check_window(context_length, stride)
     input_ids = _evaluated_ids(

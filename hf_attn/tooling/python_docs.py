@@ -1,9 +1,8 @@
 """The second embedded corpus: the Python 3.11 documentation (technical prose), for cross-domain checks.
 
 Source: Debian bookworm's `python3.11-doc` (PSF License Version 2; a 12.6 MB .deb), which ships the reST
-sources of the docs as `usr/share/doc/python3.11/html/_sources/<section>/*.rst.txt`. Each section used here
-becomes one UTF-8 text file: its files in sorted path order, markup stripped deterministically
-(`strip_rest`), joined with blank lines.
+sources of the docs as `SOURCES/<section>/*.rst.txt`. Each section used here becomes one UTF-8 text file: its
+files in sorted path order, markup stripped deterministically (`strip_rest`), joined with blank lines.
 
     $HF_ATTN_CACHE/python-docs/<section>.txt   tutorial, reference, howto, using, extending: calibration
                                                faq: evaluation (never calibration or healing text)
@@ -88,8 +87,7 @@ def strip_rest(source: str) -> str:
         if line.endswith("::"):
             line = line[:-2].rstrip() + (":" if line[:-2].strip() else "")
         out.append(line.rstrip())
-    text = "\n".join(out)
-    return re.sub(r"\n{3,}", "\n\n", text).strip() + "\n"
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(out)).strip() + "\n"
 
 
 def build_texts(deb_root: Path) -> dict[str, str]:

@@ -1,5 +1,4 @@
-"""The one markdown table renderer: the study's report, the results tables, the benchmarks and the experiments
-use it.
+"""The one markdown table renderer (the study's report, the results tables, the benchmarks, the experiments).
 
 markdown_table(["model", "perplexity"], [["source", "32.91"], ["mqa", "47.60"]], align="lr")
 """

@@ -1,20 +1,16 @@
-"""Local accuracy tasks built offline from the evaluation novel (*Persuasion*), never from calibration text.
-
-Two tasks, each a JSON-lines file of `N_ITEMS` items, built deterministically (seeded) by this module and kept
-with the other assets:
+"""Local accuracy tasks built offline from the evaluation novel (*Persuasion*), never from calibration text:
+two JSON-lines files of `N_ITEMS` items, built deterministically (seeded) and kept with the other assets:
 
     $HF_ATTN_CACHE/tasks/v<BUILDER_VERSION>/
       persuasion_lastword.jsonl    {"id", "context", "target"}: LAMBADA-style last-word prediction
       persuasion_nextsent.jsonl    {"id", "context", "choices", "label"}: next sentence among distractors
-      SHA256SUMS
-
-The checksums are pinned in `TASK_SHA256` and verified on every access, so a damaged file, a changed novel
-or a changed builder is detected instead of silently giving other numbers.
+      SHA256SUMS                   pinned (`TASK_SHA256`) and verified on build and on every access, so a
+                                   damaged file, a changed novel or builder never silently gives other numbers
 
 Protocol (all on *Persuasion* as `hf_attn.tooling.assets` stores it):
 - Text: paragraphs are the blocks between blank lines, their lines joined by one space; chapter headings are
-  dropped (contexts never cross one). Sentences end at `.`, `!` or `?` (plus
-  closing quotes) followed by a space and an upper-case letter (or an opening quote).
+  dropped (contexts never cross one). Sentences end at `.`, `!` or `?` (plus closing quotes) followed by a
+  space and an upper-case letter (or an opening quote).
 - lastword: every sentence whose final word (the target: letters only, at least `MIN_TARGET_LETTERS` of
   them, sentence punctuation stripped) also occurs earlier in the context (LAMBADA's broad-context property,
   checked case-insensitively) and whose context (the words from the earliest sentence start, across
@@ -61,8 +57,7 @@ DISTRACTOR_MIN_PARAGRAPHS = 20
 DISTRACTOR_LENGTH_RATIO = 1.34
 OVERLAP_NGRAM = 13
 
-# sha256 of each task file as built from the checksummed *Persuasion* (verified on build and on every use)
-TASK_SHA256 = {
+TASK_SHA256 = {  # of each task file as built from the checksummed *Persuasion*
     "persuasion_lastword": "fd667921f57a36ab9b27f8b089620031f5da6018275fe4ec205204d3a5b20893",
     "persuasion_nextsent": "78929d30af7deeaf85fe4279a39058d45c179fc47c8d70331dc12f959f83b98e",
 }
@@ -167,8 +162,7 @@ def build_nextsent(paras: list[Paragraph], *, n_items: int = N_ITEMS, seed: int 
     rng = random.Random(seed)
     slo, shi = SENTENCE_WORDS
     clo, chi = NEXTSENT_CONTEXT_WORDS
-    # the distractor pool, in book order
-    pool = [(p.index, s) for p in paras for s in p.sentences if slo <= len(s.split()) <= shi]
+    pool = [(p.index, s) for p in paras for s in p.sentences if slo <= len(s.split()) <= shi]  # distractors
     candidates = []
     for para in paras:
         options = []
@@ -250,8 +244,7 @@ def task_dir() -> Path:
         with atomic_directory(final, overwrite=True) as tmp:
             for name, data in files.items():
                 (tmp / f"{name}.jsonl").write_bytes(data)
-            sums = "".join(f"{digests[name]}  {name}.jsonl\n" for name in files)
-            (tmp / "SHA256SUMS").write_text(sums)
+            (tmp / "SHA256SUMS").write_text("".join(f"{digests[name]}  {name}.jsonl\n" for name in files))
     _verify(final)
     return final
 

@@ -1,16 +1,7 @@
-"""The one reader of a checkpoint's weights, shared by the converters and the strict loading checks.
-
-- `weight_files`: the files `from_pretrained` reads from a local directory, in transformers' precedence:
-  the file config.json names in `transformers_weights`, else `model.safetensors`, else the shards that
-  `model.safetensors.index.json` lists, else `pytorch_model.bin`, else the shards of its index. Whatever
-  else lies in the directory (a stale index beside `model.safetensors`, an old `.bin`) is not read, exactly
-  as transformers does not read it.
-- `tensor_index` / `read_tensor` / `names_in_file_order`: the safetensors headers of those files (nothing
-  loaded) and one tensor at a time with a plain file read (no mmap).
-- `check_finite` / `check_finite_weights`: the one rule for non-finite weights (NaN, inf): refused before
-  any work, naming the first offending tensor.
-
-Every problem is a `UserError` naming the file and the fix.
+"""The one reader of a checkpoint's weights, shared by the converters and the strict loading checks: the
+files transformers reads (`weight_files`), their safetensors headers (`tensor_index`, nothing loaded), one
+tensor at a time with a plain file read (`read_tensor`), and the one rule for non-finite weights, refused
+before any work (`check_finite`). Every problem is a `UserError` naming the file and the fix.
 """
 
 from __future__ import annotations
@@ -31,8 +22,7 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 BIN_FILE = "pytorch_model.bin"
 BIN_INDEX_FILE = "pytorch_model.bin.index.json"
-# config.json: the weights file transformers loads, whatever else is there
-NAMED_FILE_KEY = "transformers_weights"
+NAMED_FILE_KEY = "transformers_weights"  # in config.json: the weights file to load, whatever else is there
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -40,8 +30,7 @@ SAFETENSORS_DTYPES = {
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }  # fmt: skip
 _CHECK_CHUNK = 1 << 24  # elements tested for finiteness at once (bounds the temporary mask)
-# tested for finiteness as stored; other dtypes as float32
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # tested as stored; others as float32
 
 
 @dataclass(frozen=True)
@@ -59,8 +48,7 @@ def _shards(index: Path) -> list[Path]:
     """The files a shard index lists, in order of first mention; UserError for a bad index or a lost shard."""
     try:
         weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        names = list(dict.fromkeys(weight_map.values()))
-        files = [index.parent / n for n in names]
+        files = [index.parent / n for n in dict.fromkeys(weight_map.values())]
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise UserError(f"{index} is not a shard index ({one_line(err)}); repair or replace it") from err
     missing = [f.name for f in files if not f.is_file()]
@@ -71,7 +59,10 @@ def _shards(index: Path) -> list[Path]:
 
 def weight_files(model_dir: str | os.PathLike) -> list[Path]:
     """The weight files transformers' `from_pretrained` reads from the directory `model_dir`, in its
-    precedence (see the module docstring); UserError when there are none or an index is unusable."""
+    precedence: the file config.json names in `transformers_weights`, else `model.safetensors`, else the
+    shards `model.safetensors.index.json` lists, else `pytorch_model.bin`, else the shards of its index.
+    Anything else there (a stale index beside `model.safetensors`, an old `.bin`) is not read, as transformers
+    does not read it. UserError when there are none or an index is unusable."""
     directory = Path(model_dir)
     config = read_json(directory / "config.json")  # (an unreadable config is reported elsewhere)
     named = config.get(NAMED_FILE_KEY) if isinstance(config, dict) else None
@@ -153,9 +144,8 @@ def names_in_file_order(index: dict[str, TensorInfo]) -> list[str]:
 
 def _non_finite(tensor: torch.Tensor) -> tuple[int, str] | None:
     """(how many values are not finite, the first kind met: NaN / inf / -inf), or None when all are."""
-    flat = tensor.detach().reshape(-1)
     count, kind = 0, None
-    for chunk in flat.split(_CHECK_CHUNK):
+    for chunk in tensor.detach().reshape(-1).split(_CHECK_CHUNK):
         chunk = chunk if chunk.dtype in _FLOATS else chunk.float()
         if not chunk.numel():
             continue
