@@ -92,7 +92,7 @@ from hf_attn.tooling.cli import (
     setting,
     settings_from_args,
 )
-from hf_attn.tooling.devices import DEFAULT_DEVICE, DEVICE_HELP, DEVICES
+from hf_attn.tooling.devices import DEFAULT_DEVICE, DEVICE_HELP, DEVICES, warn_emulated_bfloat16
 from hf_attn.tooling.errors import UserError, check_number
 from hf_attn.tooling.files import check_output, checkpoint_hash, scratch_directory
 
@@ -188,6 +188,8 @@ def refine_layers(
         x_src = [source.embed(w).unsqueeze(0) for w in windows]  # N x (1, T, E)
         x_conv = [converted.embed(w).unsqueeze(0) for w in windows]  # N x (1, T, E)
     step_dtype = resolve_step_dtype(step_dtype, x_src[0].device)
+    if step_dtype == "bfloat16":  # (auto picks it only where it is native)
+        warn_emulated_bfloat16(x_src[0].device, "--refine-step-dtype")
     rule = FitRule(
         steps, lr=lr, relative_lr=relative_lr, target=target, loss_stride=loss_stride, step_dtype=step_dtype
     )

@@ -191,6 +191,23 @@ def test_the_device_line_is_said_once_per_command_and_only_in_a_command(mocked_c
     assert lines == ["hf-attn convert mla: device cuda (Mocked GPU 80GB)", "hf-attn convert mla: device cpu"]
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_emulated_bfloat16_is_warned_once_per_command_and_only_in_a_command(native, capsys, monkeypatch):
+    monkeypatch.setattr(devices, "native_bfloat16", lambda device: native)
+    devices.warn_emulated_bfloat16(torch.device("cpu"), "--autocast-dtype")  # a library call: silent
+    assert capsys.readouterr().err == ""
+
+    def work() -> None:
+        for flag in ("--autocast-dtype", "--autocast-dtype", "--refine-step-dtype"):
+            devices.warn_emulated_bfloat16(torch.device("cpu"), flag)
+
+    assert run_command("hf-attn heal", work) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(":")[2].strip() for line in lines] == (
+        [] if native else ["--autocast-dtype bfloat16 on cpu", "--refine-step-dtype bfloat16 on cpu"]
+    )
+
+
 def _said(err: str, prog: str) -> list[str]:
     return [line for line in err.splitlines() if line.startswith(f"{prog}: device")]
 

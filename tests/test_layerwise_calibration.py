@@ -182,8 +182,11 @@ def _tokenized_source(tmp_path: Path, smollm2_path: Path, name: str) -> Path:
     return src
 
 
-def test_converters_record_the_forward_settings(tmp_path, smollm2_path):
+def test_converters_record_the_forward_settings(tmp_path, smollm2_path, capsys):
+    """... and warn once where bfloat16 is emulated: on a CPU oneDNN has no bfloat16 kernels for (its own
+    answer, not the rule under test)."""
     src = _tokenized_source(tmp_path, smollm2_path, "qwen2-biases")
+    emulated = not torch.ops.mkldnn._is_mkldnn_bf16_supported()
     common = [
         "--model",
         str(src),
@@ -199,8 +202,19 @@ def test_converters_record_the_forward_settings(tmp_path, smollm2_path):
     assert exit_status(convert_cli.gqa_main, [*argv, "--output", str(out)]) == 0
     record = json.loads((out / "config.json").read_text())["hf_attn"]["history"][-1]
     assert record["settings"]["device"] == "cpu" and record["settings"]["forward_dtype"] == "bfloat16"
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warnings == (
+        [
+            "hf-attn convert gqa: warning: --forward-dtype bfloat16 on cpu: this device has no "
+            "native bfloat16 matmuls and torch emulates them (about 20x slower than float32); "
+            "--forward-dtype float32 is faster"
+        ]
+        if emulated
+        else []
+    )
     out = tmp_path / "mla"
     assert exit_status(convert_cli.mla_main, [*common, "--kv-budget", "0.5", "--output", str(out)]) == 0
+    assert "warning" not in capsys.readouterr().err
     record = json.loads((out / "config.json").read_text())["hf_attn"]["history"][-1]
     assert record["settings"]["device"] == "cpu" and record["settings"]["forward_dtype"] == "float32"
     assert record["calibration"]["forward_dtype"] == "float32"

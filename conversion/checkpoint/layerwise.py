@@ -48,7 +48,7 @@ from hf_attn.conversion.checkpoint.io import TensorInfo, layer_attn_keys, read_t
 from hf_attn.conversion.checkpoint.threads import CoreShare
 from hf_attn.conversion.specs import DEFAULT_WINDOW, resolve_forward
 from hf_attn.models.llama_mla.modeling_llama_mla import CACHE_ARG  # the transformers version's name
-from hf_attn.tooling.devices import DEFAULT_DEVICE, announce_device, resolve_device
+from hf_attn.tooling.devices import DEFAULT_DEVICE, announce_device, resolve_device, warn_emulated_bfloat16
 from hf_attn.tooling.loading import check_token_ids
 
 EMBEDDING_KEY = "model.embed_tokens.weight"
@@ -85,6 +85,8 @@ class LayerwiseModel:
         self, src_dir: str | os.PathLike, *, device: str = DEFAULT_DEVICE, forward_dtype: str = "float32"
     ) -> None:
         self.device, self.dtype = resolve_forward(device, forward_dtype)
+        if self.dtype == torch.bfloat16:
+            warn_emulated_bfloat16(self.device, "--forward-dtype")
         self.src_dir = Path(src_dir)
         self.index = tensor_index(self.src_dir)
         config = AutoConfig.from_pretrained(self.src_dir)

@@ -63,7 +63,7 @@ from hf_attn.conversion.training.state import (
 from hf_attn.conversion.training.teacher import check_same_vocabulary, resolve_teacher
 from hf_attn.tooling import loading
 from hf_attn.tooling.cli import ArgumentParser, add_settings_arguments, run_command, settings_from_args
-from hf_attn.tooling.devices import announce_device
+from hf_attn.tooling.devices import announce_device, warn_emulated_bfloat16
 from hf_attn.tooling.errors import UserError, user_input
 from hf_attn.tooling.files import check_output, check_text_files, checkpoint_hash
 
@@ -115,6 +115,8 @@ def heal(settings: HealSettings, *, progress: bool = True) -> dict:
     output, state_dir, source, extras = _check_inputs(s)
     accelerator = make_accelerator(s.autocast_dtype, s.grad_accum, s.device)
     main = accelerator.is_main_process
+    if main and s.autocast_dtype == "bfloat16":
+        warn_emulated_bfloat16(accelerator.device, "--autocast-dtype")
     set_seed(s.seed)
 
     data, recipe = _data_and_recipe(s, source, accelerator.num_processes, extras)

@@ -6,7 +6,8 @@ then use the accelerator's device.
 
 A command says where it runs once, on stderr (`announce_device`: `hf-attn convert mla: device cpu`), when a
 stage first puts work on a device, after every input check so that a bad input stays one line; `run_command`
-opens the scope (`announcing`): tests, notebooks and library callers get no such line.
+opens the scope (`announcing`): tests, notebooks and library callers get no such line. A bfloat16 option on
+a device that emulates bfloat16 gets one warning line the same way (`warn_emulated_bfloat16`).
 """
 
 from __future__ import annotations
@@ -98,3 +99,18 @@ def announce_device(device) -> None:
         return
     scope[1].add(kind)
     print(f"{scope[0]}: device {describe_device(device)}", file=sys.stderr, flush=True)
+
+
+def warn_emulated_bfloat16(device, flag: str) -> None:
+    """Warn once per command, on stderr, that `flag bfloat16` runs emulated on `device` (`native_bfloat16`
+    false): the run is correct but far slower than in float32. Nothing outside a command (`announcing`)."""
+    scope = _SCOPE.get()
+    if scope is None or flag in scope[1] or native_bfloat16(device):
+        return
+    scope[1].add(flag)
+    print(
+        f"{scope[0]}: warning: {flag} bfloat16 on {describe_device(device)}: this device has no native "
+        f"bfloat16 matmuls and torch emulates them (about 20x slower than float32); {flag} float32 is faster",
+        file=sys.stderr,
+        flush=True,
+    )
