@@ -29,7 +29,7 @@ from hf_attn.conversion.training.data import (
 )
 from hf_attn.conversion.training.heal import heal
 from hf_attn.conversion.training.recipe import HealRecipe, find_checkpoints, read_log
-from hf_attn.tooling import assets
+from hf_attn.tooling import assets, devices
 from hf_attn.tooling.files import checkpoint_hash, sha256_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -416,7 +416,8 @@ def test_time_budget_stops_at_the_first_step_past_it_and_resumes_with_a_larger_o
     assert [e["loss"] for e in log] == pytest.approx(list(_losses(reference["log"]).values()), rel=1e-5)
 
 
-def test_bfloat16_checkpoint_stays_bfloat16_and_bf16_autocast_trains(tiny, tmp_path):
+def test_bfloat16_checkpoint_stays_bfloat16_and_bf16_autocast_trains(tiny, tmp_path, capsys):
+    """... and the command warns once that bfloat16 is emulated where oneDNN has no kernels for this CPU."""
     import shutil
 
     from transformers import AutoModelForCausalLM
@@ -425,7 +426,12 @@ def test_bfloat16_checkpoint_stays_bfloat16_and_bf16_autocast_trains(tiny, tmp_p
     AutoModelForCausalLM.from_pretrained(tiny[0], dtype=torch.bfloat16).save_pretrained(src)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tiny[0] / name, src / name)
-    result = _run((src, *tiny[1:]), tmp_path / "out", max_steps=6, autocast_dtype="bfloat16", eval_tokens=0)
+    with devices.announcing("hf-attn heal"):
+        result = _run(
+            (src, *tiny[1:]), tmp_path / "out", max_steps=6, autocast_dtype="bfloat16", eval_tokens=0
+        )
+    warned = [line for line in capsys.readouterr().err.splitlines() if "warning: --autocast-dtype" in line]
+    assert len(warned) == (0 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else 1)
     losses = list(_losses(result["log"]).values())
     assert losses[-1] < losses[0]
     weights = load_file(tmp_path / "out" / "model.safetensors")

@@ -115,10 +115,7 @@ def heal(settings: HealSettings, *, progress: bool = True) -> dict:
     output, state_dir, source, extras = _check_inputs(s)
     accelerator = make_accelerator(s.autocast_dtype, s.grad_accum, s.device)
     main = accelerator.is_main_process
-    if main and s.autocast_dtype == "bfloat16":
-        warn_emulated_bfloat16(accelerator.device, "--autocast-dtype")
     set_seed(s.seed)
-
     data, recipe = _data_and_recipe(s, source, accelerator.num_processes, extras)
     saved, ckpt_dir, checkpoints = find_resume_point(
         state_dir, recipe, resume=s.resume, overwrite=s.overwrite
@@ -128,6 +125,8 @@ def heal(settings: HealSettings, *, progress: bool = True) -> dict:
     if main:
         prepare_state_dir(state_dir, log, saved=saved, checkpoints=checkpoints)
         announce_device(accelerator.device)  # every input checked: the command's one line saying where
+        if s.autocast_dtype == "bfloat16":
+            warn_emulated_bfloat16(accelerator.device, "--autocast-dtype")
         if extras.note:  # (--teacher auto without a teacher: one line saying so)
             print(extras.note, flush=True)
     accelerator.wait_for_everyone()
@@ -150,7 +149,6 @@ def heal(settings: HealSettings, *, progress: bool = True) -> dict:
     losses, final_loss = train_steps(
         state, s, recipe, accelerator, log, evaluate=evaluate, checkpoint=checkpoint, progress=progress
     )
-
     eval_after = evaluate(unwrapped)
     if eval_after is not None:
         state.add_eval(eval_after, log)
