@@ -9,6 +9,7 @@ import textwrap
 from pathlib import Path
 
 from hf_attn.conversion.specs import DEFAULT_CORPUS as CALIBRATION_CORPUS
+from hf_attn.conversion.training.recipe import STEP_DEFAULTS
 from hf_attn.eval.study_config import Settings
 from hf_attn.tooling.assets import CORPUS_TEXTS
 from hf_attn.tooling.errors import UserError
@@ -28,6 +29,20 @@ SECOND_CORPUS = ("perplexity_python_faq", "PPL Python FAQ")  # a column only whe
 SECOND_AT = COLUMNS.index("Perplexity") + 1  # ... right after the Persuasion perplexity
 TOLERANCE = 1.25  # the cross-domain check: FAQ ratio <= TOLERANCE x Persuasion ratio (`check_row`)
 
+
+
+def heal_steps(settings: dict) -> str:
+    """What healing trained, on how long a sequence, at what rate: the profile's values, and for those it
+    leaves out `hf-attn heal`'s defaults for each checkpoint (`STEP_DEFAULTS`)."""
+    names = {"heal_trainable": "trainable", "heal_seq_len": "seq_len", "heal_lr": "lr"}
+    given = [f"{names[k]} {settings[k]}" for k in names if settings.get(k) is not None]
+    left = [name for k, name in names.items() if settings.get(k) is None]
+    if not left:
+        return ", ".join(given)
+    per_kind = "; ".join(
+        f"{kind}: " + ", ".join(str(getattr(d, name)) for name in left) for kind, d in STEP_DEFAULTS.items()
+    )
+    return ", ".join([*given, f"{' / '.join(left)} by checkpoint ({per_kind})"])
 
 def _cells(row: dict, second: bool) -> list[str]:
     healed = "yes" if row["healed"] else "no"
@@ -219,9 +234,9 @@ def write_report(record: dict, results: Path) -> None:
     text = [
         f"{HEADING}{record['profile']} profile, {record['date']})",
         "",
-        f"Protocol: {record['protocol']}. Healing: {s['heal_minutes']} min per variant, sequences of "
-        f"{s['heal_seq_len']} tokens, batch {s['heal_batch_size']}, lr {s['heal_lr']}, trainable "
-        f"{s['heal_trainable']}, on {CORPUS_TEXTS[s.get('heal_corpus', 'austen')]}. Calibration: "
+        f"Protocol: {record['protocol']}. Healing: {s['heal_minutes']} min per variant, batch "
+        f"{s['heal_batch_size']}, {heal_steps(s)}, on {CORPUS_TEXTS[s.get('heal_corpus', 'austen')]}. "
+        "Calibration: "
         f"{s['calibration_tokens']} tokens of the `{CALIBRATION_CORPUS}` corpus "
         f"({CORPUS_TEXTS[CALIBRATION_CORPUS]}; "
         "one pass shared by the MLA variants, counted in the first one's Convert s). "

@@ -20,6 +20,7 @@ from hf_attn.conversion.specs import (
     ExpandSpec,
     GQASpec,
 )
+from hf_attn.conversion.training.recipe import TRAINABLE
 from hf_attn.tooling import assets
 from hf_attn.tooling.errors import UserError, check_number, one_line, user_input
 
@@ -37,16 +38,17 @@ class Settings:
     decode_new_tokens: int
     calibration_tokens: int
     heal_minutes: float
-    heal_seq_len: int
     heal_batch_size: int
-    heal_lr: float
-    heal_trainable: str
     task_items: int  # first N items of the local last-word task (eval/tasks), for the accuracy column
     second_corpus_tokens: int = 0  # > 0: also the first N tokens of the Python FAQ (the cross-domain check)
     refine_steps: int = 0  # variants with `refine = true`: `hf-attn refine --steps` after the closed form
     refine_tokens: int = 0  # ... and its `--calibration-tokens` (the default `mix` corpus)
     refine_loss_stride: int = 1  # ... and its `--loss-stride`: a short refinement needs every position
     heal_corpus: str = "austen"  # `hf-attn heal --train-corpus`: austen | python-docs | mix
+    # `hf-attn heal --seq-len / --lr / --trainable`; None (left out): heal's default for each checkpoint
+    heal_seq_len: int | None = None
+    heal_lr: float | None = None
+    heal_trainable: str | None = None
     variants: tuple[str, ...] = ()  # the names of the variants this profile runs (empty: all of them)
 
     @property
@@ -101,15 +103,22 @@ _MAY_BE_ZERO = ("second_corpus_tokens", "refine_steps", "refine_tokens")  # ever
 def check_settings(settings: Settings, where: str) -> None:
     """UserError naming the field and the file for a value of the wrong type or out of range."""
     for f in dataclasses.fields(Settings):
-        value, integer = getattr(settings, f.name), f.type in ("int", int)
+        value, kind = getattr(settings, f.name), str(f.type).removesuffix(" | None")
+        if value is None and f.default is None:  # left out: the command's own default
+            continue
         if f.name == "variants":
             if not all(isinstance(name, str) for name in value):
                 raise UserError(f"variants = {list(value)!r} in {where} must be a list of variant names")
-        elif f.type in ("str", str):
+        elif kind == "str":
             if not isinstance(value, str):
                 raise UserError(f"{f.name} = {value!r} in {where} must be a string")
         else:
-            check_number(f"{f.name} in {where}", value, inclusive=f.name in _MAY_BE_ZERO, integer=integer)
+            zero = f.name in _MAY_BE_ZERO
+            check_number(f"{f.name} in {where}", value, inclusive=zero, integer=kind == "int")
+    if settings.heal_trainable not in (None, *TRAINABLE):
+        raise UserError(
+            f"unknown heal_trainable {settings.heal_trainable!r} in {where}; choose one of {list(TRAINABLE)}"
+        )
     if settings.heal_corpus not in assets.CORPORA:
         raise UserError(
             f"unknown heal_corpus {settings.heal_corpus!r} in {where}; choose one of {list(assets.CORPORA)}"

@@ -85,7 +85,7 @@ def ws(tmp_path_factory):
     (root / "notes.toml").write_text("[default\nnot toml")
     good = study.DEFAULT_CONFIG.read_text()
     (root / "negative.toml").write_text(good.replace("eval_tokens = 8192", "eval_tokens = -1", 1))
-    (root / "nan.toml").write_text(good.replace("heal_lr = 3e-5", "heal_lr = nan", 1))
+    (root / "nan.toml").write_text(good.replace("heal_minutes = 1.5", "heal_minutes = nan", 1))
     (root / "nokind.toml").write_text(good + '\n[[variants]]\nname = "x"\n')
     return root
 
@@ -253,7 +253,7 @@ ROWS = [
     (study.main, ["--config", "{ws}/none.toml"], "No such file or directory"),
     (study.main, ["--config", "{ws}/notes.toml"], "is not a TOML file"),
     (study.main, ["--config", "{ws}/negative.toml"], "eval_tokens in [default]"),
-    (study.main, ["--config", "{ws}/nan.toml"], "heal_lr in [default]"),
+    (study.main, ["--config", "{ws}/nan.toml"], "heal_minutes in [default]"),
     (study.main, ["--config", "{ws}/nokind.toml"], "lacks a name or a kind"),
     (study.main, ["--results", "{ws}/userfile.txt"], "not a directory"),
     (study.main, ["--only", "nosuch"], "no such variants"),

@@ -4,6 +4,7 @@ import argparse
 import hashlib
 
 import pytest
+import torch
 from conftest import exit_status
 
 from benchmarks.experiments import cross_domain
@@ -149,12 +150,44 @@ def test_heal_train_corpus_names_the_embedded_texts(tmp_path, docs_dir, smollm2_
     docs = [docs_dir / f"{n}.txt" for n in ("tutorial", "reference", "howto", "using", "extending")]
     cases = (("mix", novels + docs), ("python-docs", docs), ("austen", novels), (None, novels + docs))
     for corpus, files in cases:
-        settings = HealSettings(output=str(tmp_path / "o"), train_corpus=corpus, eval_tokens=0)
+        settings = HealSettings(output=str(tmp_path / "o"), train_corpus=corpus, eval_tokens=0, seq_len=512)
         data = load_data(settings, smollm2_path, num_processes=1)
         assert sorted(data.train_corpus.name.split("+")) == sorted(f.name for f in files), corpus
     argv = ["--output", str(tmp_path / "o"), "--train-corpus", "mix", "--train-text", str(novels[0])]
     assert exit_status(heal_mod.main, argv) == 2 and "not allowed with" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_heal_mix_gives_the_novels_and_the_documentation_equal_shares(tmp_path, docs_dir, smollm2_path):
+    """Healing on `mix` draws as many chunks of the documentation as of the novels (the smaller corpus's
+    chunks repeated in turn), every chunk of both present, the tokens each corpus's own tokenization; its
+    stream's hash differs from the joined text's, so a checkpoint of a proportional run does not resume."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    novels = [assets.austen_file(n) for n in ("sensesensibility", "prideprejudice", "mansfieldpark", "emma",
+                                                "northangerabbey")]  # fmt: skip  (publication order)
+    docs = [docs_dir / f"{n}.txt" for n in ("tutorial", "reference", "howto", "using", "extending")]
+    expected, tokens = [], 0
+    for files in (novels, docs):
+        text = "\n\n".join(f.read_text(encoding="utf-8") for f in files)
+        ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"])
+        expected.append(ids[: ids.numel() // 256 * 256].view(-1, 256))
+        tokens += ids.numel()
+    settings = HealSettings(output=str(tmp_path / "o"), train_corpus="mix", eval_tokens=0, seq_len=256)
+    data = load_data(settings, smollm2_path, num_processes=1)
+    big, small = expected
+    assert len(big) > len(small) and data.chunks.shape == (2 * len(big), 256)
+    assert torch.equal(data.chunks[: len(big)], big)
+    drawn = data.chunks[len(big) :]
+    assert {tuple(c.tolist()) for c in drawn} == {tuple(c.tolist()) for c in small}
+    counts = torch.bincount(torch.arange(len(big)) % len(small))
+    assert counts.max() - counts.min() <= 1  # each documentation chunk repeated as often as any other, +-1
+    assert data.train_tokens == tokens
+    assert data.train_sha256 != data.train_corpus.sha256
+    austen = HealSettings(output=str(tmp_path / "o"), train_corpus="austen", eval_tokens=0, seq_len=256)
+    one = load_data(austen, smollm2_path, num_processes=1)
+    assert torch.equal(one.chunks, big) and one.train_sha256 == one.train_corpus.sha256
 
 
 def test_cross_domain_check_and_default_rule():

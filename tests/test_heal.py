@@ -257,6 +257,40 @@ def test_trainable_attention_leaves_every_other_parameter_bit_identical(kind, ti
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "out").config.model_type == kind
 
 
+def test_left_out_step_settings_follow_the_checkpoint():
+    """--trainable, --seq-len and --lr left out: a per-head llama_mla heals its attention alone on 1,024-token
+    chunks at 1.5e-5, every other checkpoint (and LoRA) all parameters on 512 at 3e-5 (docs/healing.md);
+    a value given is kept."""
+    left_out = HealSettings(output="o")
+    per_head = {"model_type": "llama_mla", "rope_layout": "per_head"}
+    chosen = left_out.with_defaults(per_head)
+    assert (chosen.trainable, chosen.seq_len, chosen.lr) == ("attention", 1024, 1.5e-5)
+    for config in ({"model_type": "llama_mla", "rope_layout": "shared"}, {"model_type": "deepseek_v3"},
+                   {"model_type": "llama"}, {"model_type": "qwen2"}):  # fmt: skip
+        chosen = left_out.with_defaults(config)
+        assert (chosen.trainable, chosen.seq_len, chosen.lr) == ("all", 512, 3e-5), config
+    lora = HealSettings(output="o", lora_rank=4).with_defaults(per_head)
+    assert (lora.trainable, lora.seq_len, lora.lr) == ("all", 512, 3e-5)
+    given = HealSettings(output="o", trainable="all", seq_len=64, lr=1e-3).with_defaults(per_head)
+    assert (given.trainable, given.seq_len, given.lr) == ("all", 64, 1e-3)
+    assert HealSettings(output="o", lr=2e-5).with_defaults(per_head).lr == 2e-5
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama_mla"])
+def test_heal_without_trainable_trains_what_the_checkpoint_calls_for(kind, tiny, tiny_mla, tmp_path):
+    """Left out, --trainable is `attention` for a per-head llama_mla (nothing else moves) and `all` for a
+    Llama (every tensor moves); the record names the choice."""
+    case = tiny if kind == "llama" else tiny_mla
+    result = _run(case, tmp_path / "out", max_steps=2, eval_tokens=0)
+    before = load_file(case[0] / "model.safetensors")
+    after = load_file(tmp_path / "out" / "model.safetensors")
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    attention = {k for k in before if ".self_attn." in k}
+    assert changed == (attention if kind == "llama_mla" else set(before))
+    assert result["settings"]["trainable"] == ("attention" if kind == "llama_mla" else "all")
+    assert (result["settings"]["seq_len"], result["settings"]["lr"]) == (SMALL["seq_len"], SMALL["lr"])
+
+
 def test_two_processes_follow_the_one_process_trajectory(tiny, tmp_path):
     if torch.cuda.is_available() and torch.cuda.device_count() < 2:
         pytest.skip("two data-parallel processes need two GPUs on a CUDA machine (CPU: gloo)")

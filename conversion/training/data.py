@@ -15,7 +15,7 @@ import json
 import os
 import re
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -31,9 +31,11 @@ from hf_attn.conversion.training.recipe import (
     DEFAULT_TRAIN_CORPUS,
     PRECISIONS,
     SCHEDULES,
+    STEP_DEFAULTS,
     TRAINABLE,
     HealRecipe,
     check_positive,
+    checkpoint_kind,
     default_state_dir,
     plan_budget,
     resolve_schedule,
@@ -181,7 +183,8 @@ class HealSettings:
     train_corpus: str | None = setting(
         None,
         "an embedded training corpus: austen (the five non-eval novels), python-docs (five sections, not the "
-        f"FAQ) or mix (both; the default without --train-text or --dataset: {DEFAULT_TRAIN_CORPUS})",
+        "FAQ) or mix (both, equal token shares: the documentation's chunks repeat to match the novels'; the "
+        f"default without --train-text or --dataset: {DEFAULT_TRAIN_CORPUS})",
         choices=assets.CORPORA,
         exclusive="train source",
     )
@@ -200,10 +203,15 @@ class HealSettings:
         "what --max-minutes counts: wall (default) or cpu (process CPU time: fair on a shared machine)",
         choices=CLOCKS,
     )
-    seq_len: int = setting(512)
+    seq_len: int | None = setting(None, "tokens per chunk (default: by the checkpoint, docs/healing.md)")
     batch_size: int = setting(1, "chunks per process per micro-step")
     grad_accum: int = setting(1)
-    lr: float = setting(DEFAULT_LR, "peak learning rate of every tensor", exclusive="learning rate")
+    lr: float | None = setting(
+        None,
+        f"peak learning rate of every tensor (default: by the checkpoint: {DEFAULT_LR} or "
+        f"{STEP_DEFAULTS['mla-per-head'].lr} for a per-head llama_mla, docs/healing.md)",
+        exclusive="learning rate",
+    )
     relative_lr: float | None = setting(
         None,
         "each tensor's peak lr as this fraction of its RMS at the start, instead of one --lr (as hf-attn "
@@ -216,7 +224,12 @@ class HealSettings:
     )
     weight_decay: float = setting(0.0)
     max_grad_norm: float | None = setting(1.0, "0 disables clipping")
-    trainable: str = setting("all", "attention: only *.self_attn.* parameters", choices=TRAINABLE)
+    trainable: str | None = setting(
+        None,
+        "all, or attention: only *.self_attn.* parameters (default: by the checkpoint: attention for a "
+        "per-head llama_mla, else all; docs/healing.md)",
+        choices=TRAINABLE,
+    )
     teacher: str = setting(
         DEFAULT_TEACHER,
         "distil from a teacher: auto (the source the conversion record names, when it is on this machine; "
@@ -272,9 +285,9 @@ class HealSettings:
         """ValueError for a bad value (cheap: before any loading)."""
         check_choices(self)
         resolve_device(self.device)  # --device cuda without CUDA: refused here, before any loading
-        for name in ("seq_len", "batch_size", "grad_accum", "lr"):
+        for name in ("batch_size", "grad_accum"):
             check_positive(name, getattr(self, name))
-        for name in ("max_steps", "max_tokens", "max_minutes", "relative_lr"):
+        for name in ("seq_len", "lr", "max_steps", "max_tokens", "max_minutes", "relative_lr"):
             check_positive(name, getattr(self, name), allow_none=True)
         for name in ("warmup_steps", "eval_every", "eval_tokens", "checkpoint_every", "weight_decay"):
             check_positive(name, getattr(self, name), allow_zero=True)
@@ -296,12 +309,20 @@ class HealSettings:
             raise ValueError(f"--lora-rank must be a positive integer, got {rank!r}")
         if rank is None and self.lora_targets:
             raise ValueError("--lora-targets needs --lora-rank")
-        if rank is not None and self.trainable != "all":
+        if rank is not None and self.trainable not in (None, "all"):
             raise ValueError("--lora-rank trains only its adapters; leave out --trainable")
         if rank is not None and self.relative_lr is not None:
             raise ValueError(
                 "--relative-lr scales each tensor by its RMS, and LoRA's B starts at 0; use --lr"
             )
+
+    def with_defaults(self, config: dict) -> HealSettings:
+        """These settings with --trainable, --seq-len and --lr that were left out set for the checkpoint
+        whose config.json is `config` (`STEP_DEFAULTS`; LoRA takes the general ones)."""
+        defaults = STEP_DEFAULTS["other" if self.lora_rank else checkpoint_kind(config)]
+        given = {"trainable": self.trainable, "seq_len": self.seq_len, "lr": self.lr}
+        chosen = {name: getattr(defaults, name) for name, value in given.items() if value is None}
+        return replace(self, **chosen)
 
     def paths(self) -> tuple[Path, Path]:
         """(output, state dir) as absolute paths."""
@@ -323,6 +344,7 @@ class HealData:
     chunks: torch.Tensor  # (N, seq_len)
     eval_corpus: Corpus
     eval_ids: torch.Tensor | None  # (eval_tokens,)
+    train_sha256: str  # the training stream: its text, and the corpora's equal shares where it has several
 
 
 def load_data(settings: HealSettings, source: Path, *, num_processes: int) -> HealData:
@@ -342,10 +364,16 @@ def load_data(settings: HealSettings, source: Path, *, num_processes: int) -> He
     check_disjoint(train_corpus, train_files, eval_corpus, eval_files)
     check_not_embedded_eval(train_corpus, train_files)
     tokenizer = loading.load_tokenizer(source)
-    train_ids = tokenize(tokenizer, train_corpus)
     rows = loading.vocab_size(loading.load_config(source))
-    loading.check_token_ids(train_ids, rows, tokenizer=tokenizer)
-    chunks = chunk_tokens(train_ids, s.seq_len, min_chunks=s.batch_size * num_processes * s.grad_accum)
+    part_files = assets.corpus_parts(corpus) if corpus else []
+    parts = [load_corpus(f) for f in part_files] if len(part_files) > 1 else [train_corpus]
+    part_ids = [tokenize(tokenizer, part) for part in parts]
+    for ids in part_ids:
+        loading.check_token_ids(ids, rows, tokenizer=tokenizer)
+    min_chunks = s.batch_size * num_processes * s.grad_accum
+    chunks = equal_shares([chunk_tokens(ids, s.seq_len, min_chunks=min_chunks) for ids in part_ids])
+    shares = " ".join(["equal-shares", *(part.sha256 for part in parts)])
+    stream = train_corpus.sha256 if len(parts) == 1 else hashlib.sha256(shares.encode()).hexdigest()
     eval_ids = tokenize(tokenizer, eval_corpus)[: s.eval_tokens] if s.eval_tokens else None
     if eval_ids is not None:
         loading.check_token_ids(eval_ids, rows, tokenizer=tokenizer)
@@ -355,7 +383,15 @@ def load_data(settings: HealSettings, source: Path, *, num_processes: int) -> He
                 f"{s.eval_tokens}), fewer than one window of {s.eval_context}; give a longer --eval-text or "
                 "lower --eval-tokens / --eval-context"
             )
-    return HealData(train_corpus, int(train_ids.numel()), chunks, eval_corpus, eval_ids)
+    train_tokens = sum(int(ids.numel()) for ids in part_ids)
+    return HealData(train_corpus, train_tokens, chunks, eval_corpus, eval_ids, stream)
+
+
+def equal_shares(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Chunks of several corpora (each (N_i, L)) -> (P x max N_i, L): each corpus's chunks repeated in turn
+    up to the largest one's count, so that every corpus gives an equal share of the training stream."""
+    most = max(len(p) for p in parts)
+    return torch.cat([p[torch.arange(most) % len(p)] for p in parts])  # (P * most, L)
 
 
 def make_recipe(
@@ -386,7 +422,7 @@ def make_recipe(
         schedule=resolve_schedule(s.schedule, total_steps),
         total_steps=total_steps,
         max_grad_norm=s.max_grad_norm or None,
-        train_sha256=data.train_corpus.sha256,
+        train_sha256=data.train_sha256,
         source_hash=source_hash,
         teacher_hash=teacher_hash,
         distill_temperature=_default(s.distill_temperature, DEFAULT_DISTILL_TEMPERATURE) if teacher else None,

@@ -111,8 +111,8 @@ def heal(settings: HealSettings, *, progress: bool = True) -> dict:
     """
     from accelerate.utils import set_seed
 
-    s = settings
-    output, state_dir, source, extras = _check_inputs(s)
+    output, state_dir, source, extras = _check_inputs(settings)
+    s = settings.with_defaults(loading.read_config(source))  # what was left out, for this checkpoint
     accelerator = make_accelerator(s.autocast_dtype, s.grad_accum, s.device)
     main = accelerator.is_main_process
     set_seed(s.seed)

@@ -24,6 +24,31 @@ CLOCKS = ("wall", "cpu")  # what --max-minutes counts: wall-clock or process CPU
 PRECISIONS = {"float32": "no", "bfloat16": "bf16", "float16": "fp16"}  # --autocast-dtype -> mixed_precision
 DEFAULT_TRAIN_CORPUS = "mix"  # the five non-eval novels and five documentation sections (docs/healing.md)
 DEFAULT_LR = 3e-5  # with DEFAULT_TRAIN_CORPUS: improves refined MQA and MLA on both evaluation texts
+
+
+@dataclass(frozen=True)
+class StepDefaults:
+    """What `hf-attn heal` trains, on what length, at what rate, when --trainable, --seq-len and --lr are
+    left out: chosen per kind of checkpoint (`checkpoint_kind`), measured in docs/research/distillation.md."""
+
+    trainable: str
+    seq_len: int
+    lr: float
+
+
+STEP_DEFAULTS = {
+    # a per-head llama_mla conversion: its attention alone, on the evaluation's 1,024-token window, at half
+    # the rate, repaired more on both texts at 1.75, 5 and 10 CPU-minutes (MLA 50% and 30%)
+    "mla-per-head": StepDefaults("attention", 1024, 1.5e-5),
+    # everything else (GQA/MQA, the DeepSeek layout, its export, an unconverted model, LoRA)
+    "other": StepDefaults("all", 512, DEFAULT_LR),
+}
+
+
+def checkpoint_kind(config: dict) -> str:
+    """The key of `STEP_DEFAULTS` for a checkpoint's config.json."""
+    per_head = config.get("model_type") == "llama_mla" and config.get("rope_layout", "per_head") == "per_head"
+    return "mla-per-head" if per_head else "other"
 DEFAULT_MAX_STEPS = 100  # when no budget is given: a short control run (100 steps of --seq-len tokens)
 # Distillation (--teacher): the one home of its defaults, measured in docs/healing.md ("With a teacher").
 DEFAULT_TEACHER = "none"

@@ -176,6 +176,13 @@ def calibration_corpus_files(name: str) -> list[Path]:
     return novels + (python_docs_calibration_files() if name != "austen" else [])
 
 
+def corpus_parts(name: str) -> list[list[Path]]:
+    """The corpora a named corpus is made of, as file lists: healing draws equal token shares of each
+    (`mix`: the novels and the documentation sections; `austen`, `python-docs`: one part)."""
+    parts = ("austen", "python-docs") if name == "mix" else (name,)
+    return [calibration_corpus_files(part) for part in parts]
+
+
 def embedded_eval_files(*, fetch: bool = True) -> list[Path]:
     """Every embedded evaluation text: *Persuasion* and the Python FAQ (the latter only if already fetched,
     unless `fetch`)."""
