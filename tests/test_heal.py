@@ -259,14 +259,17 @@ def test_trainable_attention_leaves_every_other_parameter_bit_identical(kind, ti
 
 def test_left_out_step_settings_follow_the_checkpoint():
     """--trainable, --seq-len and --lr left out: a per-head llama_mla heals its attention alone on 1,024-token
-    chunks at 1.5e-5, every other checkpoint (and LoRA) all parameters on 512 at 3e-5 (docs/healing.md);
-    a value given is kept."""
+    chunks at 1.5e-5, the DeepSeek layout (and its export) all parameters on 1,024 at 3e-5, every other
+    checkpoint (and LoRA) all parameters on 512 at 3e-5 (docs/healing.md); a value given is kept."""
     left_out = HealSettings(output="o")
     per_head = {"model_type": "llama_mla", "rope_layout": "per_head"}
     chosen = left_out.with_defaults(per_head)
     assert (chosen.trainable, chosen.seq_len, chosen.lr) == ("attention", 1024, 1.5e-5)
-    for config in ({"model_type": "llama_mla", "rope_layout": "shared"}, {"model_type": "deepseek_v3"},
-                   {"model_type": "llama"}, {"model_type": "qwen2"}):  # fmt: skip
+    assert left_out.with_defaults({"model_type": "llama_mla"}).trainable == "attention"  # per_head by default
+    for config in ({"model_type": "llama_mla", "rope_layout": "shared"}, {"model_type": "deepseek_v3"}):
+        chosen = left_out.with_defaults(config)
+        assert (chosen.trainable, chosen.seq_len, chosen.lr) == ("all", 1024, 3e-5), config
+    for config in ({"model_type": "llama"}, {"model_type": "qwen2"}, {"model_type": "mistral"}):
         chosen = left_out.with_defaults(config)
         assert (chosen.trainable, chosen.seq_len, chosen.lr) == ("all", 512, 3e-5), config
     lora = HealSettings(output="o", lora_rank=4).with_defaults(per_head)

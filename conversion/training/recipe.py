@@ -37,18 +37,22 @@ class StepDefaults:
 
 
 STEP_DEFAULTS = {
-    # a per-head llama_mla conversion: its attention alone, on the evaluation's 1,024-token window, at half
-    # the rate, repaired more on both texts at 1.75, 5 and 10 CPU-minutes (MLA 50% and 30%)
+    # MLA keeps a few RoPE pairs, so positions past 512 matter to it: both layouts heal on the evaluation's
+    # 1,024-token window. A per-head conversion heals its attention alone at half the rate, which repaired
+    # more on both texts at 1.75, 5 and 10 CPU-minutes (MLA 50% and 30%); the DeepSeek layout (and its
+    # export) every parameter at the general rate, which repaired more there.
     "mla-per-head": StepDefaults("attention", 1024, 1.5e-5),
-    # everything else (GQA/MQA, the DeepSeek layout, its export, an unconverted model, LoRA)
+    "mla-deepseek": StepDefaults("all", 1024, DEFAULT_LR),
+    # everything else: GQA/MQA (every RoPE pair kept), an unconverted model, any LoRA run
     "other": StepDefaults("all", 512, DEFAULT_LR),
 }
 
 
 def checkpoint_kind(config: dict) -> str:
     """The key of `STEP_DEFAULTS` for a checkpoint's config.json."""
-    per_head = config.get("model_type") == "llama_mla" and config.get("rope_layout", "per_head") == "per_head"
-    return "mla-per-head" if per_head else "other"
+    if config.get("model_type") == "llama_mla":
+        return "mla-per-head" if config.get("rope_layout", "per_head") == "per_head" else "mla-deepseek"
+    return "mla-deepseek" if config.get("model_type") == "deepseek_v3" else "other"
 DEFAULT_MAX_STEPS = 100  # when no budget is given: a short control run (100 steps of --seq-len tokens)
 # Distillation (--teacher): the one home of its defaults, measured in docs/healing.md ("With a teacher").
 DEFAULT_TEACHER = "none"
