@@ -259,8 +259,9 @@ def test_trainable_attention_leaves_every_other_parameter_bit_identical(kind, ti
 
 def test_left_out_step_settings_follow_the_checkpoint():
     """--trainable, --seq-len and --lr left out: a per-head llama_mla heals its attention alone on 1,024-token
-    chunks at 1.5e-5, the DeepSeek layout (and its export) all parameters on 1,024 at 3e-5, every other
-    checkpoint (and LoRA) all parameters on 512 at 3e-5 (docs/healing.md); a value given is kept."""
+    chunks at 1.5e-5, the DeepSeek layout (and its export) all parameters on 1,024 at 3e-5, pooled GQA/MQA
+    all on 512 at 1e-4, every other checkpoint (and LoRA) all on 512 at 3e-5 (docs/healing.md); a value given
+    is kept."""
     left_out = HealSettings(output="o")
     per_head = {"model_type": "llama_mla", "rope_layout": "per_head"}
     chosen = left_out.with_defaults(per_head)
@@ -269,9 +270,14 @@ def test_left_out_step_settings_follow_the_checkpoint():
     for config in ({"model_type": "llama_mla", "rope_layout": "shared"}, {"model_type": "deepseek_v3"}):
         chosen = left_out.with_defaults(config)
         assert (chosen.trainable, chosen.seq_len, chosen.lr) == ("all", 1024, 3e-5), config
-    for config in ({"model_type": "llama"}, {"model_type": "qwen2"}, {"model_type": "mistral"}):
-        chosen = left_out.with_defaults(config)
-        assert (chosen.trainable, chosen.seq_len, chosen.lr) == ("all", 512, 3e-5), config
+    pooled = {"hf_attn": {"history": [{"kind": "gqa"}, {"kind": "refine"}, {"kind": "heal"}]}}
+    for model_type in ("llama", "qwen2", "mistral"):
+        chosen = left_out.with_defaults({"model_type": model_type, **pooled})
+        assert (chosen.trainable, chosen.seq_len, chosen.lr) == ("all", 512, 1e-4), model_type
+        expanded = {"model_type": model_type, "hf_attn": {"history": [{"kind": "expand"}]}}
+        for config in ({"model_type": model_type}, expanded):  # unconverted, or an exact expansion
+            chosen = left_out.with_defaults(config)
+            assert (chosen.trainable, chosen.seq_len, chosen.lr) == ("all", 512, 3e-5), config
     lora = HealSettings(output="o", lora_rank=4).with_defaults(per_head)
     assert (lora.trainable, lora.seq_len, lora.lr) == ("all", 512, 3e-5)
     given = HealSettings(output="o", trainable="all", seq_len=64, lr=1e-3).with_defaults(per_head)

@@ -25,7 +25,6 @@ from hf_attn.conversion.training.recipe import (
     CLOCKS,
     DEFAULT_DISTILL_TEMPERATURE,
     DEFAULT_DISTILL_WEIGHT,
-    DEFAULT_LR,
     DEFAULT_MAX_STEPS,
     DEFAULT_TEACHER,
     DEFAULT_TRAIN_CORPUS,
@@ -48,6 +47,7 @@ from hf_attn.tooling.errors import check_seed
 from hf_attn.tooling.files import sha256_file
 from hf_attn.tooling.perplexity import check_window
 
+BY_CHECKPOINT = "docs/healing.md: Defaults by checkpoint"  # --trainable, --seq-len and --lr when left out
 MIN_PARAGRAPH_CHARS = 200  # shorter shared passages (chapter titles, "by Jane Austen") are not overlap
 
 
@@ -203,13 +203,12 @@ class HealSettings:
         "what --max-minutes counts: wall (default) or cpu (process CPU time: fair on a shared machine)",
         choices=CLOCKS,
     )
-    seq_len: int | None = setting(None, "tokens per chunk (default: by the checkpoint, docs/healing.md)")
+    seq_len: int | None = setting(None, f"tokens per chunk (default: by the checkpoint, {BY_CHECKPOINT})")
     batch_size: int = setting(1, "chunks per process per micro-step")
     grad_accum: int = setting(1)
     lr: float | None = setting(
         None,
-        f"peak learning rate of every tensor (default: by the checkpoint: {DEFAULT_LR} or "
-        f"{STEP_DEFAULTS['mla-per-head'].lr} for a per-head llama_mla, docs/healing.md)",
+        f"peak learning rate of every tensor (default: by the checkpoint, {BY_CHECKPOINT})",
         exclusive="learning rate",
     )
     relative_lr: float | None = setting(
@@ -226,8 +225,7 @@ class HealSettings:
     max_grad_norm: float | None = setting(1.0, "0 disables clipping")
     trainable: str | None = setting(
         None,
-        "all, or attention: only *.self_attn.* parameters (default: by the checkpoint: attention for a "
-        "per-head llama_mla, else all; docs/healing.md)",
+        f"all, or attention: only *.self_attn.* parameters (default: by the checkpoint, {BY_CHECKPOINT})",
         choices=TRAINABLE,
     )
     teacher: str = setting(
