@@ -9,7 +9,6 @@ import textwrap
 from pathlib import Path
 
 from hf_attn.conversion.specs import DEFAULT_CORPUS as CALIBRATION_CORPUS
-from hf_attn.conversion.training.recipe import STEP_DEFAULTS
 from hf_attn.eval.study_config import Settings
 from hf_attn.tooling.assets import CORPUS_TEXTS
 from hf_attn.tooling.errors import UserError
@@ -30,19 +29,14 @@ SECOND_AT = COLUMNS.index("Perplexity") + 1  # ... right after the Persuasion pe
 TOLERANCE = 1.25  # the cross-domain check: FAQ ratio <= TOLERANCE x Persuasion ratio (`check_row`)
 
 
-
 def heal_steps(settings: dict) -> str:
-    """What healing trained, on how long a sequence, at what rate: the profile's values, and for those it
-    leaves out `hf-attn heal`'s defaults for each checkpoint (`STEP_DEFAULTS`)."""
+    """What healing trained, on how long a sequence, at what rate: the profile's values, or heal's own."""
     names = {"heal_trainable": "trainable", "heal_seq_len": "seq_len", "heal_lr": "lr"}
     given = [f"{names[k]} {settings[k]}" for k in names if settings.get(k) is not None]
     left = [name for k, name in names.items() if settings.get(k) is None]
-    if not left:
-        return ", ".join(given)
-    per_kind = "; ".join(
-        f"{kind}: " + ", ".join(str(getattr(d, name)) for name in left) for kind, d in STEP_DEFAULTS.items()
-    )
-    return ", ".join([*given, f"{' / '.join(left)} by checkpoint ({per_kind})"])
+    by_checkpoint = [f"{' / '.join(left)}: `hf-attn heal`'s defaults for each checkpoint"] if left else []
+    return ", ".join(given + by_checkpoint)
+
 
 def _cells(row: dict, second: bool) -> list[str]:
     healed = "yes" if row["healed"] else "no"

@@ -20,7 +20,6 @@ from hf_attn.conversion.specs import (
     ExpandSpec,
     GQASpec,
 )
-from hf_attn.conversion.training.recipe import TRAINABLE
 from hf_attn.tooling import assets
 from hf_attn.tooling.errors import UserError, check_number, one_line, user_input
 
@@ -115,10 +114,6 @@ def check_settings(settings: Settings, where: str) -> None:
         else:
             zero = f.name in _MAY_BE_ZERO
             check_number(f"{f.name} in {where}", value, inclusive=zero, integer=kind == "int")
-    if settings.heal_trainable not in (None, *TRAINABLE):
-        raise UserError(
-            f"unknown heal_trainable {settings.heal_trainable!r} in {where}; choose one of {list(TRAINABLE)}"
-        )
     if settings.heal_corpus not in assets.CORPORA:
         raise UserError(
             f"unknown heal_corpus {settings.heal_corpus!r} in {where}; choose one of {list(assets.CORPORA)}"

@@ -41,7 +41,7 @@ from hf_attn.conversion.training.recipe import (
 )
 from hf_attn.tooling import assets, loading
 from hf_attn.tooling.cli import check_choices, setting
-from hf_attn.tooling.corpus import Corpus, load_corpus, tokenize
+from hf_attn.tooling.corpus import SEPARATOR, Corpus, load_corpus, tokenize
 from hf_attn.tooling.devices import DEFAULT_DEVICE, DEVICE_HELP, DEVICES, resolve_device
 from hf_attn.tooling.errors import check_seed
 from hf_attn.tooling.files import sha256_file
@@ -350,21 +350,26 @@ def load_data(settings: HealSettings, source: Path, *, num_processes: int) -> He
     overlap (`check_disjoint`)."""
     s = settings
     corpus = s.train_corpus or (None if s.train_text or s.dataset else DEFAULT_TRAIN_CORPUS)
-    files = assets.calibration_corpus_files(corpus) if corpus else s.train_text
-    train_corpus, train_files = load_train_corpus(
-        files,
-        dataset=s.dataset,
-        dataset_config=s.dataset_config,
-        split=s.dataset_split,
-        text_column=s.text_column,
-    )
+    part_files = assets.corpus_parts(corpus) if corpus else [s.train_text]
+    if len(part_files) > 1:  # the corpora of `mix`, each read once; the training text is their join
+        parts = [load_corpus(files) for files in part_files]
+        train_files = [f for files in part_files for f in files]
+        names = "+".join(f.name for f in train_files)
+        train_corpus = Corpus.from_text(SEPARATOR.join(part.text for part in parts), names)
+    else:
+        train_corpus, train_files = load_train_corpus(
+            part_files[0],
+            dataset=s.dataset,
+            dataset_config=s.dataset_config,
+            split=s.dataset_split,
+            text_column=s.text_column,
+        )
+        parts = [train_corpus]
     eval_corpus, eval_files = load_eval_corpus(s.eval_text)
     check_disjoint(train_corpus, train_files, eval_corpus, eval_files)
     check_not_embedded_eval(train_corpus, train_files)
     tokenizer = loading.load_tokenizer(source)
     rows = loading.vocab_size(loading.load_config(source))
-    part_files = assets.corpus_parts(corpus) if corpus else []
-    parts = [load_corpus(f) for f in part_files] if len(part_files) > 1 else [train_corpus]
     part_ids = [tokenize(tokenizer, part) for part in parts]
     for ids in part_ids:
         loading.check_token_ids(ids, rows, tokenizer=tokenizer)

@@ -24,6 +24,17 @@ CLOCKS = ("wall", "cpu")  # what --max-minutes counts: wall-clock or process CPU
 PRECISIONS = {"float32": "no", "bfloat16": "bf16", "float16": "fp16"}  # --autocast-dtype -> mixed_precision
 DEFAULT_TRAIN_CORPUS = "mix"  # the five non-eval novels and five documentation sections (docs/healing.md)
 DEFAULT_LR = 3e-5  # with DEFAULT_TRAIN_CORPUS: improves refined MQA and MLA on both evaluation texts
+DEFAULT_MAX_STEPS = 100  # when no budget is given: a short control run (100 steps of --seq-len tokens)
+# Distillation (--teacher): the one home of its defaults, measured in docs/healing.md ("With a teacher").
+DEFAULT_TEACHER = "none"
+DEFAULT_DISTILL_WEIGHT = 0.5  # w in w x KL + (1 - w) x next-token cross-entropy
+DEFAULT_DISTILL_TEMPERATURE = 1.0
+MIN_LR_RATIO = 0.1  # cosine decays to this fraction of the peak
+ATTENTION_MARKER = ".self_attn."
+STATE_FILE = "trainer_state.pt"
+LOG_FILE = "log.jsonl"
+_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+FSDP_CONFIG = Path(__file__).parent / "heal_fsdp.yaml"  # accelerate launch --config_file FSDP_CONFIG ...
 
 
 @dataclass(frozen=True)
@@ -60,17 +71,6 @@ def checkpoint_kind(config: dict) -> str:
         return "mla-deepseek"
     history = (config.get("hf_attn") or {}).get("history") or []
     return "gqa" if any(record.get("kind") == "gqa" for record in history) else "other"
-DEFAULT_MAX_STEPS = 100  # when no budget is given: a short control run (100 steps of --seq-len tokens)
-# Distillation (--teacher): the one home of its defaults, measured in docs/healing.md ("With a teacher").
-DEFAULT_TEACHER = "none"
-DEFAULT_DISTILL_WEIGHT = 0.5  # w in w x KL + (1 - w) x next-token cross-entropy
-DEFAULT_DISTILL_TEMPERATURE = 1.0
-MIN_LR_RATIO = 0.1  # cosine decays to this fraction of the peak
-ATTENTION_MARKER = ".self_attn."
-STATE_FILE = "trainer_state.pt"
-LOG_FILE = "log.jsonl"
-_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
-FSDP_CONFIG = Path(__file__).parent / "heal_fsdp.yaml"  # accelerate launch --config_file FSDP_CONFIG ...
 
 
 @dataclass(frozen=True)
