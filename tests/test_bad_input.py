@@ -85,7 +85,7 @@ def ws(tmp_path_factory):
     (root / "notes.toml").write_text("[default\nnot toml")
     good = study.DEFAULT_CONFIG.read_text()
     (root / "negative.toml").write_text(good.replace("eval_tokens = 8192", "eval_tokens = -1", 1))
-    (root / "nan.toml").write_text(good.replace("heal_minutes = 1.5", "heal_minutes = nan", 1))
+    (root / "nan.toml").write_text(good.replace("heal_minutes = 1.0", "heal_minutes = nan", 1))
     (root / "nokind.toml").write_text(good + '\n[[variants]]\nname = "x"\n')
     return root
 
