@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -30,7 +31,8 @@ from hf_attn.tooling import assets, files
 G = convert_cli.gqa_main
 T, C = "{ws}/tiny", "{ws}/converted"
 MEAN = ["--num-kv-heads", "1", "--method", "mean", "--refine-steps", "0"]  # the quickest conversion
-STUDY_HEADER = study.DEFAULT_CONFIG.read_text().split("[[variants]]", 1)[0]
+# the profiles' settings without their lists of variants (each file below runs every variant it has)
+STUDY_HEADER = re.sub(r"(?m)^variants = .*$", "", study.DEFAULT_CONFIG.read_text().split("[[variants]]", 1)[0])
 FIRST = '[[variants]]\nname = "first"\nkind = "source"\n\n'  # a good variant that would run first
 BAD_VARIANTS = {  # a study config per bad variant, each after FIRST
     "escape": 'name = "../../escape"\nkind = "gqa"\nnum_kv_heads = 1',
