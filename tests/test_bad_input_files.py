@@ -32,7 +32,7 @@ G = convert_cli.gqa_main
 T, C = "{ws}/tiny", "{ws}/converted"
 MEAN = ["--num-kv-heads", "1", "--method", "mean", "--refine-steps", "0"]  # the quickest conversion
 # the profiles' settings without their lists of variants (each file below runs every variant it has)
-STUDY_HEADER = re.sub(r"(?m)^variants = .*$", "", study.DEFAULT_CONFIG.read_text().split("[[variants]]", 1)[0])
+STUDY_HEADER = re.sub(r"(?m)^variants = .*$", "", study.DEFAULT_CONFIG.read_text().split("[[variants]]")[0])
 FIRST = '[[variants]]\nname = "first"\nkind = "source"\n\n'  # a good variant that would run first
 BAD_VARIANTS = {  # a study config per bad variant, each after FIRST
     "escape": 'name = "../../escape"\nkind = "gqa"\nnum_kv_heads = 1',
